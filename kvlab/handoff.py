@@ -1,0 +1,461 @@
+"""The prefill→decode handoff experiment (seed 004, reproduced and extended).
+
+For each context length and each destination, three ways to reach the first decode step:
+
+    colocated   prefill and decode on the prefill device (the baseline)
+    bulk        prefill, then one copy of the whole cache to the destination, then decode there
+    layerwise   prefill with a hook per layer that sends the layer's K and V as soon as they are final
+
+What is measured (all CUDA events on a GPU, perf_counter on a CPU):
+    prefill       colocated prefill alone (start → logits ready)
+    copy          the bulk copy alone, from a cache that is already built (one copy of the contiguous
+                  buffer), and copy_tensor: the same bytes as 2 × layers copies, seed 004's method
+    copy_layer    one layer's K and V alone (the unit the layer-wise goal is measured against)
+    wall          layer-wise: start → max(prefill done, last layer landed)
+    exposed       layer-wise: last layer landed − prefill done (what layer-wise adds to TTFT;
+                  negative when the copies finished before prefill's final kernels)
+    hook_host     host time spent inside the hooks, summed over layers
+    decode_step   one decode step from the cache on the decode device
+Colocated and layer-wise prefills are interleaved (A B A B …) so drift cancels in the difference.
+
+Correctness: for every method and destination the destination is poisoned (NaN) first, the cache is
+moved, 20 greedy tokens are decoded from it, and tokens and logits are compared with the colocated
+decode bit for bit.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import asdict, dataclass, field
+
+import pandas as pd
+import torch
+
+from .hooks import LayerHooks
+from .kvcache import KVBuffer, KVLayout, layout_for
+from .transfer import Destination, Transport
+
+__all__ = ["HandoffConfig", "run_handoff", "check_request", "prefill", "decode", "make_prompt",
+           "correctness_check", "summarize", "CEILING_PATH"]
+
+# which kvlab.ceilings path bounds each destination kind
+CEILING_PATH = {"device": "d2d_same", "pinned": "d2h_pinned", "pageable": "d2h_pageable", "peer": "d2d_peer"}
+
+
+@dataclass
+class HandoffConfig:
+    """Parameters of one handoff run. contexts in tokens; repeats ≥ 9 for published numbers."""
+
+    contexts: list = field(default_factory=lambda: [1024, 4096, 16384, 32768])
+    destinations: list = field(default_factory=lambda: ["same-gpu", "pinned", "pageable"])
+    repeats: int = 9
+    warmup: int = 2
+    decode_tokens: int = 20
+    interleave_short: int = 30      # A/B rounds at contexts ≤ short_context (host-bound regime)
+    short_context: int = 1024
+    seed: int = 0
+    ranges: bool = False            # trace ranges in the hooks (off for timing)
+
+
+# ---------------------------------------------------------------------------------------------------
+# validation
+
+
+def check_request(model, contexts, destinations, device, n_gpu_buffers: int | None = None) -> list:
+    """Refuse, before allocating, contexts the model cannot take or the device cannot hold.
+
+    Returns the parsed destinations. Memory estimate per context: the source KV buffer, one buffer per
+    GPU destination, one decode-side copy for host destinations, activations of the widest layer
+    (≈ tokens × (3·intermediate + 8·hidden) elements) — against the device's free memory.
+    """
+    device = torch.device(device)
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    max_pos = getattr(cfg, "max_position_embeddings", None)
+    if not contexts:
+        raise ValueError("contexts is empty: give at least one prompt length in tokens")
+    for c in contexts:
+        if not isinstance(c, int) or c < 2:
+            raise ValueError(f"context {c!r} is not valid: give an int ≥ 2 (tokens)")
+        if max_pos is not None and c > max_pos:
+            raise ValueError(f"context {c} exceeds the model's max positions ({max_pos}); valid: 2…{max_pos}")
+    dests = [Destination.parse(d, device) for d in destinations]
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        elem = torch.empty((), dtype=model.dtype).element_size()
+        gpu_dests = sum(d.kind == "device" for d in dests)
+        host_dests = sum(d.kind in ("pinned", "pageable") for d in dests)
+        for c in contexts:
+            kv = layout_for(model, c).nbytes
+            acts = c * (3 * cfg.intermediate_size + 8 * cfg.hidden_size) * elem
+            need = kv * (1 + gpu_dests + (1 if host_dests else 0)) + acts
+            if need > 0.9 * free:
+                raise ValueError(
+                    f"context {c} needs about {need / 2**30:.1f} GiB on {device} (KV {kv / 2**30:.2f} GiB × "
+                    f"{1 + gpu_dests + bool(host_dests)} buffers + activations), but {free / 2**30:.1f} GiB is free: "
+                    f"use a shorter context or fewer GPU destinations")
+    return dests
+
+
+# ---------------------------------------------------------------------------------------------------
+# the model steps
+
+
+def make_prompt(vocab_size: int, tokens: int, device, seed: int = 0) -> torch.Tensor:
+    """Random prompt ids [1, tokens] (int64) from a seeded generator (timing does not depend on content)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (1, tokens), generator=g).to(device)
+
+
+def cache_kw(model) -> str:
+    """The forward() keyword for the cache: transformers ≥ 5.2x renamed past_key_values to cache."""
+    import inspect
+
+    name = getattr(model, "_kvlab_cache_kw", None)
+    if name is None:
+        params = inspect.signature(model.forward).parameters
+        name = "cache" if "cache" in params else "past_key_values"
+        model._kvlab_cache_kw = name
+    return name
+
+
+@torch.inference_mode()
+def prefill(model, input_ids: torch.Tensor, buffer: KVBuffer) -> torch.Tensor:
+    """Run prefill writing K and V straight into `buffer`; returns the last position's logits [1, vocab]."""
+    cache = buffer.as_hf_cache(filled=False)
+    out = model(input_ids=input_ids, **{cache_kw(model): cache}, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1]
+
+
+@torch.inference_mode()
+def decode(model, buffer: KVBuffer, first_token: torch.Tensor, steps: int):
+    """Greedy decode `steps` tokens from a filled buffer (which is not modified).
+
+    first_token: [1] int64, the token prefill chose. Returns (tokens [steps] int64, logits [steps, vocab] fp32).
+    """
+    cache = buffer.as_hf_cache(filled=True)
+    tok = first_token.view(1, 1)
+    toks, logits = [], []
+    for _ in range(steps):
+        out = model(input_ids=tok, **{cache_kw(model): cache}, use_cache=True)
+        step = out.logits[:, -1].float()
+        tok = step.argmax(-1, keepdim=True)
+        toks.append(tok.view(1))
+        logits.append(step)
+    return torch.cat(toks), torch.cat(logits)
+
+
+def correctness_check(ref_tokens, ref_logits, tokens, logits, poison_left: int) -> dict:
+    """Compare a decode from a moved cache with the colocated decode: exact equality is the bar."""
+    same_tokens = bool(torch.equal(ref_tokens.cpu(), tokens.cpu()))
+    diff = (ref_logits.cpu() - logits.cpu()).abs()
+    max_diff = float(diff.nan_to_num(float("inf")).max()) if diff.numel() else 0.0
+    return {"tokens_match": same_tokens, "logits_equal": bool(torch.equal(ref_logits.cpu(), logits.cpu())),
+            "logits_max_abs_diff": max_diff, "poison_left": int(poison_left)}
+
+
+class _Clock:
+    """Marks on a stream: CUDA events on a GPU, perf_counter on a CPU. ms(a, b) after sync()."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.t = {}
+
+    def mark(self, name, stream=None, event=None):
+        if self.cuda:
+            if event is None:
+                event = torch.cuda.Event(enable_timing=True)
+                event.record(stream)
+            self.t[name] = event
+        else:
+            self.t[name] = time.perf_counter_ns()
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def ms(self, a, b) -> float:
+        if self.cuda:
+            return self.t[a].elapsed_time(self.t[b])
+        return (self.t[b] - self.t[a]) / 1e6
+
+
+# ---------------------------------------------------------------------------------------------------
+# the experiment
+
+
+def run_handoff(model, cfg: HandoffConfig, device=None, progress=None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Run the handoff experiment. Returns (timings, checks), both tidy.
+
+    timings: context, kv_bytes, destination, method, measure, repeat, ms
+    checks:  context, destination, method, tokens_match, logits_equal, logits_max_abs_diff, poison_left
+    progress: optional callable(str) for status lines (the notebook passes a tqdm write).
+    """
+    device = torch.device(device if device is not None else next(model.parameters()).device)
+    dests = check_request(model, cfg.contexts, cfg.destinations, device)
+    if cfg.repeats < 1:
+        raise ValueError(f"repeats must be ≥ 1 (≥ 9 for published numbers), got {cfg.repeats}")
+    say = progress or (lambda s: None)
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    rows, checks = [], []
+    timing_events = device.type == "cuda"
+
+    def ev():
+        return torch.cuda.Event(enable_timing=True) if timing_events else None
+
+    for context in cfg.contexts:
+        layout = layout_for(model, context)
+        ids = make_prompt(vocab, context, device, cfg.seed)
+        src = KVBuffer(layout, device=device)
+        base = dict(context=context, kv_bytes=layout.nbytes)
+
+        def add(dest, method, measure, repeat, ms):
+            rows.append(dict(base, destination=dest, method=method, measure=measure, repeat=repeat, ms=float(ms)))
+
+        # -- colocated reference: prefill into a poisoned buffer, decode from it
+        src.poison()
+        logits0 = prefill(model, ids, src)
+        first = logits0.argmax(-1)
+        ref_tokens, ref_logits = decode(model, src, first, cfg.decode_tokens)
+        checks.append(dict(context=context, destination="colocated", method="colocated",
+                           **correctness_check(ref_tokens, ref_logits, ref_tokens, ref_logits, src.count_poison())))
+        say(f"{context} tokens: colocated reference decoded")
+
+        for i in range(cfg.repeats + cfg.warmup):
+            ms = _time_decode_step(model, src, first, device)
+            if i >= cfg.warmup:
+                add("colocated", "colocated", "decode_step", i - cfg.warmup, ms)
+
+        for dest in dests:
+            label = dest.label
+            t_buf = Transport(layout, dest, device, granularity="buffer")
+            # -- bulk: correctness
+            t_buf.poison()
+            src.poison()
+            prefill(model, ids, src)
+            landing = t_buf.send(src)
+            got = t_buf.receive(landing, device)
+            toks, lg = decode(model, got, first, cfg.decode_tokens)
+            checks.append(dict(context=context, destination=label, method="bulk",
+                               **correctness_check(ref_tokens, ref_logits, toks, lg, got.count_poison())))
+            for i in range(cfg.repeats + cfg.warmup):
+                ms = _time_decode_step(model, got, first, device)
+                if i >= cfg.warmup:
+                    add(label, "bulk", "decode_step", i - cfg.warmup, ms)
+            del got
+
+            # -- bulk copy alone, one copy; then seed 004's 2 × layers copies; then one layer alone
+            for measure, gran in (("copy", "buffer"), ("copy_tensor", "tensor")):
+                t = t_buf if gran == "buffer" else Transport(layout, dest, device, granularity=gran)
+                for i in range(cfg.repeats + cfg.warmup):
+                    ms = _time_copy(t, src, device)
+                    if i >= cfg.warmup:
+                        add(label, "bulk", measure, i - cfg.warmup, ms)
+                if t is not t_buf:
+                    del t
+            for i in range(cfg.repeats + cfg.warmup):
+                ms = _time_layer_copy(t_buf, src, 0, device)
+                if i >= cfg.warmup:
+                    add(label, "bulk", "copy_layer", i - cfg.warmup, ms)
+            say(f"{context} tokens → {label}: bulk checked and timed")
+
+            # -- layer-wise: correctness, then A/B interleaved with colocated prefill
+            sender = t_buf.layerwise(src)
+            hooks = LayerHooks(model, sender.on_layer, ranges=cfg.ranges, bytes_per_layer=layout.bytes_per_layer)
+            t_buf.poison()
+            src.poison()
+            with hooks:
+                sender.begin()
+                prefill(model, ids, src)
+                landing = sender.finish()
+            got = t_buf.receive(landing, device)
+            toks, lg = decode(model, got, first, cfg.decode_tokens)
+            checks.append(dict(context=context, destination=label, method="layerwise",
+                               **correctness_check(ref_tokens, ref_logits, toks, lg, got.count_poison())))
+            del got
+
+            rounds = cfg.interleave_short if context <= cfg.short_context else cfg.repeats
+            rounds = max(rounds, cfg.repeats)
+            for r in range(rounds + cfg.warmup):
+                a = _time_prefill(model, ids, src, device)
+                hooks.reset_counters()
+                with hooks:
+                    b = _time_layerwise(model, ids, src, sender, device)
+                if r >= cfg.warmup:
+                    k = r - cfg.warmup
+                    add(label, "colocated", "prefill", k, a)
+                    add(label, "layerwise", "wall", k, b["wall"])
+                    add(label, "layerwise", "prefill", k, b["prefill"])
+                    add(label, "layerwise", "exposed", k, b["exposed"])
+                    add(label, "layerwise", "hook_host", k, hooks.host_ns / 1e6)
+            say(f"{context} tokens → {label}: layer-wise checked and timed ({rounds} A/B rounds)")
+            del sender, hooks, t_buf
+            _free(device)
+        del src
+        _free(device)
+    return pd.DataFrame(rows), pd.DataFrame(checks)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_prefill(model, ids, src, device) -> float:
+    clock = _Clock(device)
+    _sync(device)
+    clock.mark("start")
+    prefill(model, ids, src)
+    clock.mark("end")
+    clock.sync()
+    return clock.ms("start", "end")
+
+
+def _time_layerwise(model, ids, src, sender, device) -> dict:
+    clock = _Clock(device)
+    _sync(device)
+    clock.mark("start")
+    sender.begin()
+    prefill(model, ids, src)
+    clock.mark("prefill_end")
+    landing = sender.finish()
+    landing.wait()
+    if clock.cuda:
+        clock.mark("copy_end", event=landing.done_event)
+    else:
+        clock.mark("copy_end")
+    clock.sync()
+    p = clock.ms("start", "prefill_end")
+    exposed = clock.ms("prefill_end", "copy_end")
+    return {"prefill": p, "exposed": exposed, "wall": p + max(exposed, 0.0)}
+
+
+def _time_copy(transport, src, device) -> float:
+    clock = _Clock(device)
+    _sync(device)
+    clock.mark("start", stream=transport.stream)
+    landing = transport.send(src)
+    landing.wait()
+    if clock.cuda:
+        clock.mark("end", event=landing.done_event)
+    else:
+        clock.mark("end")
+    clock.sync()
+    return clock.ms("start", "end")
+
+
+def _time_layer_copy(transport, src, layer, device) -> float:
+    clock = _Clock(device)
+    _sync(device)
+    dst = transport.buffer.data[layer]
+    if clock.cuda:
+        with torch.cuda.stream(transport.stream):
+            clock.mark("start", stream=transport.stream)
+            dst.copy_(src.data[layer], non_blocking=transport.dest.kind != "pageable")
+            clock.mark("end", stream=transport.stream)
+    else:
+        clock.mark("start")
+        dst.copy_(src.data[layer])
+        clock.mark("end")
+    clock.sync()
+    return clock.ms("start", "end")
+
+
+def _time_decode_step(model, buffer, first, device) -> float:
+    cache = buffer.as_hf_cache(filled=True)
+    clock = _Clock(device)
+    _sync(device)
+    clock.mark("start")
+    with torch.inference_mode():
+        model(input_ids=first.view(1, 1), **{cache_kw(model): cache}, use_cache=True)
+    clock.mark("end")
+    clock.sync()
+    return clock.ms("start", "end")
+
+
+def _free(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------
+# analysis (reads what run_handoff wrote; never measures)
+
+
+def _med(s):
+    return float(s.median())
+
+
+def summarize(timings: pd.DataFrame, ceilings: dict | None = None) -> pd.DataFrame:
+    """The seed-004 table, one row per (context, destination).
+
+    ceilings: {destination label: ceiling GB/s measured in the same run} (optional).
+    Columns: context, kv_mib, destination, prefill_ms, prefill_spread_ms, copy_ms, copy_min_ms, copy_max_ms,
+    copy_pct_prefill, copy_gbps, ceiling_gbps, copy_pct_ceiling, copy_tensor_ms, copy_layer_ms,
+    layerwise_extra_ms (median of paired B − A), layerwise_extra_pct, extra_min_ms, extra_max_ms,
+    exposed_ms, exposed_min_ms, exposed_max_ms, hook_host_ms, decode_step_ms.
+    """
+    out = []
+    for (context, dest), g in timings[timings.destination != "colocated"].groupby(["context", "destination"],
+                                                                               sort=False):
+        kv = int(g.kv_bytes.iloc[0])
+
+        def sel(method, measure):
+            return g[(g.method == method) & (g.measure == measure)].set_index("repeat").ms
+
+        pre = sel("colocated", "prefill")
+        copy = sel("bulk", "copy")
+        wall = sel("layerwise", "wall")
+        paired = (wall - pre).dropna()
+        exposed = sel("layerwise", "exposed")
+        prefill_ms = _med(pre)
+        copy_ms = _med(copy)
+        gbps = kv / (copy_ms / 1e3) / 1e9
+        ceil = (ceilings or {}).get(dest)
+        row = dict(
+            context=context, kv_mib=kv / 2**20, destination=dest,
+            prefill_ms=prefill_ms, prefill_spread_ms=float(pre.max() - pre.min()),
+            copy_ms=copy_ms, copy_min_ms=float(copy.min()), copy_max_ms=float(copy.max()),
+            copy_pct_prefill=100 * copy_ms / prefill_ms, copy_gbps=gbps,
+            ceiling_gbps=ceil, copy_pct_ceiling=(100 * gbps / ceil) if ceil else None,
+            copy_tensor_ms=_med(sel("bulk", "copy_tensor")), copy_layer_ms=_med(sel("bulk", "copy_layer")),
+            layerwise_extra_ms=_med(paired), extra_min_ms=float(paired.min()), extra_max_ms=float(paired.max()),
+            layerwise_extra_pct=100 * _med(paired) / prefill_ms,
+            exposed_ms=_med(exposed), exposed_min_ms=float(exposed.min()), exposed_max_ms=float(exposed.max()),
+            hook_host_ms=_med(sel("layerwise", "hook_host")),
+            decode_step_ms=_med(sel("bulk", "decode_step")),
+            rounds=len(paired),
+        )
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def goals(summary: pd.DataFrame) -> pd.DataFrame:
+    """Issue 3's goals, checked row by row: bulk ≥ 95 % of ceiling at the longest context; layer-wise
+    exposed ≤ one layer's send time and ≤ the bulk copy at ≥ 4k; hook host time ≤ 0.5 ms at the shortest."""
+    rows = []
+    longest, shortest = summary.context.max(), summary.context.min()
+    for r in summary.itertuples():
+        if r.context == longest and r.copy_pct_ceiling is not None and pd.notna(r.copy_pct_ceiling):
+            rows.append(dict(goal="bulk ≥ 95 % of ceiling", context=r.context, destination=r.destination,
+                             value=f"{r.copy_pct_ceiling:.1f} %", met=bool(r.copy_pct_ceiling >= 95)))
+        if r.context >= 4096:
+            exp = max(r.exposed_ms, 0.0)
+            rows.append(dict(goal="layer-wise exposed ≤ one layer's send", context=r.context,
+                             destination=r.destination, value=f"{exp:.2f} vs {r.copy_layer_ms:.2f} ms",
+                             met=bool(exp <= r.copy_layer_ms)))
+            rows.append(dict(goal="layer-wise never worse than bulk", context=r.context, destination=r.destination,
+                             value=f"{r.layerwise_extra_ms:.2f} vs {r.copy_ms:.2f} ms",
+                             met=bool(r.layerwise_extra_ms <= r.copy_ms)))
+        if r.context == shortest:
+            rows.append(dict(goal="hook host time ≤ 0.5 ms", context=r.context, destination=r.destination,
+                             value=f"{r.hook_host_ms:.3f} ms", met=bool(r.hook_host_ms <= 0.5)))
+            rows.append(dict(goal="layer-wise extra ≤ 0.5 ms (interleaved)", context=r.context,
+                             destination=r.destination, value=f"{r.layerwise_extra_ms:.3f} ms over {r.rounds} rounds",
+                             met=bool(r.layerwise_extra_ms <= 0.5)))
+    return pd.DataFrame(rows)
+
+
+def config_dict(cfg: HandoffConfig) -> dict:
+    return asdict(cfg)

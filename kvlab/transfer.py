@@ -1,0 +1,364 @@
+"""Transports: move a KV cache from the prefill device to a destination, in bulk or layer by layer.
+
+One interface, many links. A Transport owns its destination buffer (allocated once, poisoned on
+request) and a copy stream on the source GPU, so no allocation and no host synchronisation happen
+while prefill runs. Destinations:
+
+    "same-gpu"    a second buffer on the prefill GPU (device→device)
+    "cuda:N"      another GPU (peer copy over NVLink / PCIe)
+    "pinned"      page-locked host memory: the copy engine at PCIe speed, a stand-in for a ~400 Gb/s NIC
+    "pageable"    ordinary host memory: the driver stages it through its own pinned buffers, a slow link
+
+Granularity says how many copies one bulk send issues: "buffer" (one copy of the whole contiguous
+cache), "layer" (one per layer: K and V are adjacent) or "tensor" (K and V separately, 2 × layers
+copies — what a per-tensor DynamicCache forces, and what seed 004 measured).
+
+Completion semantics: every send returns a Landing, which records a CUDA event per layer on the
+copy stream. The receiver asks `landed(i)` / `all_landed()` or makes its stream wait on the events;
+decode never starts on a partly written cache (`receive` waits for every layer).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .kvcache import KVBuffer, KVLayout
+
+__all__ = ["Destination", "Landing", "Transport", "LayerwiseSend", "GRANULARITIES", "DESTINATIONS"]
+
+GRANULARITIES = ("buffer", "layer", "tensor")
+DESTINATIONS = ("same-gpu", "cuda:N", "pinned", "pageable")
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where the bytes land. kind: "device" (same GPU), "peer", "pinned" or "pageable"."""
+
+    kind: str
+    device: torch.device
+    label: str
+
+    @classmethod
+    def parse(cls, spec: "str | Destination", src_device: torch.device | str) -> "Destination":
+        """Turn "same-gpu" / "cuda:1" / "pinned" / "pageable" into a Destination, checking it exists."""
+        if isinstance(spec, Destination):
+            return spec
+        src = torch.device(src_device)
+        s = str(spec).strip().lower()
+        if s in ("same-gpu", "same-device", "same", "device"):
+            return cls("device", src, "same-gpu" if src.type == "cuda" else "same-device")
+        if s in ("pinned", "pinned-host", "host-pinned"):
+            if not torch.cuda.is_available():
+                raise ValueError("destination 'pinned' needs CUDA (page-locked memory is a CUDA feature); "
+                                 f"on this machine use one of ['same-device', 'pageable']")
+            return cls("pinned", torch.device("cpu"), "pinned-host")
+        if s in ("pageable", "pageable-host", "host", "cpu"):
+            return cls("pageable", torch.device("cpu"), "pageable-host")
+        if s.startswith("cuda"):
+            dev = torch.device(s)
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            index = 0 if dev.index is None else dev.index
+            if index >= count:
+                raise ValueError(f"destination {spec!r} does not exist: this machine has {count} CUDA device(s)"
+                                 + (f" (cuda:0 … cuda:{count - 1})" if count else ""))
+            dev = torch.device("cuda", index)
+            if src.type == "cuda" and dev == torch.device("cuda", src.index or 0):
+                return cls("device", dev, "same-gpu")
+            return cls("peer", dev, f"peer-{dev}")
+        raise ValueError(f"unknown destination {spec!r}; valid: 'same-gpu', 'cuda:N', 'pinned', 'pageable'")
+
+
+class Landing:
+    """Completion handle for one send: which layers have landed at the destination.
+
+    events[i] is a CUDA event recorded on the copy stream after layer i's bytes were copied (None on a
+    CPU-only machine, where copies are synchronous). A pageable layer-wise send also has a worker
+    thread; `wait()` joins it.
+    """
+
+    def __init__(self, layers: int, events: list | None = None, worker: "threading.Thread | None" = None):
+        self.layers = layers
+        self.events = events if events is not None else [None] * layers
+        self.worker = worker
+        self.landed_layers = 0 if worker is not None else layers  # updated by a worker as it goes
+
+    def landed(self, i: int) -> bool:
+        if self.worker is not None and i >= self.landed_layers:
+            return False
+        ev = self.events[i]
+        return True if ev is None else bool(ev.query())
+
+    def all_landed(self) -> bool:
+        return all(self.landed(i) for i in range(self.layers))
+
+    def wait(self) -> "Landing":
+        """Block the host until every layer has landed."""
+        if self.worker is not None:
+            self.worker.join()
+        for ev in self.events:
+            if ev is not None:
+                ev.synchronize()
+        return self
+
+    def stream_wait(self, stream) -> None:
+        """Make `stream` (on the destination side) wait for every layer, without a host sync."""
+        if self.worker is not None:
+            self.worker.join()
+        last = None
+        for ev in self.events:
+            if ev is not None and ev is not last:
+                stream.wait_event(ev)
+                last = ev
+
+    @property
+    def done_event(self):
+        """The event of the last layer (None on CPU)."""
+        return self.events[-1]
+
+
+class Transport:
+    """Move a contiguous KVBuffer to one destination.
+
+    layout: the cache's shape; dest: a destination spec (see module doc); src_device: the prefill device.
+    granularity: copies per bulk send ("buffer" | "layer" | "tensor").
+    The destination buffer is allocated here, once.
+    """
+
+    name = "copy"
+
+    def __init__(self, layout: KVLayout, dest: "str | Destination", src_device: torch.device | str,
+                 granularity: str = "buffer"):
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"unknown granularity {granularity!r}; valid: {list(GRANULARITIES)}")
+        self.layout = layout
+        self.src_device = torch.device(src_device)
+        self.dest = Destination.parse(dest, self.src_device)
+        self.granularity = granularity
+        self.cuda = self.src_device.type == "cuda"
+        if not self.cuda and self.dest.kind not in ("device", "pageable"):
+            raise ValueError(f"destination {self.dest.label!r} needs a CUDA source; the source is {self.src_device}")
+        self._check_capacity()
+        self.buffer = KVBuffer(layout, device=self.dest.device, pin_memory=self.dest.kind == "pinned")
+        self.stream = torch.cuda.Stream(device=self.src_device) if self.cuda else None
+        # the destination GPU's side of a peer copy gets its own stream, so the copy never
+        # synchronises with whatever runs on that GPU's default stream
+        self.dst_stream = torch.cuda.Stream(device=self.dest.device) if self.dest.kind == "peer" else None
+        n_events = layout.layers
+        # timing-enabled: handoff reads elapsed time up to the last layer's landing
+        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(n_events)] if self.cuda else None
+
+    @property
+    def label(self) -> str:
+        return self.dest.label
+
+    @property
+    def copies_per_send(self) -> int:
+        return {"buffer": 1, "layer": self.layout.layers, "tensor": 2 * self.layout.layers}[self.granularity]
+
+    def _check_capacity(self) -> None:
+        need = self.layout.nbytes
+        if self.dest.kind in ("device", "peer"):
+            free, _ = torch.cuda.mem_get_info(self.dest.device) if self.dest.device.type == "cuda" else (None, None)
+            if free is not None and need > free:
+                raise ValueError(f"destination {self.dest.label} needs {need / 2**30:.2f} GiB for the cache, "
+                                 f"but only {free / 2**30:.2f} GiB is free on {self.dest.device}")
+        else:
+            avail = _host_available_bytes()
+            if avail is not None and need > avail:
+                raise ValueError(f"destination {self.dest.label} needs {need / 2**30:.2f} GiB of host memory, "
+                                 f"but only {avail / 2**30:.2f} GiB is available")
+
+    def poison(self) -> None:
+        """NaN-fill the destination so an unwritten byte shows in the decode check."""
+        self.buffer.poison()
+
+    def _check_src(self, src: KVBuffer) -> None:
+        if src.layout != self.layout:
+            raise ValueError(f"source layout {src.layout} does not match the transport's {self.layout}")
+        if src.device != self.src_device and not (src.device.type == self.src_device.type == "cuda"
+                                                  and (src.device.index or 0) == (self.src_device.index or 0)):
+            raise ValueError(f"source buffer is on {src.device}, transport expects {self.src_device}")
+
+    # -- bulk -------------------------------------------------------------------------------------
+    def send(self, src: KVBuffer) -> Landing:
+        """Copy the whole cache after the work already queued on the current stream (bulk mode)."""
+        self._check_src(src)
+        L = self.layout.layers
+        if not self.cuda:
+            self._copy_all(src)
+            return Landing(L)
+        compute = torch.cuda.current_stream(self.src_device)
+        self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream), _dst_stream(self.dst_stream):
+            if self.granularity == "buffer":
+                self.buffer.data.copy_(src.data, non_blocking=True)
+                self._events[-1].record(self.stream)
+                events = [self._events[-1]] * L
+            else:
+                for i in range(L):
+                    if self.granularity == "layer":
+                        self.buffer.data[i].copy_(src.data[i], non_blocking=True)
+                    else:
+                        self.buffer.data[i, 0].copy_(src.data[i, 0], non_blocking=True)
+                        self.buffer.data[i, 1].copy_(src.data[i, 1], non_blocking=True)
+                    self._events[i].record(self.stream)
+                events = list(self._events)
+        return Landing(L, events)
+
+    def _copy_all(self, src: KVBuffer) -> None:
+        if self.granularity == "buffer":
+            self.buffer.data.copy_(src.data)
+        else:
+            for i in range(self.layout.layers):
+                if self.granularity == "layer":
+                    self.buffer.data[i].copy_(src.data[i])
+                else:
+                    self.buffer.data[i, 0].copy_(src.data[i, 0])
+                    self.buffer.data[i, 1].copy_(src.data[i, 1])
+
+    # -- layer-wise -------------------------------------------------------------------------------
+    def layerwise(self, src: KVBuffer) -> "LayerwiseSend":
+        """A per-layer sender for forward hooks (see kvlab.hooks): call `on_layer(i)` when layer i's K and V
+        are final; `finish()` returns the Landing."""
+        self._check_src(src)
+        return LayerwiseSend(self, src)
+
+    # -- receiving --------------------------------------------------------------------------------
+    def receive(self, landing: Landing, device: torch.device | str | None = None) -> KVBuffer:
+        """The cache on the decode device, once every layer has landed.
+
+        GPU destinations: the decode stream waits on the landing's events (no host sync) and the
+        destination buffer itself is returned. Host destinations: wait, then copy into a fresh, poisoned
+        buffer on `device` (default: the source device) — the decode GPU reading from the "NIC".
+        """
+        if self.dest.kind in ("device", "peer"):
+            if self.cuda:
+                landing.stream_wait(torch.cuda.current_stream(self.dest.device))
+            else:
+                landing.wait()
+            return self.buffer
+        landing.wait()
+        device = torch.device(device) if device is not None else self.src_device
+        out = KVBuffer(self.layout, device=device).poison()
+        out.data.copy_(self.buffer.data, non_blocking=self.dest.kind == "pinned")
+        return out
+
+
+class LayerwiseSend:
+    """Sends layer i as soon as the hook says it is final, on the transport's copy stream.
+
+    Per-layer host work is an event record, a stream wait and one copy launch: everything else (events,
+    views, the destination buffer) is prepared here, before prefill starts. A pageable destination
+    cannot be copied to asynchronously (the driver blocks the calling thread until the bytes are in
+    host memory), so there a worker thread issues the copies and the hook only records an event and
+    hands the layer index over — prefill's launching thread is never blocked.
+    """
+
+    def __init__(self, transport: Transport, src: KVBuffer):
+        self.t = transport
+        L = transport.layout.layers
+        self.layers = L
+        self._src = [src.data[i] for i in range(L)]
+        self._dst = [transport.buffer.data[i] for i in range(L)]
+        self.cuda = transport.cuda
+        self.threaded = self.cuda and transport.dest.kind == "pageable"
+        if self.cuda:
+            self._ready = [torch.cuda.Event() for _ in range(L)]
+            self._done = transport._events
+        self._queue: queue.SimpleQueue | None = None
+        self._worker: threading.Thread | None = None
+        self._compute = None
+        self.sent = 0
+
+    def begin(self) -> "LayerwiseSend":
+        """Call right before prefill: captures the compute stream and starts the worker if needed."""
+        self.sent = 0
+        if self.cuda:
+            self._compute = torch.cuda.current_stream(self.t.src_device)
+            if self.t.dst_stream is not None:
+                self._saved_dst_stream = torch.cuda.current_stream(self.t.dest.device)
+                torch.cuda.set_stream(self.t.dst_stream)
+                torch.cuda.set_stream(self._compute)
+        if self.threaded:
+            self._queue = queue.SimpleQueue()
+            self._landing = Landing(self.layers, list(self._done), worker=None)
+            self._worker = threading.Thread(target=self._drain, name="kvlab-pageable-send", daemon=True)
+            self._landing.worker = self._worker
+            self._landing.landed_layers = 0
+            self._worker.start()
+        return self
+
+    def on_layer(self, i: int) -> None:
+        """Layer i's K and V are final on the compute stream: send them."""
+        self.sent += 1
+        if not self.cuda:
+            self._dst[i].copy_(self._src[i])
+            return
+        ready = self._ready[i]
+        ready.record(self._compute)
+        if self.threaded:
+            self._queue.put(i)
+            return
+        stream = self.t.stream
+        stream.wait_event(ready)
+        torch.cuda.set_stream(stream)
+        self._dst[i].copy_(self._src[i], non_blocking=True)
+        torch.cuda.set_stream(self._compute)
+        self._done[i].record(stream)
+
+    def _drain(self) -> None:
+        torch.cuda.set_device(self.t.src_device)
+        stream = self.t.stream
+        with torch.cuda.stream(stream):
+            for _ in range(self.layers):
+                i = self._queue.get()
+                stream.wait_event(self._ready[i])
+                self._dst[i].copy_(self._src[i])  # blocks this thread until the bytes are in host memory
+                self._done[i].record(stream)
+                self._landing.landed_layers = i + 1
+
+    def finish(self) -> Landing:
+        """After prefill returns: the Landing of this send (layers not yet landed are still in flight)."""
+        if self.sent != self.layers:
+            raise RuntimeError(f"layer-wise send saw {self.sent} of {self.layers} layers: "
+                               "were the hooks installed on every decoder layer?")
+        if self.cuda and self.t.dst_stream is not None:
+            torch.cuda.set_stream(self._saved_dst_stream)
+            torch.cuda.set_stream(self._compute)
+        if self.threaded:
+            return self._landing
+        if not self.cuda:
+            return Landing(self.layers)
+        return Landing(self.layers, list(self._done))
+
+
+class _dst_stream:
+    """Context: make `stream` current on its own device (a no-op for None)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.ctx = torch.cuda.stream(stream) if stream is not None else None
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
+
+
+def _host_available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
