@@ -25,6 +25,7 @@ decode bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from dataclasses import asdict, dataclass, field
@@ -37,10 +38,15 @@ from .kvcache import KVBuffer, KVLayout, layout_for
 from .transfer import Destination, Transport
 
 __all__ = ["HandoffConfig", "run_handoff", "check_request", "prefill", "decode", "make_prompt",
-           "correctness_check", "summarize", "CEILING_PATH"]
+           "correctness_check", "summarize", "goals", "ceiling_path"]
 
-# which kvlab.ceilings path bounds each destination kind
-CEILING_PATH = {"device": "d2d_same", "pinned": "d2h_pinned", "pageable": "d2h_pageable", "peer": "d2d_peer"}
+def ceiling_path(dest: Destination, src_device) -> str:
+    """The kvlab.ceilings path that bounds a destination (peer paths are named per direction)."""
+    if dest.kind == "peer":
+        return f"d2d_peer:{torch.device(src_device).index or 0}->{dest.device.index}"
+    if torch.device(src_device).type != "cuda":
+        return "h2h"
+    return {"device": "d2d_same", "pinned": "d2h_pinned", "pageable": "d2h_pageable"}[dest.kind]
 
 
 @dataclass
@@ -127,6 +133,22 @@ def prefill(model, input_ids: torch.Tensor, buffer: KVBuffer) -> torch.Tensor:
     return out.logits[:, -1]
 
 
+def decode_attention():
+    """Attention backends for decode steps: everything but cuDNN.
+
+    Measured on our H200 (torch 2.11): with cuDNN attention allowed, two decodes from the same bytes gave
+    different logits once the caching allocator's state differed (from the 9th step on), so a bit-exact
+    comparison of caches would fail for a reason that has nothing to do with the transfer. Flash, memory-
+    efficient and math attention gave identical logits every time. Seed 004 also kept cuDNN off for decode.
+    Prefill keeps PyTorch's default (cuDNN on): two prefills of the same prompt gave identical caches.
+    """
+    if not torch.cuda.is_available():
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 @torch.inference_mode()
 def decode(model, buffer: KVBuffer, first_token: torch.Tensor, steps: int):
     """Greedy decode `steps` tokens from a filled buffer (which is not modified).
@@ -136,13 +158,33 @@ def decode(model, buffer: KVBuffer, first_token: torch.Tensor, steps: int):
     cache = buffer.as_hf_cache(filled=True)
     tok = first_token.view(1, 1)
     toks, logits = [], []
-    for _ in range(steps):
-        out = model(input_ids=tok, **{cache_kw(model): cache}, use_cache=True)
-        step = out.logits[:, -1].float()
-        tok = step.argmax(-1, keepdim=True)
-        toks.append(tok.view(1))
-        logits.append(step)
+    with decode_attention():
+        for _ in range(steps):
+            out = model(input_ids=tok, **{cache_kw(model): cache}, use_cache=True)
+            step = out.logits[:, -1].float()
+            tok = step.argmax(-1, keepdim=True)
+            toks.append(tok.view(1))
+            logits.append(step)
     return torch.cat(toks), torch.cat(logits)
+
+
+def _prefill_or_abort(model, ids, src, sender):
+    try:
+        return prefill(model, ids, src)
+    except BaseException:
+        sender.abort()  # an armed copy stream must not wait forever for flags that never come
+        raise
+
+
+def _check_moved(model, src, got, first, ref_tokens, steps) -> dict:
+    """Decode from the moved cache and from the source cache of the same prefill (colocated) and
+    compare; also say whether this prefill reproduced the reference prefill's tokens."""
+    toks, lg = decode(model, got, first, steps)
+    col_toks, col_lg = decode(model, src, first, steps)
+    out = correctness_check(col_toks, col_lg, toks, lg, got.count_poison())
+    out["bytes_equal"] = bool(torch.equal(got.data, src.data.to(got.device)))
+    out["prefill_reproduced"] = bool(torch.equal(col_toks.cpu(), ref_tokens.cpu()))
+    return out
 
 
 def correctness_check(ref_tokens, ref_logits, tokens, logits, poison_left: int) -> dict:
@@ -217,8 +259,9 @@ def run_handoff(model, cfg: HandoffConfig, device=None, progress=None) -> tuple[
         logits0 = prefill(model, ids, src)
         first = logits0.argmax(-1)
         ref_tokens, ref_logits = decode(model, src, first, cfg.decode_tokens)
+        ref2_tokens, ref2_logits = decode(model, src, first, cfg.decode_tokens)
         checks.append(dict(context=context, destination="colocated", method="colocated",
-                           **correctness_check(ref_tokens, ref_logits, ref_tokens, ref_logits, src.count_poison())))
+                           **correctness_check(ref_tokens, ref_logits, ref2_tokens, ref2_logits, src.count_poison())))
         say(f"{context} tokens: colocated reference decoded")
 
         for i in range(cfg.repeats + cfg.warmup):
@@ -235,9 +278,8 @@ def run_handoff(model, cfg: HandoffConfig, device=None, progress=None) -> tuple[
             prefill(model, ids, src)
             landing = t_buf.send(src)
             got = t_buf.receive(landing, device)
-            toks, lg = decode(model, got, first, cfg.decode_tokens)
             checks.append(dict(context=context, destination=label, method="bulk",
-                               **correctness_check(ref_tokens, ref_logits, toks, lg, got.count_poison())))
+                               **_check_moved(model, src, got, first, ref_tokens, cfg.decode_tokens)))
             for i in range(cfg.repeats + cfg.warmup):
                 ms = _time_decode_step(model, got, first, device)
                 if i >= cfg.warmup:
@@ -266,12 +308,12 @@ def run_handoff(model, cfg: HandoffConfig, device=None, progress=None) -> tuple[
             src.poison()
             with hooks:
                 sender.begin()
-                prefill(model, ids, src)
+                _prefill_or_abort(model, ids, src, sender)
                 landing = sender.finish()
             got = t_buf.receive(landing, device)
-            toks, lg = decode(model, got, first, cfg.decode_tokens)
             checks.append(dict(context=context, destination=label, method="layerwise",
-                               **correctness_check(ref_tokens, ref_logits, toks, lg, got.count_poison())))
+                               mode=sender.mode,
+                               **_check_moved(model, src, got, first, ref_tokens, cfg.decode_tokens)))
             del got
 
             rounds = cfg.interleave_short if context <= cfg.short_context else cfg.repeats
@@ -279,6 +321,8 @@ def run_handoff(model, cfg: HandoffConfig, device=None, progress=None) -> tuple[
             for r in range(rounds + cfg.warmup):
                 a = _time_prefill(model, ids, src, device)
                 hooks.reset_counters()
+                _sync(device)
+                sender.arm()  # flag mode: queue the copies before the request (timed apart as arm_host)
                 with hooks:
                     b = _time_layerwise(model, ids, src, sender, device)
                 if r >= cfg.warmup:
@@ -288,6 +332,7 @@ def run_handoff(model, cfg: HandoffConfig, device=None, progress=None) -> tuple[
                     add(label, "layerwise", "prefill", k, b["prefill"])
                     add(label, "layerwise", "exposed", k, b["exposed"])
                     add(label, "layerwise", "hook_host", k, hooks.host_ns / 1e6)
+                    add(label, "layerwise", "arm_host", k, sender.arm_host_ns / 1e6)
             say(f"{context} tokens → {label}: layer-wise checked and timed ({rounds} A/B rounds)")
             del sender, hooks, t_buf
             _free(device)
@@ -316,7 +361,7 @@ def _time_layerwise(model, ids, src, sender, device) -> dict:
     _sync(device)
     clock.mark("start")
     sender.begin()
-    prefill(model, ids, src)
+    _prefill_or_abort(model, ids, src, sender)
     clock.mark("prefill_end")
     landing = sender.finish()
     landing.wait()
@@ -366,7 +411,7 @@ def _time_decode_step(model, buffer, first, device) -> float:
     clock = _Clock(device)
     _sync(device)
     clock.mark("start")
-    with torch.inference_mode():
+    with torch.inference_mode(), decode_attention():
         model(input_ids=first.view(1, 1), **{cache_kw(model): cache}, use_cache=True)
     clock.mark("end")
     clock.sync()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -221,11 +222,11 @@ class Transport:
                     self.buffer.data[i, 1].copy_(src.data[i, 1])
 
     # -- layer-wise -------------------------------------------------------------------------------
-    def layerwise(self, src: KVBuffer) -> "LayerwiseSend":
+    def layerwise(self, src: KVBuffer, mode: str = "auto") -> "LayerwiseSend":
         """A per-layer sender for forward hooks (see kvlab.hooks): call `on_layer(i)` when layer i's K and V
-        are final; `finish()` returns the Landing."""
+        are final; `finish()` returns the Landing. mode: see LayerwiseSend."""
         self._check_src(src)
-        return LayerwiseSend(self, src)
+        return LayerwiseSend(self, src, mode)
 
     # -- receiving --------------------------------------------------------------------------------
     def receive(self, landing: Landing, device: torch.device | str | None = None) -> KVBuffer:
@@ -251,56 +252,134 @@ class Transport:
 class LayerwiseSend:
     """Sends layer i as soon as the hook says it is final, on the transport's copy stream.
 
-    Per-layer host work is an event record, a stream wait and one copy launch: everything else (events,
-    views, the destination buffer) is prepared here, before prefill starts. A pageable destination
-    cannot be copied to asynchronously (the driver blocks the calling thread until the bytes are in
-    host memory), so there a worker thread issues the copies and the hook only records an event and
-    hands the layer index over — prefill's launching thread is never blocked.
+    Modes (chosen by `mode="auto"`):
+      "flag"   (GPU destinations and pinned host, when cuda-bindings offers stream memory operations)
+               `arm()` queues, before prefill, every layer's copy on the copy stream, each behind a
+               cuStreamWaitValue32 on a flag in device memory; the hook for layer i is then a single
+               cuStreamWriteValue32 on the compute stream (about 2 µs of host time). A generation
+               counter makes the flag monotonic, so a new request never sees an old request's value.
+      "event"  the hook records an event on the compute stream, makes the copy stream wait on it and
+               launches the layer's copy (4 host calls a layer; measured about 60 µs on our H200 host).
+      "thread" (pageable host) the driver blocks the calling thread for a copy to pageable memory, so
+               the hook records an event and hands the layer to a worker thread that issues the copy.
+      "cpu"    a CPU-only machine: synchronous copies.
+    Everything (events, views, the destination buffer) is prepared before prefill starts.
     """
 
-    def __init__(self, transport: Transport, src: KVBuffer):
+    def __init__(self, transport: Transport, src: KVBuffer, mode: str = "auto"):
         self.t = transport
         L = transport.layout.layers
         self.layers = L
         self._src = [src.data[i] for i in range(L)]
         self._dst = [transport.buffer.data[i] for i in range(L)]
         self.cuda = transport.cuda
-        self.threaded = self.cuda and transport.dest.kind == "pageable"
+        self.mode = self._choose_mode(mode)
         if self.cuda:
             self._ready = [torch.cuda.Event() for _ in range(L)]
             self._done = transport._events
+        if self.mode == "flag":
+            from cuda.bindings import driver as cu
+
+            self._cu = cu
+            self._flag = torch.zeros(1, dtype=torch.int32, device=transport.src_device)
+            self._ptr = cu.CUdeviceptr(self._flag.data_ptr())
+            self._gen = 0
+        self._armed = False
         self._queue: queue.SimpleQueue | None = None
         self._worker: threading.Thread | None = None
         self._compute = None
         self.sent = 0
+        self.arm_host_ns = 0
 
+    def _choose_mode(self, mode: str) -> str:
+        modes = ("auto", "flag", "event", "thread", "cpu")
+        if mode not in modes:
+            raise ValueError(f"unknown layer-wise mode {mode!r}; valid: {list(modes)}")
+        if not self.cuda:
+            return "cpu"
+        if self.t.dest.kind == "pageable":
+            return "thread"
+        if mode in ("flag", "auto") and stream_memops_available(self.t.src_device):
+            return "flag"
+        if mode == "flag":
+            raise ValueError("layer-wise mode 'flag' needs cuda-bindings and stream memory operations; "
+                             "use mode='event'")
+        return "event"
+
+    # -- the "flag" mode's preparation ---------------------------------------------------------------
+    def arm(self) -> "LayerwiseSend":
+        """Queue every layer's copy behind its flag value (flag mode; a no-op otherwise). Host time is
+        recorded in `arm_host_ns`: it is spent before prefill starts, like preparing a transfer list."""
+        if self.mode != "flag" or self._armed:
+            return self
+        t0 = time.perf_counter_ns()
+        cu = self._cu
+        L = self.layers
+        self._gen += 1
+        if (self._gen + 1) * L >= 2**31 - 1:  # keep the counter inside int32; reset once in a long while
+            torch.cuda.synchronize(self.t.src_device)
+            self._flag.zero_()
+            torch.cuda.synchronize(self.t.src_device)
+            self._gen = 1
+        self._base = self._gen * L
+        stream = self.t.stream
+        handle = cu.CUstream(stream.cuda_stream)
+        geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        with torch.cuda.stream(stream), _dst_stream(self.t.dst_stream):
+            for i in range(L):
+                (err,) = cu.cuStreamWaitValue32(handle, self._ptr, self._base + i + 1, geq)
+                if err != cu.CUresult.CUDA_SUCCESS:
+                    raise RuntimeError(f"cuStreamWaitValue32 failed: {err}")
+                self._dst[i].copy_(self._src[i], non_blocking=True)
+                self._done[i].record(stream)
+        self._armed = True
+        self.arm_host_ns = time.perf_counter_ns() - t0
+        return self
+
+    def _release(self) -> None:
+        """Let an armed copy stream run to the end (after an error), so nothing waits forever."""
+        if self.mode == "flag" and self._armed:
+            side = torch.cuda.Stream(device=self.t.src_device)
+            self._cu.cuStreamWriteValue32(self._cu.CUstream(side.cuda_stream), self._ptr,
+                                          self._base + self.layers, 0)
+            self._armed = False
+
+    # -- per request ---------------------------------------------------------------------------------
     def begin(self) -> "LayerwiseSend":
-        """Call right before prefill: captures the compute stream and starts the worker if needed."""
+        """Call right before prefill: captures the compute stream (arms, or starts the worker, if needed)."""
         self.sent = 0
         if self.cuda:
             self._compute = torch.cuda.current_stream(self.t.src_device)
-            if self.t.dst_stream is not None:
+            if self.mode == "flag":
+                self.arm()
+                self._hcompute = self._cu.CUstream(self._compute.cuda_stream)
+            if self.t.dst_stream is not None and self.mode != "flag":
                 self._saved_dst_stream = torch.cuda.current_stream(self.t.dest.device)
                 torch.cuda.set_stream(self.t.dst_stream)
                 torch.cuda.set_stream(self._compute)
-        if self.threaded:
+        if self.mode == "thread":
             self._queue = queue.SimpleQueue()
-            self._landing = Landing(self.layers, list(self._done), worker=None)
             self._worker = threading.Thread(target=self._drain, name="kvlab-pageable-send", daemon=True)
-            self._landing.worker = self._worker
-            self._landing.landed_layers = 0
+            self._landing = Landing(self.layers, list(self._done), worker=self._worker)
             self._worker.start()
         return self
 
     def on_layer(self, i: int) -> None:
         """Layer i's K and V are final on the compute stream: send them."""
         self.sent += 1
-        if not self.cuda:
+        mode = self.mode
+        if mode == "flag":
+            (err,) = self._cu.cuStreamWriteValue32(self._hcompute, self._ptr, self._base + i + 1, 0)
+            if err != self._cu.CUresult.CUDA_SUCCESS:
+                self._release()
+                raise RuntimeError(f"cuStreamWriteValue32 failed for layer {i}: {err}")
+            return
+        if mode == "cpu":
             self._dst[i].copy_(self._src[i])
             return
         ready = self._ready[i]
         ready.record(self._compute)
-        if self.threaded:
+        if mode == "thread":
             self._queue.put(i)
             return
         stream = self.t.stream
@@ -316,24 +395,47 @@ class LayerwiseSend:
         with torch.cuda.stream(stream):
             for _ in range(self.layers):
                 i = self._queue.get()
+                if i < 0:  # aborted
+                    return
                 stream.wait_event(self._ready[i])
                 self._dst[i].copy_(self._src[i])  # blocks this thread until the bytes are in host memory
                 self._done[i].record(stream)
                 self._landing.landed_layers = i + 1
 
+    def abort(self) -> None:
+        """Prefill failed: unblock whatever waits (copy stream, worker) without claiming a landing."""
+        self._release()
+        if self.mode == "thread" and self._worker is not None and self._worker.is_alive():
+            self._queue.put(-1)
+            self._worker.join()
+
     def finish(self) -> Landing:
         """After prefill returns: the Landing of this send (layers not yet landed are still in flight)."""
         if self.sent != self.layers:
+            self.abort()
             raise RuntimeError(f"layer-wise send saw {self.sent} of {self.layers} layers: "
                                "were the hooks installed on every decoder layer?")
-        if self.cuda and self.t.dst_stream is not None:
+        self._armed = False
+        if self.cuda and self.t.dst_stream is not None and self.mode != "flag":
             torch.cuda.set_stream(self._saved_dst_stream)
             torch.cuda.set_stream(self._compute)
-        if self.threaded:
+        if self.mode == "thread":
             return self._landing
-        if not self.cuda:
+        if self.mode == "cpu":
             return Landing(self.layers)
         return Landing(self.layers, list(self._done))
+
+
+def stream_memops_available(device) -> bool:
+    """Whether cuda-bindings is importable and the device supports cuStreamWaitValue32."""
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError:
+        return False
+    index = torch.device(device).index or 0
+    err, value = cu.cuDeviceGetAttribute(
+        cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR, index)
+    return err == cu.CUresult.CUDA_SUCCESS and bool(value)
 
 
 class _dst_stream:

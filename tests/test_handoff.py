@@ -1,0 +1,162 @@
+"""The handoff path on the CPU: contiguous buffer, transports, hooks, decode check, bad input."""
+
+import pytest
+import torch
+
+from kvlab import handoff
+from kvlab.hooks import LayerHooks
+from kvlab.kvcache import KVBuffer, KVLayout, layout_for
+from kvlab.transfer import Destination, Transport
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      intermediate_size=128, vocab_size=256, num_hidden_layers=3, max_position_embeddings=512,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+
+
+def test_layout_bytes():
+    lay = KVLayout(layers=28, batch=1, kv_heads=4, tokens=32768, head_dim=128)
+    assert lay.bytes_per_layer == 2 * 4 * 32768 * 128 * 2
+    assert lay.nbytes == 57344 * 32768 == 1792 * 2**20
+
+
+def test_layout_rejects_bad_values():
+    with pytest.raises(ValueError, match="tokens"):
+        KVLayout(layers=2, batch=1, kv_heads=2, tokens=0, head_dim=16)
+    with pytest.raises(ValueError, match="unknown KV dtype"):
+        KVLayout(layers=2, batch=1, kv_heads=2, tokens=4, head_dim=16, dtype="fp7")
+
+
+def test_prefill_writes_into_buffer_and_matches_plain_cache(tiny):
+    ids = handoff.make_prompt(256, 24, "cpu")
+    buf = KVBuffer(layout_for(tiny, 24, dtype=torch.float32)).poison()
+    logits = handoff.prefill(tiny, ids, buf)
+    assert buf.count_poison() == 0
+    with torch.inference_mode():
+        out = tiny(input_ids=ids, use_cache=True, logits_to_keep=1)
+    ref = out.past_key_values if hasattr(out, "past_key_values") else out.cache
+    for i in range(3):
+        k, v = buf.layer(i)
+        assert torch.equal(k, ref.layers[i].keys) and torch.equal(v, ref.layers[i].values)
+    assert torch.equal(logits, out.logits[:, -1])
+
+
+def test_prefill_rejects_wrong_length(tiny):
+    ids = handoff.make_prompt(256, 10, "cpu")
+    buf = KVBuffer(layout_for(tiny, 12, dtype=torch.float32))
+    with pytest.raises(ValueError, match="does not fit the KV buffer"):
+        handoff.prefill(tiny, ids, buf)
+
+
+@pytest.mark.parametrize("granularity", ["buffer", "layer", "tensor"])
+@pytest.mark.parametrize("dest", ["same-gpu", "pageable"])
+def test_bulk_and_layerwise_decode_identically(tiny, granularity, dest):
+    ids = handoff.make_prompt(256, 20, "cpu", seed=1)
+    lay = layout_for(tiny, 20, dtype=torch.float32)
+    src = KVBuffer(lay).poison()
+    first = handoff.prefill(tiny, ids, src).argmax(-1)
+    ref_t, ref_l = handoff.decode(tiny, src, first, 6)
+
+    t = Transport(lay, dest, "cpu", granularity=granularity)
+    t.poison()
+    got = t.receive(t.send(src), "cpu")
+    toks, lg = handoff.decode(tiny, got, first, 6)
+    assert handoff.correctness_check(ref_t, ref_l, toks, lg, got.count_poison()) == {
+        "tokens_match": True, "logits_equal": True, "logits_max_abs_diff": 0.0, "poison_left": 0}
+
+    t.poison()
+    src.poison()
+    sender = t.layerwise(src)
+    with LayerHooks(tiny, sender.on_layer, ranges=True) as hooks:
+        sender.begin()
+        handoff.prefill(tiny, ids, src)
+        landing = sender.finish()
+    assert hooks.calls == 3 and hooks.host_ns > 0
+    assert landing.all_landed()
+    got = t.receive(landing, "cpu")
+    toks, lg = handoff.decode(tiny, got, first, 6)
+    assert torch.equal(toks, ref_t) and torch.equal(lg, ref_l)
+
+
+def test_poison_shows_an_unwritten_layer(tiny):
+    """A transport that skips a layer must fail the check: the poison is what makes the check able to fail."""
+    ids = handoff.make_prompt(256, 16, "cpu")
+    lay = layout_for(tiny, 16, dtype=torch.float32)
+    src = KVBuffer(lay)
+    first = handoff.prefill(tiny, ids, src).argmax(-1)
+    ref_t, ref_l = handoff.decode(tiny, src, first, 4)
+    t = Transport(lay, "same-gpu", "cpu")
+    t.poison()
+    t.buffer.data[:2].copy_(src.data[:2])  # layer 2 never sent
+    toks, lg = handoff.decode(tiny, t.buffer, first, 4)
+    check = handoff.correctness_check(ref_t, ref_l, toks, lg, t.buffer.count_poison())
+    assert check["poison_left"] == lay.bytes_per_layer // 4
+    assert not check["logits_equal"]
+
+
+def test_layerwise_finish_refuses_missing_layers(tiny):
+    lay = layout_for(tiny, 8, dtype=torch.float32)
+    src = KVBuffer(lay)
+    sender = Transport(lay, "same-gpu", "cpu").layerwise(src)
+    sender.begin()
+    sender.on_layer(0)
+    with pytest.raises(RuntimeError, match="saw 1 of 3 layers"):
+        sender.finish()
+
+
+def test_run_handoff_tidy_tables(tiny):
+    cfg = handoff.HandoffConfig(contexts=[8, 16], destinations=["same-gpu", "pageable"], repeats=2, warmup=0,
+                                decode_tokens=3, interleave_short=3, short_context=8)
+    timings, checks = handoff.run_handoff(tiny, cfg, device="cpu")
+    assert set(timings.columns) == {"context", "kv_bytes", "destination", "method", "measure", "repeat", "ms"}
+    assert checks.tokens_match.all() and checks.logits_equal.all() and (checks.poison_left == 0).all()
+    assert len(checks) == 2 * (1 + 2 * 2)
+    summary = handoff.summarize(timings, ceilings={"same-device": 10.0})
+    assert list(summary.context) == [8, 8, 16, 16]
+    # 3 interleaved rounds at the short context, `repeats` rounds above it
+    assert list(summary.rounds) == [3, 3, 2, 2]
+    row = summary.iloc[0]
+    assert row.copy_gbps == pytest.approx(row.kv_mib * 2**20 / (row.copy_ms / 1e3) / 1e9)
+    assert row.copy_pct_ceiling == pytest.approx(100 * row.copy_gbps / 10.0)
+    g = handoff.goals(summary)
+    assert set(g.goal) >= {"hook host time ≤ 0.5 ms", "bulk ≥ 95 % of ceiling"}
+
+
+def test_bad_requests_are_refused_before_allocating(tiny):
+    with pytest.raises(ValueError, match="exceeds the model's max positions"):
+        handoff.check_request(tiny, [1024], ["same-gpu"], "cpu")
+    with pytest.raises(ValueError, match="unknown destination 'nvme'"):
+        handoff.check_request(tiny, [16], ["nvme"], "cpu")
+    with pytest.raises(ValueError, match="does not exist"):
+        handoff.check_request(tiny, [16], ["cuda:7"], "cpu")
+    with pytest.raises(ValueError, match="context 0"):
+        handoff.check_request(tiny, [0], ["same-gpu"], "cpu")
+
+
+def test_destination_parse_and_cpu_limits():
+    assert Destination.parse("pageable", "cpu").kind == "pageable"
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs CUDA"):
+            Destination.parse("pinned", "cpu")
+    with pytest.raises(ValueError, match="granularity"):
+        Transport(KVLayout(1, 1, 1, 4, 8), "same-gpu", "cpu", granularity="page")
+
+
+@pytest.mark.gpu
+def test_gpu_destinations_decode_identically(tiny):
+    dev = torch.device("cuda")
+    model = tiny.to(dev)
+    try:
+        cfg = handoff.HandoffConfig(contexts=[64], destinations=["same-gpu", "pinned", "pageable"], repeats=2,
+                                    warmup=1, decode_tokens=5, interleave_short=2, short_context=64)
+        timings, checks = handoff.run_handoff(model, cfg, device=dev)
+        assert checks.tokens_match.all() and checks.logits_equal.all() and (checks.poison_left == 0).all()
+        assert (timings.ms > 0).all()
+    finally:
+        tiny.to("cpu")
