@@ -35,6 +35,7 @@ import torch
 
 from .hooks import LayerHooks
 from .kvcache import KVBuffer, KVLayout, layout_for
+from .timing import EventTimer
 from .transfer import Destination, Transport
 
 __all__ = ["HandoffConfig", "run_handoff", "check_request", "prefill", "decode", "make_prompt",
@@ -196,32 +197,6 @@ def correctness_check(ref_tokens, ref_logits, tokens, logits, poison_left: int) 
             "logits_max_abs_diff": max_diff, "poison_left": int(poison_left)}
 
 
-class _Clock:
-    """Marks on a stream: CUDA events on a GPU, perf_counter on a CPU. ms(a, b) after sync()."""
-
-    def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
-        self.t = {}
-
-    def mark(self, name, stream=None, event=None):
-        if self.cuda:
-            if event is None:
-                event = torch.cuda.Event(enable_timing=True)
-                event.record(stream)
-            self.t[name] = event
-        else:
-            self.t[name] = time.perf_counter_ns()
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def ms(self, a, b) -> float:
-        if self.cuda:
-            return self.t[a].elapsed_time(self.t[b])
-        return (self.t[b] - self.t[a]) / 1e6
-
-
 # ---------------------------------------------------------------------------------------------------
 # the experiment
 
@@ -347,17 +322,18 @@ def _sync(device):
 
 
 def _time_prefill(model, ids, src, device) -> float:
-    clock = _Clock(device)
+    clock = EventTimer(device)
     _sync(device)
     clock.mark("start")
     prefill(model, ids, src)
     clock.mark("end")
-    clock.sync()
-    return clock.ms("start", "end")
+    return clock.elapsed_ms("start", "end")
 
 
 def _time_layerwise(model, ids, src, sender, device) -> dict:
-    clock = _Clock(device)
+    """One layer-wise request. The end mark goes on the copy stream after the send has been handed over,
+    so it follows every layer's copy (armed, hooked or issued by the worker)."""
+    clock = EventTimer(device)
     _sync(device)
     clock.mark("start")
     sender.begin()
@@ -365,57 +341,42 @@ def _time_layerwise(model, ids, src, sender, device) -> dict:
     clock.mark("prefill_end")
     landing = sender.finish()
     landing.wait()
-    if clock.cuda:
-        clock.mark("copy_end", event=landing.done_event)
-    else:
-        clock.mark("copy_end")
-    clock.sync()
-    p = clock.ms("start", "prefill_end")
-    exposed = clock.ms("prefill_end", "copy_end")
+    clock.mark("copy_end", stream=sender.t.stream)
+    p = clock.elapsed_ms("start", "prefill_end")
+    exposed = clock.elapsed_ms("prefill_end", "copy_end")
     return {"prefill": p, "exposed": exposed, "wall": p + max(exposed, 0.0)}
 
 
 def _time_copy(transport, src, device) -> float:
-    clock = _Clock(device)
+    clock = EventTimer(device)
     _sync(device)
     clock.mark("start", stream=transport.stream)
-    landing = transport.send(src)
-    landing.wait()
-    if clock.cuda:
-        clock.mark("end", event=landing.done_event)
-    else:
-        clock.mark("end")
-    clock.sync()
-    return clock.ms("start", "end")
+    transport.send(src).wait()
+    clock.mark("end", stream=transport.stream)
+    return clock.elapsed_ms("start", "end")
 
 
 def _time_layer_copy(transport, src, layer, device) -> float:
-    clock = _Clock(device)
+    clock = EventTimer(device)
     _sync(device)
     dst = transport.buffer.data[layer]
-    if clock.cuda:
-        with torch.cuda.stream(transport.stream):
-            clock.mark("start", stream=transport.stream)
-            dst.copy_(src.data[layer], non_blocking=transport.dest.kind != "pageable")
-            clock.mark("end", stream=transport.stream)
-    else:
-        clock.mark("start")
-        dst.copy_(src.data[layer])
-        clock.mark("end")
-    clock.sync()
-    return clock.ms("start", "end")
+    stream = transport.stream
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        clock.mark("start", stream=stream)
+        dst.copy_(src.data[layer], non_blocking=transport.dest.kind != "pageable")
+        clock.mark("end", stream=stream)
+    return clock.elapsed_ms("start", "end")
 
 
 def _time_decode_step(model, buffer, first, device) -> float:
     cache = buffer.as_hf_cache(filled=True)
-    clock = _Clock(device)
+    clock = EventTimer(device)
     _sync(device)
     clock.mark("start")
     with torch.inference_mode(), decode_attention():
         model(input_ids=first.view(1, 1), **{cache_kw(model): cache}, use_cache=True)
     clock.mark("end")
-    clock.sync()
-    return clock.ms("start", "end")
+    return clock.elapsed_ms("start", "end")
 
 
 def _free(device):
@@ -432,10 +393,11 @@ def _med(s):
     return float(s.median())
 
 
-def summarize(timings: pd.DataFrame, ceilings: dict | None = None) -> pd.DataFrame:
+def summarize(timings: pd.DataFrame, ceilings: dict | None = None, paths: dict | None = None) -> pd.DataFrame:
     """The seed-004 table, one row per (context, destination).
 
-    ceilings: {destination label: ceiling GB/s measured in the same run} (optional).
+    ceilings: {destination label: ceiling GB/s measured in the same run} (optional);
+    paths: {destination label: the kvlab.ceilings path behind it} (optional, carried into the table).
     Columns: context, kv_mib, destination, prefill_ms, prefill_spread_ms, copy_ms, copy_min_ms, copy_max_ms,
     copy_pct_prefill, copy_gbps, ceiling_gbps, copy_pct_ceiling, copy_tensor_ms, copy_layer_ms,
     layerwise_extra_ms (median of paired B − A), layerwise_extra_pct, extra_min_ms, extra_max_ms,
@@ -459,7 +421,7 @@ def summarize(timings: pd.DataFrame, ceilings: dict | None = None) -> pd.DataFra
         gbps = kv / (copy_ms / 1e3) / 1e9
         ceil = (ceilings or {}).get(dest)
         row = dict(
-            context=context, kv_mib=kv / 2**20, destination=dest,
+            context=context, kv_mib=kv / 2**20, destination=dest, ceiling_path=(paths or {}).get(dest),
             prefill_ms=prefill_ms, prefill_spread_ms=float(pre.max() - pre.min()),
             copy_ms=copy_ms, copy_min_ms=float(copy.min()), copy_max_ms=float(copy.max()),
             copy_pct_prefill=100 * copy_ms / prefill_ms, copy_gbps=gbps,
@@ -469,6 +431,7 @@ def summarize(timings: pd.DataFrame, ceilings: dict | None = None) -> pd.DataFra
             layerwise_extra_pct=100 * _med(paired) / prefill_ms,
             exposed_ms=_med(exposed), exposed_min_ms=float(exposed.min()), exposed_max_ms=float(exposed.max()),
             hook_host_ms=_med(sel("layerwise", "hook_host")),
+            arm_host_ms=_med(sel("layerwise", "arm_host")),
             decode_step_ms=_med(sel("bulk", "decode_step")),
             rounds=len(paired),
         )
@@ -504,3 +467,106 @@ def goals(summary: pd.DataFrame) -> pd.DataFrame:
 
 def config_dict(cfg: HandoffConfig) -> dict:
     return asdict(cfg)
+
+
+def predictions(summary: pd.DataFrame, layers: int, ceilings=None, links=("100G", "400G")) -> pd.DataFrame:
+    """What the models predict beside what was measured, per context (and destination for the fit).
+
+    links: the calculator's network predictions (bytes / link rate, no fixed cost) — seed 000's NICs.
+    ceilings: a kvlab.ceilings.Ceilings of the same run; the fitted fixed + bytes model predicts one copy
+    and 2 × layers copies (seed 004's 56 tensors) for each destination's path.
+    Columns: context, destination, model, ms, pct_prefill.
+    """
+    from . import calculator
+
+    rows = []
+    for context, g in summary.groupby("context", sort=True):
+        nbytes = float(g.kv_mib.iloc[0]) * 2**20
+        prefill_ms = float(g.prefill_ms.median())
+        for name in links:
+            ms = 1e3 * calculator.transfer_time_s(nbytes, calculator.link(name))
+            rows.append(dict(context=context, destination="network", model=f"{name} NIC (calculator)",
+                             ms=ms, pct_prefill=100 * ms / prefill_ms))
+        if ceilings is None:
+            continue
+        for r in g.itertuples():
+            path = r.ceiling_path
+            if not path or path not in ceilings.names:
+                continue
+            for copies, what in ((1, "fit, 1 copy"), (2 * layers, f"fit, {2 * layers} copies")):
+                ms = ceilings.predict_ms(path, nbytes, copies=copies)
+                rows.append(dict(context=context, destination=r.destination, model=what, ms=ms,
+                                 pct_prefill=100 * ms / r.prefill_ms))
+    return pd.DataFrame(rows)
+
+
+def plot_bars(summary: pd.DataFrame, preds: pd.DataFrame | None = None, title: str = ""):
+    """Seed 004's figure: per context, each cost as a percentage of prefill (log scale).
+
+    Measured bars: the bulk copy alone and the layer-wise extra (paired A/B median, floored at 0.001 %
+    so a zero or negative cost still shows as "nothing") per destination. Predicted bars (hatched,
+    dashed edge): the calculator's network links.
+    """
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from . import plots
+
+    contexts = sorted(summary.context.unique())
+    dests = list(dict.fromkeys(summary.destination))
+    bars = []
+    for d in dests:
+        bars.append((f"bulk copy → {d}", d, "copy_pct_prefill", False))
+        bars.append((f"layer-wise extra → {d}", d, "layerwise_extra_pct", False))
+    net = [] if preds is None or preds.empty else list(dict.fromkeys(preds[preds.destination == "network"].model))
+    n = len(bars) + len(net)
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.6 * len(contexts) + 0.35 * n), 4.6))
+    width = 0.8 / n
+    x = np.arange(len(contexts))
+    floor = 1e-3
+    k = 0
+    for label, d, col, _ in bars:
+        vals = [float(summary[(summary.context == c) & (summary.destination == d)][col].iloc[0]) for c in contexts]
+        colour = plots.color(d)
+        hatch = None if label.startswith("bulk") else "//"
+        ax.bar(x + (k - n / 2 + 0.5) * width, [max(v, floor) for v in vals], width, label=label, color=colour,
+               alpha=1.0 if hatch is None else 0.55, hatch=hatch, edgecolor=colour)
+        k += 1
+    for name in net:
+        vals = [float(preds[(preds.context == c) & (preds.model == name)].pct_prefill.iloc[0]) for c in contexts]
+        ax.bar(x + (k - n / 2 + 0.5) * width, vals, width, label=f"predicted: {name}", fill=False,
+               linestyle="--", edgecolor=plots.color(name), hatch="..")
+        k += 1
+    ax.set_yscale("log")
+    ax.axhline(100, color="0.3", lw=1)
+    ax.text(x[-1] + 0.45, 100, "prefill = 100 %", va="bottom", ha="right", fontsize=8, color="0.3")
+    ax.set_xticks(x, [f"{c // 1024}k" if c >= 1024 else str(c) for c in contexts])
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("% of prefill time (log)")
+    ax.set_title(title or "Cost of moving the KV cache, as a share of prefill")
+    ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.18), frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def findings(summary: pd.DataFrame, goal_table: pd.DataFrame) -> list[str]:
+    """Sentences derived from the numbers (never pasted): per destination at the longest context, then the goals."""
+    out = []
+    longest = summary.context.max()
+    for r in summary[summary.context == longest].itertuples():
+        ceil = (f", {r.copy_pct_ceiling:.1f} % of the {r.ceiling_gbps:,.1f} GB/s ceiling measured in this run"
+                if pd.notna(r.ceiling_gbps) else "")
+        out.append(
+            f"At {longest:,} tokens ({r.kv_mib:,.0f} MiB) the bulk copy to {r.destination} took {r.copy_ms:.3g} ms "
+            f"(min–max {r.copy_min_ms:.3g}–{r.copy_max_ms:.3g}), {r.copy_gbps:,.1f} GB/s{ceil}; as "
+            f"{r.copy_tensor_ms:.3g} ms when split into per-layer K and V tensors. That is "
+            f"{r.copy_pct_prefill:.2f} % of the {r.prefill_ms:,.0f} ms prefill. Layer-wise sending left "
+            f"{max(r.exposed_ms, 0):.3g} ms exposed after prefill's last kernel (one layer alone: "
+            f"{r.copy_layer_ms:.3g} ms) and changed the whole request by {r.layerwise_extra_ms:+.2f} ms "
+            f"(paired median of {r.rounds} A/B rounds, min–max {r.extra_min_ms:+.2f}…{r.extra_max_ms:+.2f}).")
+    if not goal_table.empty:
+        met = goal_table.met.sum()
+        out.append(f"{met} of {len(goal_table)} goal checks met.")
+        for g in goal_table[~goal_table.met].itertuples():
+            out.append(f"Not met: {g.goal} at {g.context:,} tokens → {g.destination}: {g.value}.")
+    return out

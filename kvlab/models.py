@@ -1,0 +1,993 @@
+"""Model shapes for the KV-cache bill: a spec per model, a registry of public configs, a builder.
+
+Everything the calculator needs about a model is in :class:`ModelSpec`: how many layers keep a KV
+cache, how many KV heads of what size, which layers only keep a sliding window, and how many
+parameters a token passes through (for prefill FLOPs). Specs come from Hugging Face ``config.json``
+values through one code path, :func:`from_hf_config`, whether the config is one of the published
+configs kept below as data, a ``transformers`` config object, or a file on disk.
+
+This module imports neither torch nor transformers at import time, so ``kvlab.calculator`` (pure
+arithmetic) stays fast to import; :func:`build` and config-object inputs import them when called.
+
+Units: ``params`` and ``active_params`` are parameter counts (not bytes); sizes such as
+``hidden_size`` and ``head_dim`` are element counts per vector.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ModelSpec",
+    "REGISTRY",
+    "get",
+    "names",
+    "aliases",
+    "from_hf_config",
+    "param_count",
+    "build",
+]
+
+ATTENTION_KINDS = ("mha", "gqa", "mqa", "mla")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of one decoder-only model, as far as KV cache and prefill cost are concerned.
+
+    Fields (all counts are plain ints):
+        name: registry name (e.g. ``"llama-3.1-8b"``) or the config's ``_name_or_path``.
+        architecture: Hugging Face ``model_type`` (``"llama"``, ``"qwen2"``, ``"deepseek_v3"`` …).
+        layers: decoder layers, each with its own KV cache.
+        hidden_size: residual-stream width, elements.
+        heads: query heads per layer.
+        kv_heads: key/value heads per layer as the config states them. For MLA this is the number
+            of heads the latent is expanded into; the cache itself holds one latent vector.
+        head_dim: elements per query/key head. For MLA: ``qk_nope_head_dim + qk_rope_head_dim``
+            (the width a query is dotted with); :attr:`v_head_dim` gives the value width.
+        intermediate_size: MLP inner width of a dense layer, elements.
+        vocab_size: tokens in the vocabulary.
+        params: total parameters (embeddings, every expert, lm_head unless tied).
+        active_params: parameters a single token passes through (MoE: shared + top-k routed
+            experts); equal to ``params`` for dense models. Prefill FLOPs use this.
+        attention: ``"mha"`` (kv_heads == heads), ``"gqa"``, ``"mqa"`` (one KV head) or ``"mla"``
+            (multi-head latent attention: a compressed latent is cached instead of K and V).
+        kv_lora_rank: MLA latent width, elements (``None`` unless MLA).
+        qk_rope_head_dim: MLA decoupled RoPE key width, elements, cached next to the latent.
+        sliding_window: window length in tokens for the layers in ``sliding_layers``.
+        sliding_layers: indices (0-based) of layers that keep only the last ``sliding_window``
+            tokens; empty when every layer attends to the whole context.
+        max_positions: ``max_position_embeddings`` (tokens).
+        source: where the numbers came from (config URL, how params were obtained).
+        hf_config: the config.json values as a plain dict; enough to rebuild the model with
+            ``transformers`` (``AutoConfig.for_model(**hf_config)``). Excluded from equality and
+            hashing; treat it as read-only.
+    """
+
+    name: str
+    architecture: str
+    layers: int
+    hidden_size: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    params: int
+    active_params: int
+    attention: str
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    max_positions: int | None = None
+    source: str = ""
+    hf_config: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention={self.attention!r} is not one of {ATTENTION_KINDS}")
+        for fname in ("layers", "hidden_size", "heads", "kv_heads", "head_dim", "vocab_size"):
+            value = getattr(self, fname)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ModelSpec {fname}={value!r}: must be a positive int")
+        if self.attention == "mla" and not (self.kv_lora_rank
+                                            and self.qk_rope_head_dim is not None):
+            raise ValueError("attention='mla' needs kv_lora_rank and qk_rope_head_dim")
+        bad = [i for i in self.sliding_layers if not 0 <= i < self.layers]
+        if bad:
+            raise ValueError(f"sliding_layers {bad} are outside 0..{self.layers - 1}")
+        if self.sliding_layers and not self.sliding_window:
+            raise ValueError("sliding_layers given without a sliding_window")
+        # Coerce to a sorted tuple so two specs built from a list and a tuple compare equal.
+        object.__setattr__(self, "sliding_layers", tuple(sorted(set(self.sliding_layers))))
+
+    # ---- derived shapes -------------------------------------------------------------------
+
+    @property
+    def is_moe(self) -> bool:
+        """True when some layers route tokens to a subset of experts (active < total params)."""
+        return self.active_params < self.params
+
+    @property
+    def v_head_dim(self) -> int:
+        """Elements per value head (MLA may differ from the query/key width)."""
+        if self.attention == "mla":
+            return int(self.hf_config.get("v_head_dim") or self.head_dim)
+        return self.head_dim
+
+    @property
+    def kv_elements_per_token_layer(self) -> int:
+        """Cached elements for one token in one layer.
+
+        ``2 · kv_heads · head_dim`` (a K and a V vector per KV head); for MLA
+        ``kv_lora_rank + qk_rope_head_dim`` (one compressed latent plus the shared RoPE key).
+        """
+        if self.attention == "mla":
+            return int(self.kv_lora_rank) + int(self.qk_rope_head_dim)
+        return 2 * self.kv_heads * self.head_dim
+
+    def kv_shape(self, tokens: int = 1, batch: int = 1) -> tuple[int, ...]:
+        """Shape of a whole contiguous KV buffer in kvlab's layout, ignoring sliding windows.
+
+        Standard attention: ``[layers, 2, batch, kv_heads, tokens, head_dim]`` (K = index 0, V = 1),
+        the layout of ``kvcache.KVBuffer``. MLA: ``[layers, 1, batch, 1, tokens, kv_lora_rank +
+        qk_rope_head_dim]`` (one latent vector per token).
+        """
+        if self.attention == "mla":
+            return (self.layers, 1, batch, 1, tokens, self.kv_elements_per_token_layer)
+        return (self.layers, 2, batch, self.kv_heads, tokens, self.head_dim)
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based) keeps only the last ``sliding_window`` tokens."""
+        return layer in self.sliding_layers
+
+    def summary(self) -> dict[str, Any]:
+        """A flat dict for tables: counts as ints, parameters in billions (``_b`` columns)."""
+        if self.attention == "mla":
+            kv = f"{self.layers} × latent {self.kv_lora_rank}+{self.qk_rope_head_dim}"
+        else:
+            kv = f"{self.layers} × {self.kv_heads} × {self.head_dim}"
+        return {
+            "model": self.name,
+            "architecture": self.architecture,
+            "attention": self.attention,
+            "layers": self.layers,
+            "hidden_size": self.hidden_size,
+            "heads": self.heads,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "kv_layout": kv,
+            "params_b": self.params / 1e9,
+            "active_params_b": self.active_params / 1e9,
+            "sliding_window": self.sliding_window,
+            "sliding_layers": len(self.sliding_layers),
+            "max_positions": self.max_positions,
+        }
+
+
+# ---- the registry: published config.json values, kept as data ------------------------------
+#
+# Each entry is the published config.json of the model (fields that do not change the model's
+# shape, such as token ids, are kept as published so the dict can rebuild the model; DeepSeek-V3's
+# fp8 ``quantization_config`` and ``auto_map`` are left out because kvlab builds it in bf16 with
+# transformers' own class). ``published`` is the parameter count shown on the model's Hugging Face
+# page (from its safetensors) or, for DeepSeek-V3, stated in its paper; it is used only to
+# cross-check the count computed from the config (tests compare them, within 1 %).
+
+_HF = "https://huggingface.co/{}/blob/main/config.json"
+
+_LLAMA2_COMMON = {
+    "architectures": ["LlamaForCausalLM"],
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "max_position_embeddings": 4096,
+    "model_type": "llama",
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float16",
+    "vocab_size": 32000,
+}
+
+_LLAMA31_COMMON = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 128256,
+}
+
+_QWEN25_COMMON = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "max_position_embeddings": 131072,
+    "model_type": "qwen2",
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 131072,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_mrope": False,
+    "use_sliding_window": False,
+    "vocab_size": 152064,
+}
+
+REGISTRY: dict[str, dict[str, Any]] = {
+    "llama-2-7b": {
+        "repo": "meta-llama/Llama-2-7b-hf",
+        "config": {**_LLAMA2_COMMON, "hidden_size": 4096, "intermediate_size": 11008,
+                   "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32},
+        "published": {"params": 6.74e9},
+        "aliases": ["llama2-7b", "llama-2-7b-hf", "llama-2-7b-chat", "llama-2-7b-chat-hf"],
+    },
+    "llama-2-70b": {
+        "repo": "meta-llama/Llama-2-70b-hf",
+        "config": {**_LLAMA2_COMMON, "hidden_size": 8192, "intermediate_size": 28672,
+                   "num_attention_heads": 64, "num_hidden_layers": 80, "num_key_value_heads": 8},
+        "published": {"params": 68.98e9},
+        "aliases": ["llama2-70b", "llama-2-70b-hf", "llama-2-70b-chat", "llama-2-70b-chat-hf"],
+    },
+    "llama-3.1-8b": {
+        "repo": "meta-llama/Llama-3.1-8B",
+        "config": {**_LLAMA31_COMMON, "hidden_size": 4096, "intermediate_size": 14336,
+                   "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8},
+        "published": {"params": 8.03e9},
+        "aliases": ["llama3.1-8b", "llama-3.1-8b-instruct", "meta-llama-3.1-8b",
+                    "meta-llama-3.1-8b-instruct"],
+    },
+    "llama-3.1-70b": {
+        "repo": "meta-llama/Llama-3.1-70B",
+        "config": {**_LLAMA31_COMMON, "hidden_size": 8192, "intermediate_size": 28672,
+                   "num_attention_heads": 64, "num_hidden_layers": 80, "num_key_value_heads": 8},
+        "published": {"params": 70.6e9},
+        "aliases": ["llama3.1-70b", "llama-3.1-70b-instruct", "meta-llama-3.1-70b",
+                    "meta-llama-3.1-70b-instruct"],
+    },
+    "llama-3.1-405b": {
+        "repo": "meta-llama/Llama-3.1-405B",
+        "config": {**_LLAMA31_COMMON, "hidden_size": 16384, "intermediate_size": 53248,
+                   "num_attention_heads": 128, "num_hidden_layers": 126, "num_key_value_heads": 8},
+        "published": {"params": 405.9e9},
+        "aliases": ["llama3.1-405b", "llama-3.1-405b-instruct", "meta-llama-3.1-405b",
+                    "meta-llama-3.1-405b-instruct"],
+    },
+    "qwen2.5-7b": {
+        "repo": "Qwen/Qwen2.5-7B",
+        "config": {**_QWEN25_COMMON, "hidden_size": 3584, "intermediate_size": 18944,
+                   "max_window_layers": 28, "num_attention_heads": 28, "num_hidden_layers": 28,
+                   "num_key_value_heads": 4},
+        "published": {"params": 7.62e9},
+        "aliases": ["qwen2.5-7b-instruct", "qwen25-7b"],
+    },
+    "qwen2.5-72b": {
+        "repo": "Qwen/Qwen2.5-72B",
+        "config": {**_QWEN25_COMMON, "hidden_size": 8192, "intermediate_size": 29568,
+                   "max_window_layers": 80, "num_attention_heads": 64, "num_hidden_layers": 80,
+                   "num_key_value_heads": 8},
+        "published": {"params": 72.7e9},
+        "aliases": ["qwen2.5-72b-instruct", "qwen25-72b"],
+    },
+    "mistral-7b": {
+        # v0.1: its 4096-token sliding window applies to every layer (v0.2/v0.3 dropped it).
+        "repo": "mistralai/Mistral-7B-v0.1",
+        "config": {
+            "architectures": ["MistralForCausalLM"],
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "hidden_act": "silu",
+            "hidden_size": 4096,
+            "initializer_range": 0.02,
+            "intermediate_size": 14336,
+            "max_position_embeddings": 32768,
+            "model_type": "mistral",
+            "num_attention_heads": 32,
+            "num_hidden_layers": 32,
+            "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-05,
+            "rope_theta": 10000.0,
+            "sliding_window": 4096,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "vocab_size": 32000,
+        },
+        "published": {"params": 7.24e9},
+        "aliases": ["mistral-7b-v0.1", "mistral-7b-instruct-v0.1"],
+    },
+    "mixtral-8x7b": {
+        "repo": "mistralai/Mixtral-8x7B-v0.1",
+        "config": {
+            "architectures": ["MixtralForCausalLM"],
+            "attention_dropout": 0.0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "hidden_act": "silu",
+            "hidden_size": 4096,
+            "initializer_range": 0.02,
+            "intermediate_size": 14336,
+            "max_position_embeddings": 32768,
+            "model_type": "mixtral",
+            "num_attention_heads": 32,
+            "num_experts_per_tok": 2,
+            "num_hidden_layers": 32,
+            "num_key_value_heads": 8,
+            "num_local_experts": 8,
+            "output_router_logits": False,
+            "rms_norm_eps": 1e-05,
+            "rope_theta": 1000000.0,
+            "router_aux_loss_coef": 0.02,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "vocab_size": 32000,
+        },
+        "published": {"params": 46.7e9, "active_params": 12.9e9},
+        "aliases": ["mixtral-8x7b-v0.1", "mixtral-8x7b-instruct-v0.1"],
+    },
+    "deepseek-v3": {
+        "repo": "deepseek-ai/DeepSeek-V3",
+        "config": {
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "ep_size": 1,
+            "first_k_dense_replace": 3,
+            "hidden_act": "silu",
+            "hidden_size": 7168,
+            "initializer_range": 0.02,
+            "intermediate_size": 18432,
+            "kv_lora_rank": 512,
+            "max_position_embeddings": 163840,
+            "model_type": "deepseek_v3",
+            "moe_intermediate_size": 2048,
+            "moe_layer_freq": 1,
+            "n_group": 8,
+            "n_routed_experts": 256,
+            "n_shared_experts": 1,
+            "norm_topk_prob": True,
+            "num_attention_heads": 128,
+            "num_experts_per_tok": 8,
+            "num_hidden_layers": 61,
+            "num_key_value_heads": 128,
+            "num_nextn_predict_layers": 1,
+            "q_lora_rank": 1536,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "rms_norm_eps": 1e-06,
+            "rope_scaling": {
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "factor": 40,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "original_max_position_embeddings": 4096,
+                "type": "yarn",
+            },
+            "rope_theta": 10000,
+            "routed_scaling_factor": 2.5,
+            "scoring_func": "sigmoid",
+            "tie_word_embeddings": False,
+            "topk_group": 4,
+            "topk_method": "noaux_tc",
+            "torch_dtype": "bfloat16",
+            "v_head_dim": 128,
+            "vocab_size": 129280,
+        },
+        # The paper's 671B total / 37B activated exclude the 14B multi-token-prediction module,
+        # which transformers does not build either.
+        "published": {"params": 671e9, "active_params": 37e9},
+        "aliases": ["deepseek-v3-base", "deepseek-v3-0324", "deepseek-ai/deepseek-v3"],
+    },
+    "gemma-2-9b": {
+        "repo": "google/gemma-2-9b",
+        "config": {
+            "architectures": ["Gemma2ForCausalLM"],
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "attn_logit_softcapping": 50.0,
+            "bos_token_id": 2,
+            "cache_implementation": "hybrid",
+            "eos_token_id": 1,
+            "final_logit_softcapping": 30.0,
+            "head_dim": 256,
+            "hidden_act": "gelu_pytorch_tanh",
+            "hidden_activation": "gelu_pytorch_tanh",
+            "hidden_size": 3584,
+            "initializer_range": 0.02,
+            "intermediate_size": 14336,
+            "max_position_embeddings": 8192,
+            "model_type": "gemma2",
+            "num_attention_heads": 16,
+            "num_hidden_layers": 42,
+            "num_key_value_heads": 8,
+            "pad_token_id": 0,
+            "query_pre_attn_scalar": 256,
+            "rms_norm_eps": 1e-06,
+            "rope_theta": 10000.0,
+            "sliding_window": 4096,
+            "sliding_window_size": 4096,
+            "torch_dtype": "float32",
+            "use_cache": True,
+            "vocab_size": 256000,
+        },
+        "published": {"params": 9.24e9},
+        "aliases": ["gemma2-9b", "gemma-2-9b-it"],
+    },
+    "kvlab-tiny": {
+        # Not a published model: a 2-layer Qwen2-architecture config for CPU runs and tests
+        # (GQA with 2 KV heads, so KV-head arithmetic is exercised even at this size).
+        "repo": None,
+        "config": {
+            "architectures": ["Qwen2ForCausalLM"],
+            "attention_dropout": 0.0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "hidden_act": "silu",
+            "hidden_size": 64,
+            "initializer_range": 0.02,
+            "intermediate_size": 128,
+            "max_position_embeddings": 4096,
+            "max_window_layers": 2,
+            "model_type": "qwen2",
+            "num_attention_heads": 4,
+            "num_hidden_layers": 2,
+            "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-06,
+            "rope_theta": 10000.0,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+            "use_cache": True,
+            "use_sliding_window": False,
+            "vocab_size": 256,
+        },
+        "published": {},
+        "aliases": ["tiny"],
+    },
+}
+
+
+def _norm_name(name: str) -> str:
+    """Lower-case, drop an ``org/`` prefix, and unify separators so aliases match loosely."""
+    n = name.strip().lower()
+    if "/" in n:
+        n = n.rsplit("/", 1)[1]
+    return re.sub(r"[\s_]+", "-", n)
+
+
+def _alias_table() -> dict[str, str]:
+    table: dict[str, str] = {}
+    for key, entry in REGISTRY.items():
+        table[_norm_name(key)] = key
+        if entry.get("repo"):
+            table[_norm_name(entry["repo"])] = key
+        for alias in entry.get("aliases", ()):
+            table[_norm_name(alias)] = key
+    return table
+
+
+def names() -> list[str]:
+    """Registry names, in the order they are defined (the order tables use)."""
+    return list(REGISTRY)
+
+
+def aliases() -> dict[str, str]:
+    """Every accepted spelling (normalised) → registry name."""
+    return _alias_table()
+
+
+def _registry_source(key: str, entry: Mapping[str, Any]) -> str:
+    where = _HF.format(entry["repo"]) if entry.get("repo") else "kvlab built-in test config"
+    pub = entry.get("published") or {}
+    parts = [f"config: {where}", "params: computed from the config"]
+    if "params" in pub:
+        note = f"published {pub['params'] / 1e9:g}B"
+        if "active_params" in pub:
+            note += f", {pub['active_params'] / 1e9:g}B active"
+        parts[-1] += f" ({note})"
+    return "; ".join(parts)
+
+
+def get(name: str) -> ModelSpec:
+    """The spec of a registry model, by name, case-insensitively.
+
+    Accepts registry names (``names()``), the Hugging Face repo id (``"meta-llama/Llama-3.1-8B"``)
+    and common aliases (``"qwen2.5-7b-instruct"``): instruct/chat variants share the base shape.
+    A :class:`ModelSpec` is returned unchanged. Unknown name → ValueError listing known names.
+    """
+    if isinstance(name, ModelSpec):
+        return name
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"model name {name!r}: expected a non-empty string; known: {names()}")
+    key = _alias_table().get(_norm_name(name))
+    if key is None:
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(names())} "
+                         "(or pass a config.json path to models.from_hf_config)")
+    entry = REGISTRY[key]
+    # A fresh deep copy each time, so a caller editing spec.hf_config cannot change the registry.
+    return from_hf_config(copy.deepcopy(entry["config"]), name=key,
+                          source=_registry_source(key, entry))
+
+
+# ---- from_hf_config ---------------------------------------------------------------------------
+
+# Some model families spell the same quantity differently; the first name present wins.
+_FIELD_NAMES: dict[str, tuple[str, ...]] = {
+    "layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "hidden_size": ("hidden_size", "n_embd", "d_model"),
+    "heads": ("num_attention_heads", "n_head", "num_heads"),
+    "vocab_size": ("vocab_size",),
+}
+
+
+def _first(cfg: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    return None
+
+
+def _to_dict(x: Any) -> tuple[dict[str, Any], str]:
+    """Normalise the accepted inputs to (config dict, where it came from)."""
+    if isinstance(x, ModelSpec):
+        return copy.deepcopy(x.hf_config), x.source
+    if isinstance(x, Mapping):
+        return copy.deepcopy(dict(x)), "dict"
+    if isinstance(x, (str, os.PathLike)):
+        p = Path(x).expanduser()
+        if p.is_dir():
+            p = p / "config.json"
+        if not p.is_file():
+            raise ValueError(f"config path {str(x)!r}: no such file (expected a config.json or a "
+                             "directory holding one)")
+        try:
+            d = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config file {str(p)!r} is not valid JSON: {e}") from e
+        if not isinstance(d, dict):
+            raise ValueError(f"config file {str(p)!r} holds a {type(d).__name__}, not a JSON "
+                             "object")
+        return d, f"config: {p}"
+    if hasattr(x, "to_dict") and hasattr(x, "model_type"):
+        # A transformers PretrainedConfig: its to_dict() carries derived fields (layer_types,
+        # head_dim) as transformers resolved them, which is what the model will actually use.
+        return x.to_dict(), f"transformers {type(x).__name__}"
+    raise ValueError(f"cannot read a model config from {type(x).__name__}; pass a transformers "
+                     "PretrainedConfig, a dict, a path to config.json, or a directory holding one")
+
+
+def _sliding(cfg: Mapping[str, Any], layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """Which layers use a sliding window, and its length (tokens).
+
+    Precedence, matching how transformers reads the same configs:
+      1. ``layer_types``: layers marked ``"sliding_attention"``;
+      2. Gemma-2 (no layer_types): even-indexed layers (0, 2, …) are sliding;
+      3. Qwen2 semantics (``use_sliding_window`` present): only when it is true, layers with
+         index ≥ ``max_window_layers`` slide;
+      4. otherwise a non-null ``sliding_window`` applies to every layer (Mistral v0.1).
+    """
+    window = cfg.get("sliding_window")
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:
+        if len(layer_types) != layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries for {layers} layers")
+        idx = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+        if idx and not window:
+            raise ValueError("layer_types marks sliding_attention layers but sliding_window is "
+                             f"{window!r}")
+        return (int(window) if idx else None), idx
+    if not window:
+        return None, ()
+    if cfg.get("model_type") == "gemma2":
+        return int(window), tuple(range(0, layers, 2))
+    if "use_sliding_window" in cfg:
+        if not cfg["use_sliding_window"]:
+            return None, ()
+        first = int(cfg.get("max_window_layers", 0) or 0)
+        idx = tuple(range(first, layers))
+        return (int(window) if idx else None), idx
+    return int(window), tuple(range(layers))
+
+
+def _gated_mlp(hidden: int, inter: int, bias: bool = False) -> int:
+    """gate, up (hidden→inter) and down (inter→hidden) projections of a SwiGLU/GeGLU MLP."""
+    return 3 * hidden * inter + (2 * inter + hidden if bias else 0)
+
+
+# Config classes disagree on whether lm_head shares the embedding matrix when config.json does
+# not say: Gemma ties it, the Llama/Qwen2/Mistral/DeepSeek families do not.
+_TIED_BY_DEFAULT = {"gemma": True, "gemma2": True, "gemma3": True, "gemma3_text": True,
+                    "llama": False, "qwen2": False, "qwen2_moe": False, "qwen3": False,
+                    "mistral": False, "mixtral": False, "deepseek_v2": False,
+                    "deepseek_v3": False}
+
+
+def _tied(cfg: Mapping[str, Any]) -> bool:
+    """Whether lm_head reuses the embedding weights (missing key → the config class default)."""
+    if cfg.get("tie_word_embeddings") is not None:
+        return bool(cfg["tie_word_embeddings"])
+    mt = cfg.get("model_type", "")
+    if mt in _TIED_BY_DEFAULT:
+        return _TIED_BY_DEFAULT[mt]
+    try:  # an architecture kvlab does not know: ask transformers for its class default
+        from transformers import AutoConfig
+
+        return bool(AutoConfig.for_model(mt).tie_word_embeddings)
+    except Exception:  # noqa: BLE001 - unknown to transformers too; untied is the common case
+        return False
+
+
+def param_count(cfg: Mapping[str, Any]) -> tuple[int, int]:
+    """(total, active) parameter counts computed from a config dict, as transformers builds it.
+
+    Counted: token embeddings; per layer the attention projections (with biases where the
+    architecture has them: Qwen2's q/k/v, ``attention_bias``), the MLP (a gated MLP — every
+    registry architecture uses one), MoE routers and experts (Mixtral ``num_local_experts``;
+    DeepSeek ``n_routed_experts`` + ``n_shared_experts``, dense for the first
+    ``first_k_dense_replace`` layers), RMSNorm weights (2 per layer, 4 for Gemma-2); the final
+    norm; ``lm_head`` unless tied (``tie_word_embeddings``, or the config class's default when
+    config.json leaves it out: Gemma ties). Not counted: buffers (rotary tables,
+    DeepSeek's router score-correction bias) and DeepSeek's multi-token-prediction module.
+
+    Active = total minus the routed experts a token does not visit (``experts - top_k`` per MoE
+    layer), so for dense models active == total.
+    """
+    d = dict(cfg)
+    mt = d.get("model_type", "")
+    hidden = int(_first(d, _FIELD_NAMES["hidden_size"]))
+    layers = int(_first(d, _FIELD_NAMES["layers"]))
+    heads = int(_first(d, _FIELD_NAMES["heads"]))
+    kv = int(d.get("num_key_value_heads") or heads)
+    vocab = int(d["vocab_size"])
+    inter = int(d.get("intermediate_size") or 0)
+
+    # Attention.
+    if d.get("kv_lora_rank"):
+        q_rank = d.get("q_lora_rank")
+        nope, rope = int(d["qk_nope_head_dim"]), int(d["qk_rope_head_dim"])
+        v_dim, kv_rank = int(d["v_head_dim"]), int(d["kv_lora_rank"])
+        ab = bool(d.get("attention_bias", False))
+        qk = nope + rope
+        if q_rank:
+            attn = hidden * q_rank + (q_rank if ab else 0) + q_rank + q_rank * heads * qk
+        else:
+            attn = hidden * heads * qk
+        attn += hidden * (kv_rank + rope) + ((kv_rank + rope) if ab else 0)  # kv_a_proj_with_mqa
+        attn += kv_rank  # kv_a_layernorm
+        attn += kv_rank * heads * (nope + v_dim)  # kv_b_proj
+        attn += heads * v_dim * hidden + (hidden if ab else 0)  # o_proj
+    else:
+        hd = int(d.get("head_dim") or hidden // heads)
+        q_out, kv_out = heads * hd, kv * hd
+        attn = hidden * q_out + 2 * hidden * kv_out + q_out * hidden
+        if mt == "qwen2":
+            attn += q_out + 2 * kv_out  # q/k/v carry a bias, o_proj does not
+        elif d.get("attention_bias"):
+            attn += q_out + 2 * kv_out + hidden
+
+    # Feed-forward, per layer: (total, active).
+    mlp_bias = bool(d.get("mlp_bias", False))
+    ffn_total: list[int] = []
+    ffn_active: list[int] = []
+    if mt == "mixtral" or d.get("num_local_experts"):
+        # MixtralConfig's defaults (8 experts, top-2) apply when config.json leaves them out.
+        e = int(d.get("num_local_experts") or 8)
+        k = int(d.get("num_experts_per_tok") or 2)
+        expert = _gated_mlp(hidden, inter)
+        for _ in range(layers):
+            ffn_total.append(e * expert + e * hidden)  # experts + router (no bias)
+            ffn_active.append(k * expert + e * hidden)
+    elif d.get("n_routed_experts"):
+        e, k = int(d["n_routed_experts"]), int(d.get("num_experts_per_tok") or 0)
+        shared = int(d.get("n_shared_experts") or 0)
+        moe_inter = int(d["moe_intermediate_size"])
+        first_dense = int(d.get("first_k_dense_replace") or 0)
+        expert = _gated_mlp(hidden, moe_inter)
+        for i in range(layers):
+            if i < first_dense:
+                ffn_total.append(_gated_mlp(hidden, inter))
+                ffn_active.append(ffn_total[-1])
+            else:
+                common = _gated_mlp(hidden, moe_inter * shared) + e * hidden  # shared + router
+                ffn_total.append(common + e * expert)
+                ffn_active.append(common + k * expert)
+    else:
+        ffn_total = [_gated_mlp(hidden, inter, mlp_bias)] * layers
+        ffn_active = ffn_total
+
+    norms = (4 if mt in ("gemma2", "gemma3", "gemma3_text") else 2) * hidden
+    embed = vocab * hidden
+    head = 0 if _tied(d) else vocab * hidden
+    fixed = embed + head + hidden + layers * (attn + norms)
+    return fixed + sum(ffn_total), fixed + sum(ffn_active)
+
+
+def from_hf_config(x: Any, *, name: str | None = None, source: str | None = None,
+                   params: int | None = None, active_params: int | None = None) -> ModelSpec:
+    """A :class:`ModelSpec` from a Hugging Face config.
+
+    Args:
+        x: a ``transformers.PretrainedConfig``, a dict of config.json values, a path to a
+            config.json, or a directory holding one. Multimodal configs with a ``text_config``
+            use that.
+        name: spec name; default: the config's ``_name_or_path`` or its model_type.
+        source: where the numbers came from; default: describes ``x``.
+        params, active_params: parameter counts to use instead of the computed ones (see
+            :func:`param_count`); active defaults to params for a dense model.
+
+    Derived where configs leave it implicit: ``head_dim = hidden_size // heads`` (unless given);
+    ``kv_heads = heads`` when ``num_key_value_heads`` is absent; attention kind (``mla`` when
+    ``kv_lora_rank`` is set, else ``mha``/``mqa``/``gqa`` from KV vs query heads); sliding layers
+    (see ``_sliding``). Missing required fields → ValueError naming them.
+    """
+    cfg, where = _to_dict(x)
+    if _first(cfg, _FIELD_NAMES["layers"]) is None and isinstance(cfg.get("text_config"), Mapping):
+        cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type",
+                                                                         cfg.get("model_type"))}
+
+    missing = [keys[0] for keys in _FIELD_NAMES.values() if _first(cfg, keys) is None]
+    mla = bool(cfg.get("kv_lora_rank"))
+    if mla:
+        missing += [k for k in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+                    if cfg.get(k) is None]
+    if cfg.get("intermediate_size") is None and cfg.get("moe_intermediate_size") is None:
+        missing.append("intermediate_size")
+    if not cfg.get("model_type"):
+        missing.append("model_type")
+    if missing:
+        raise ValueError(f"model config ({where}) is missing required field(s): "
+                         f"{', '.join(missing)}")
+
+    def as_int(key_or_keys: str | tuple[str, ...]) -> int:
+        keys = (key_or_keys,) if isinstance(key_or_keys, str) else key_or_keys
+        v = _first(cfg, keys)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v or v < 1:
+            raise ValueError(f"model config ({where}): {keys[0]}={v!r} must be a positive integer")
+        return int(v)
+
+    layers = as_int(_FIELD_NAMES["layers"])
+    hidden = as_int(_FIELD_NAMES["hidden_size"])
+    heads = as_int(_FIELD_NAMES["heads"])
+    vocab = as_int("vocab_size")
+    kv_heads = (as_int("num_key_value_heads") if cfg.get("num_key_value_heads") is not None
+                else heads)
+    if kv_heads > heads or heads % kv_heads:
+        raise ValueError(f"model config ({where}): num_key_value_heads={kv_heads} must divide "
+                         f"num_attention_heads={heads}")
+
+    if mla:
+        # transformers sets head_dim to the RoPE width for DeepSeek; a query·key dot product
+        # spans nope + rope.
+        head_dim = as_int("qk_nope_head_dim") + as_int("qk_rope_head_dim")
+        attention = "mla"
+        kv_lora_rank, rope_dim = as_int("kv_lora_rank"), as_int("qk_rope_head_dim")
+    else:
+        if cfg.get("head_dim") is not None:
+            head_dim = as_int("head_dim")
+        elif hidden % heads:
+            raise ValueError(f"model config ({where}): hidden_size={hidden} is not divisible by "
+                             f"num_attention_heads={heads} and no head_dim is given")
+        else:
+            head_dim = hidden // heads
+        attention = "mha" if kv_heads == heads else ("mqa" if kv_heads == 1 else "gqa")
+        kv_lora_rank = rope_dim = None
+
+    window, sliding_layers = _sliding(cfg, layers)
+    total, active = param_count(cfg)
+    how = "params: computed from the config"
+    if params is not None:
+        total = int(params)
+        active = int(active_params) if active_params is not None else total
+        how = "params: given"
+    elif active_params is not None:
+        active = int(active_params)
+
+    max_pos = cfg.get("max_position_embeddings") or cfg.get("n_positions")
+    spec_name = name or cfg.get("_name_or_path") or cfg["model_type"]
+    return ModelSpec(
+        name=spec_name,
+        architecture=str(cfg["model_type"]),
+        layers=layers,
+        hidden_size=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=int(cfg.get("intermediate_size") or cfg.get("moe_intermediate_size")),
+        vocab_size=vocab,
+        params=total,
+        active_params=active,
+        attention=attention,
+        kv_lora_rank=kv_lora_rank,
+        qk_rope_head_dim=rope_dim,
+        sliding_window=window,
+        sliding_layers=sliding_layers,
+        max_positions=int(max_pos) if max_pos else None,
+        source=source if source is not None else f"{where}; {how}",
+        hf_config=cfg,
+    )
+
+
+# ---- build: a transformers model from a spec -------------------------------------------------
+
+_DTYPE_NAMES = {
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp16": "float16", "float16": "float16", "half": "float16",
+    "fp32": "float32", "float32": "float32", "float": "float32",
+}
+
+
+def _resolve_dtype(dtype: Any):
+    import torch
+
+    if dtype is None or isinstance(dtype, torch.dtype):
+        if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"dtype={dtype}: valid model dtypes are torch.bfloat16, "
+                             "torch.float16, torch.float32 or None")
+        return dtype
+    if isinstance(dtype, str):
+        key = dtype.lower().removeprefix("torch.")
+        if key in _DTYPE_NAMES:
+            return getattr(torch, _DTYPE_NAMES[key])
+    raise ValueError(f"dtype={dtype!r}: valid are torch.bfloat16/float16/float32, None, or one of "
+                     f"{sorted(_DTYPE_NAMES)}")
+
+
+def available_devices() -> list[str]:
+    """Device strings usable on this machine: ``"cpu"``, ``"meta"``, ``"cuda:N"`` for each GPU."""
+    import torch
+
+    devs = ["cpu", "meta"]
+    if torch.cuda.is_available():
+        devs += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        devs.append("mps")
+    return devs
+
+
+def _resolve_device(device: Any):
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r} is not a device; available: "
+                         f"{available_devices()}") from e
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = 0 if dev.index is None else dev.index
+        if index >= n:
+            raise ValueError(f"device={device!r}: this machine has {n} CUDA device(s); "
+                             f"available: {available_devices()}")
+        return torch.device("cuda", index)
+    if dev.type == "mps" and "mps" not in available_devices():
+        raise ValueError(f"device={device!r} is not available; available: {available_devices()}")
+    if dev.type not in ("cpu", "meta", "cuda", "mps"):
+        raise ValueError(f"device={device!r} is not supported; available: {available_devices()}")
+    return dev
+
+
+def _looks_like_path(s: str) -> bool:
+    """A string meant as a filesystem path rather than a hub id (hub ids are ``org/name``)."""
+    return (s.startswith(("/", "./", "../", "~", ".\\")) or s.count("/") >= 2 or "\\" in s
+            or s.endswith(".json"))
+
+
+def build(spec_or_path: Any, weights: str = "random", device: Any = "cpu",
+          dtype: Any = "bfloat16", *, seed: int = 0, attn_implementation: str = "sdpa"):
+    """A ``transformers`` causal LM in eval mode, with random or real weights.
+
+    Args:
+        spec_or_path: a :class:`ModelSpec`, a registry name (``"kvlab-tiny"``), a config dict or
+            transformers config, or a path to a config.json / model directory.
+        weights: ``"random"`` — initialise from the spec's config, directly on ``device`` (a
+            ``torch.device`` context, so a 7B model never passes through host memory), seeded
+            with ``seed`` so two builds give identical weights; or a local directory / hub id for
+            ``from_pretrained`` (a local directory works offline). With real weights, the
+            checkpoint's config must agree with ``spec_or_path`` on the KV-relevant shape.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"meta"`` (shapes only) or a torch.device.
+        dtype: parameter dtype: ``torch.bfloat16`` (default, also ``"bf16"``), ``torch.float16``,
+            ``torch.float32``; ``None`` keeps the checkpoint's dtype (float32 for random weights).
+        seed: RNG seed for random weights; the caller's RNG state is left untouched.
+        attn_implementation: passed to transformers (``"sdpa"`` by default; ``"eager"`` works).
+
+    Returns:
+        ``AutoModelForCausalLM`` instance on ``device`` in eval mode.
+
+    Raises:
+        ValueError: unknown model, bad device (lists the available ones), bad dtype, a weights
+            path that does not exist, or a checkpoint whose shape differs from the spec.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dev = _resolve_device(device)
+    torch_dtype = _resolve_dtype(dtype)
+    if not isinstance(weights, (str, os.PathLike)) or not str(weights).strip():
+        raise ValueError(f"weights={weights!r}: use 'random', a local model directory or a hub id")
+    weights = str(weights)
+
+    if isinstance(spec_or_path, ModelSpec):
+        spec = spec_or_path
+    elif isinstance(spec_or_path, str) and not os.path.exists(os.path.expanduser(spec_or_path)):
+        if _looks_like_path(spec_or_path):
+            raise ValueError(f"model path {spec_or_path!r} does not exist")
+        spec = get(spec_or_path)
+    else:
+        spec = from_hf_config(spec_or_path)
+
+    if weights == "random":
+        cfg = AutoConfig.for_model(**copy.deepcopy(spec.hf_config))
+        # fork_rng restores the caller's CPU (and target GPU) RNG state afterwards. Seed only the
+        # generators init touches: torch.manual_seed would reseed (and so initialise) every GPU.
+        gpus = [dev.index] if dev.type == "cuda" else []
+        with torch.random.fork_rng(devices=gpus):
+            torch.default_generator.manual_seed(seed)
+            if dev.type == "cuda":
+                with torch.cuda.device(dev):
+                    torch.cuda.manual_seed(seed)
+            with dev:
+                model = AutoModelForCausalLM.from_config(
+                    cfg, attn_implementation=attn_implementation,
+                    dtype=torch_dtype if torch_dtype is not None else torch.float32)
+        return model.eval()
+
+    local = os.path.isdir(os.path.expanduser(weights))
+    if not local and _looks_like_path(weights):
+        raise ValueError(f"weights={weights!r}: no such directory (use 'random', a local model "
+                         "directory or a hub id)")
+    src = os.path.expanduser(weights) if local else weights
+    ckpt = from_hf_config(AutoConfig.from_pretrained(src))
+    shape = ("layers", "heads", "kv_heads", "head_dim", "hidden_size", "attention",
+             "kv_lora_rank", "qk_rope_head_dim")
+    diff = {k: (getattr(spec, k), getattr(ckpt, k)) for k in shape
+            if getattr(spec, k) != getattr(ckpt, k)}
+    if diff:
+        raise ValueError(f"weights {weights!r} do not match {spec.name!r}: "
+                         + ", ".join(f"{k} {a} vs {b}" for k, (a, b) in diff.items()))
+    kwargs: dict[str, Any] = {"attn_implementation": attn_implementation,
+                              "dtype": torch_dtype if torch_dtype is not None else "auto"}
+    if dev.type == "meta":
+        raise ValueError("device='meta' only makes sense with weights='random'")
+    import importlib.util
+
+    # With accelerate, transformers streams the checkpoint straight onto the device; without it
+    # (it is not a kvlab dependency) a device_map is refused, so load on the host and move.
+    if dev.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
+        kwargs["device_map"] = {"": dev}
+    model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
+    return model.to(dev).eval()
