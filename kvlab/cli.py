@@ -1,0 +1,789 @@
+"""The ``kvlab`` command (also ``python -m kvlab``).
+
+    kvlab run NOTEBOOK [-p NAME VALUE ...] [--run-dir DIR]   one notebook through papermill
+    kvlab run-all [-p NAME VALUE ...]                         every notebook, in order
+    kvlab sweep NOTEBOOK --grid FILE [-p NAME VALUE ...]      one run per point of a grid
+    kvlab calc MODEL --tokens N [--link 400G] ...             the KV-cache calculator's answer
+    kvlab info                                                hardware, versions, P2P matrix
+
+Adding a subcommand is one function and its registration, with its options given either as
+``arg(...)`` entries or by a module's own ``add_arguments(parser)`` (named as "module:function",
+imported only when that subcommand runs)::
+
+    @subcommand("ceilings", "measure link ceilings on this machine",
+                configure="kvlab.ceilings:add_arguments")
+    def _cmd_ceilings(args) -> int:
+        from kvlab import ceilings   # heavy imports inside, so `kvlab --help` stays fast
+        return ceilings.run_args(args)
+
+Bad input raises ``UsageError``; ``main`` prints it as ``kvlab <command>: error: ...`` and exits 2,
+before any folder is created. Set ``KVLAB_DEBUG=1`` to see the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import dataclasses
+import io
+import itertools
+import json
+import logging
+import os
+import sys
+import time
+import tokenize
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+from kvlab import __version__, results
+
+
+class UsageError(Exception):
+    """Bad input on the command line; the message says what was wrong and what is valid."""
+
+
+# --------------------------------------------------------------------- subcommand registry
+
+
+@dataclasses.dataclass(frozen=True)
+class _Command:
+    name: str
+    help: str
+    args: tuple
+    func: Callable[[argparse.Namespace], int]
+    configure: Callable[[argparse.ArgumentParser], object] | str | None
+
+
+_COMMANDS: list[_Command] = []
+
+
+def arg(*flags: str, **kwargs) -> tuple:
+    """One ``add_argument`` call for ``subcommand``: ``arg("--tp", type=int, default=1)``."""
+    return flags, kwargs
+
+
+def subcommand(name: str, help: str, *args: tuple,
+               configure: Callable[[argparse.ArgumentParser], object] | str | None = None):
+    """Register the decorated ``func(args) -> exit code`` as ``kvlab <name>``; the function's
+    docstring becomes the description shown by ``kvlab <name> --help``.
+
+    ``args``: ``arg(...)`` entries. ``configure``: a function that adds options to the
+    subcommand's parser, or its ``"module:function"`` name; a name is imported only when that
+    subcommand is parsed, so a module that imports torch does not slow down ``kvlab --help``.
+    """
+
+    def register(func):
+        if any(c.name == name for c in _COMMANDS):
+            raise ValueError(f"kvlab subcommand {name!r} is registered twice")
+        _COMMANDS.append(_Command(name, help, args, func, configure))
+        return func
+
+    return register
+
+
+def _configure(cmd: _Command, parser: argparse.ArgumentParser) -> None:
+    for flags, kwargs in cmd.args:
+        parser.add_argument(*flags, **kwargs)
+    configure = cmd.configure
+    if isinstance(configure, str):
+        import importlib
+
+        module, _, function = configure.partition(":")
+        configure = getattr(importlib.import_module(module), function)
+    if configure is not None:
+        configure(parser)
+
+
+def command_names() -> list[str]:
+    """The registered subcommands, in the order ``kvlab --help`` lists them."""
+    return [c.name for c in _COMMANDS]
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The argparse parser of every registered subcommand. With ``only``, the options of that
+    subcommand alone are added (the others are listed, with no options), which keeps a module's
+    heavy imports out of every other command."""
+    parser = argparse.ArgumentParser(
+        prog="kvlab",
+        description="kvlab: the KV-cache bill of disaggregated LLM inference, as a workbook.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"kvlab {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for cmd in _COMMANDS:
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.func.__doc__ or cmd.help,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        if only is None or only == cmd.name:
+            _configure(cmd, p)
+        p.set_defaults(_func=cmd.func)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``kvlab`` and ``python -m kvlab``; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The subcommand is the first word that is not an option (kvlab has no option with a value).
+    only = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(only if only in command_names() else None).parse_args(argv)
+    # What run.json records as the command line (the kernel's own sys.argv names only itself).
+    args.argv = ["kvlab", *argv]
+    try:
+        return int(args._func(args) or 0)
+    except (UsageError, ValueError, FileNotFoundError) as err:
+        # ValueError: the library's own bad-input errors (an unknown model, tokens <= 0) already
+        # name the value and what is valid; a traceback would only bury that line.
+        if os.environ.get("KVLAB_DEBUG"):
+            raise
+        print(f"kvlab {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+# ----------------------------------------------------------------------- notebook params
+
+
+@dataclasses.dataclass(frozen=True)
+class Parameter:
+    """One assignment of a notebook's ``parameters`` cell.
+
+    ``annotation``: the type as written (``"list[int]"``), None when unannotated; ``default``: the
+    source text of the value; ``help``: the comment on its line ("" when none).
+    """
+
+    name: str
+    annotation: str | None
+    default: str | None
+    help: str
+
+    def describe(self) -> str:
+        text = f"{self.name}: {self.annotation or '?'} = {self.default}"
+        return f"{text}  # {self.help}" if self.help else text
+
+
+def parameter_cells(nb) -> list:
+    """The code cells of a notebook (an nbformat node) tagged ``parameters``."""
+    return [c for c in nb.cells
+            if c.cell_type == "code" and "parameters" in c.get("metadata", {}).get("tags", [])]
+
+
+def parse_parameter_cell(source: str, where: str = "parameters cell") -> dict[str, Parameter]:
+    """``{name: Parameter}`` for each top-level assignment in a parameters cell, in order.
+
+    Parsed with ``ast`` rather than papermill's inspector, which silently drops parameters whose
+    annotation holds ``|`` (``size: int | str = "auto"``) — those would then be refused as unknown.
+    """
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as err:
+        raise UsageError(f"{where} is not valid Python (line {err.lineno}): {err.msg}") from None
+    comments: dict[int, str] = {}
+    with contextlib.suppress(tokenize.TokenError):
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type == tokenize.COMMENT:
+                comments.setdefault(tok.start[0], tok.string.lstrip("#").strip())
+    found: dict[str, Parameter] = {}
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            name, annotation = node.target.id, ast.unparse(node.annotation)
+        elif (isinstance(node, ast.Assign) and len(node.targets) == 1
+              and isinstance(node.targets[0], ast.Name)):
+            name, annotation = node.targets[0].id, None
+        else:
+            continue
+        default = ast.get_source_segment(source, node.value) if node.value is not None else None
+        help_ = next((comments[line] for line in range(node.lineno, node.end_lineno + 1)
+                      if line in comments), "")
+        found[name] = Parameter(name, annotation, default, help_)
+    return found
+
+
+def notebook_parameters(path: str | os.PathLike) -> dict[str, Parameter]:
+    """The parameters a notebook declares (its first cell tagged ``parameters``, the one papermill
+    injects after); empty when it has none."""
+    import nbformat
+
+    nb = nbformat.read(str(path), as_version=4)
+    cells = parameter_cells(nb)
+    if not cells:
+        return {}
+    return parse_parameter_cell(cells[0].source, f"the parameters cell of {Path(path).name}")
+
+
+def runnable_parameters(path: Path) -> dict[str, Parameter]:
+    """``notebook_parameters(path)``, or UsageError when the notebook lacks ``run_dir`` (its
+    results would then not land in the run folder that kvlab made for it)."""
+    declared = notebook_parameters(path)
+    if "run_dir" not in declared:
+        raise UsageError(f"{Path(path).name} declares no run_dir parameter, so its results would "
+                         'not land in the run folder; add to its parameters cell: run_dir: str = ""'
+                         "  # kvlab run sets it; empty = a new data/<study>/<run_id>/")
+    return declared
+
+
+_TYPES: dict[str, type | tuple] = {
+    "int": int, "float": (int, float), "str": str, "bool": bool,
+    "list": list, "List": list, "tuple": (list, tuple), "Tuple": (list, tuple),
+    "Sequence": (list, tuple), "dict": dict, "Dict": dict, "Mapping": dict,
+}
+
+
+def _accepts(value, node: ast.expr) -> bool | None:
+    """Does ``value`` fit the annotation ``node``? None when the annotation is beyond this check
+    (a class of the notebook's own, a TypeVar): then the notebook is trusted to cope."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        verdicts = [_accepts(value, node.left), _accepts(value, node.right)]
+        return True if True in verdicts else (None if None in verdicts else False)
+    if isinstance(node, ast.Constant) and node.value is None:
+        return value is None
+    if isinstance(node, ast.Subscript):
+        base = node.value.attr if isinstance(node.value, ast.Attribute) else getattr(
+            node.value, "id", None)
+        inner = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        if base == "Optional":
+            return True if value is None else _accepts(value, inner[0])
+        if base == "Union":
+            verdicts = [_accepts(value, n) for n in inner]
+            return True if True in verdicts else (None if None in verdicts else False)
+        if base == "Literal":
+            try:
+                return value in [ast.literal_eval(n) for n in inner]
+            except ValueError:
+                return None
+        node = node.value
+    base = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+    if base in ("Any", "object"):
+        return True
+    kind = _TYPES.get(base)
+    if kind is None:
+        return None
+    if isinstance(value, bool) and base in ("int", "float"):
+        return False  # YAML's true/false are not numbers, though Python's bool subclasses int
+    return isinstance(value, kind)
+
+
+def coerce(param: Parameter, value, raw: str | None = None):
+    """``value`` made to fit ``param``'s annotation, or UsageError naming both.
+
+    ``raw`` is the text given on the command line. A parameter annotated ``str`` gets the raw text
+    as is (``-p link 400`` means "400", not the int); a number YAML left as text (``1e3``: YAML 1.1
+    wants ``1.0e3``) is converted when the annotation wants a number.
+    """
+    if param.annotation is None:
+        return value
+    node = ast.parse(param.annotation, mode="eval").body
+    if _accepts(value, node) is not False:
+        return value
+    if isinstance(value, str):
+        for convert in (int, float):
+            try:
+                number = convert(value)
+            except ValueError:
+                continue
+            if _accepts(number, node):
+                return number
+    if not isinstance(value, (list, dict)) and _accepts("", node):
+        return raw if raw is not None else str(value)
+    raise UsageError(f"parameter {param.name} = {value!r} ({type(value).__name__}) does not fit "
+                     f"its declared type {param.annotation}; declared as: {param.describe()}")
+
+
+def _declared_list(declared: Mapping[str, Parameter]) -> str:
+    lines = [f"  {p.describe()}" for p in declared.values() if p.name != "run_dir"]
+    return "\n".join(lines) if lines else "  (none)"
+
+
+_RUN_DIR_IS_SET = ("run_dir is set by kvlab (each run gets its own folder); use --run-dir DIR "
+                   "with `kvlab run` to choose it")
+
+
+def check_names(names, declared: Mapping[str, Parameter], notebook: str) -> None:
+    """UsageError listing the valid parameters when a name in ``names`` is not declared, or is
+    ``run_dir`` (which kvlab sets itself; use --run-dir)."""
+    if "run_dir" in names:
+        raise UsageError(_RUN_DIR_IS_SET)
+    unknown = [n for n in names if n not in declared]
+    if unknown:
+        raise UsageError(f"unknown parameter {', '.join(map(repr, unknown))} for {notebook}; "
+                         f"valid parameters:\n{_declared_list(declared)}")
+
+
+def parse_params(pairs, declared: Mapping[str, Parameter], notebook: str) -> dict:
+    """``-p NAME VALUE`` pairs → ``{name: value}``: names checked against ``declared``, values
+    parsed as YAML (``-p contexts "[1024, 4096]"`` gives a list) and checked against the
+    annotations."""
+    import yaml
+
+    check_names([name for name, _ in pairs], declared, notebook)
+    values = {}
+    for name, raw in pairs:
+        if declared[name].annotation == "str":
+            values[name] = raw
+            continue
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as err:
+            raise UsageError(f"-p {name} {raw!r} is not valid YAML: {err}") from None
+        values[name] = coerce(declared[name], value, raw)
+    return values
+
+
+# ------------------------------------------------------------------------------- notebooks
+
+
+def notebooks_dir() -> Path:
+    """``<repo_root>/notebooks``."""
+    return results.repo_root() / "notebooks"
+
+
+def list_notebooks() -> list[Path]:
+    """The workbook's notebooks, in run order (by file name: 00_…, 01_…)."""
+    folder = notebooks_dir()
+    return sorted(p for p in folder.glob("*.ipynb") if not p.name.startswith(".")) \
+        if folder.is_dir() else []
+
+
+def _short_names(nbs: list[Path]) -> str:
+    return ", ".join(f"{nb.stem} ({results.study_of(nb)})" for nb in nbs) or "(none)"
+
+
+def find_notebook(ref: str) -> Path:
+    """A notebook by path, file name, stem, study name or number: ``notebooks/02_handoff.ipynb``,
+    ``02_handoff``, ``handoff`` and ``02`` name the same notebook."""
+    path = Path(ref).expanduser()
+    if path.suffix == ".ipynb" and (path.is_file() or path.parent != Path(".")):
+        if not path.is_file():
+            raise UsageError(f"notebook {ref!r} does not exist")
+        return path.resolve()
+    nbs = list_notebooks()
+    key = ref.removesuffix(".ipynb")
+
+    def number(nb: Path) -> int | None:
+        head = nb.stem.split("_", 1)[0]
+        return int(head) if head.isdigit() else None
+
+    matches = [nb for nb in nbs if key in (nb.stem, results.study_of(nb))
+               or (key.isdigit() and number(nb) == int(key))]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise UsageError(f"no notebook {ref!r} in {notebooks_dir()}; known: {_short_names(nbs)}")
+    raise UsageError(f"{ref!r} is ambiguous: {_short_names(matches)}")
+
+
+@contextlib.contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    """Set environment variables for the kernels started inside, restoring them afterwards (the
+    tests call main() in-process, so nothing may leak)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+# A logger's filters see only the records logged on it, not its children's: name each one.
+_PAPERMILL_LOGGERS = ("papermill", "papermill.translators")
+
+
+class _QuietInspection(logging.Filter):
+    """Drops papermill's own parameter-inspection warnings. Its regex cannot read lines such as the
+    contract's ``run_dir: str = ""  # ... empty = a new ...`` or ``x: int | str = ...``, so it warns
+    about them and calls their parameters unknown; kvlab has already checked every name with
+    ``notebook_parameters``, so these lines would only be noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not message.startswith(("Unable to parse line", "Passed unknown parameter"))
+
+
+@dataclasses.dataclass
+class Outcome:
+    """How one notebook execution ended: ``ok`` (bool), ``seconds`` (wall time, s), ``error``
+    (one line, or None), ``output`` (the executed notebook, kept even when it failed)."""
+
+    notebook: str
+    run_dir: Path
+    ok: bool
+    seconds: float
+    error: str | None
+    output: Path
+
+
+def execute(notebook: Path, params: Mapping, run_dir: str | os.PathLike | None = None,
+            progress: bool = True, invocation: Mapping | None = None) -> Outcome:
+    """Execute ``notebook`` through papermill with ``params`` (already validated) into
+    ``run_dir`` (default: a new ``data/<study>/<run_id>/``), which the notebook gets as its
+    ``run_dir`` parameter.
+
+    The kernel runs with the notebook's folder as working directory, ``KVLAB_BATCH=1`` (so
+    ``nbtools.is_interactive()`` is False) and this command line in ``KVLAB_INVOCATION`` (for
+    run.json). A failure is returned, not raised: the partial notebook stays for debugging.
+    """
+    import papermill
+
+    notebook = Path(notebook)
+    study = results.check_study(results.study_of(notebook))
+    folder = Path(run_dir).expanduser().resolve() if run_dir else results.new_run_dir(study)
+    folder.mkdir(parents=True, exist_ok=True)
+    output = folder / notebook.name
+    invocation = dict(invocation or {"argv": sys.argv})
+    invocation.setdefault("notebook", notebook.name)
+    # The kernel must import this very kvlab, even from a source tree that was never installed.
+    package_parent = str(Path(__file__).resolve().parent.parent)
+    python_path = os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH")) if p)
+    t0 = time.monotonic()
+    error = None
+    quiet = _QuietInspection()
+    for name in _PAPERMILL_LOGGERS:
+        logging.getLogger(name).addFilter(quiet)
+    with _environment(KVLAB_BATCH="1", KVLAB_INVOCATION=json.dumps(invocation),
+                      PYTHONPATH=python_path):
+        try:
+            papermill.execute_notebook(
+                str(notebook), str(output), parameters={**params, "run_dir": str(folder)},
+                kernel_name="python3", cwd=str(notebook.parent), progress_bar=progress,
+                request_save_on_cell_execute=True,
+            )
+        except papermill.PapermillExecutionError as err:
+            error = f"{err.ename}: {err.evalue} (cell {err.exec_count})"
+        except KeyboardInterrupt:
+            results.record_execution(folder, notebook.name, False, time.monotonic() - t0,
+                                     "interrupted")
+            raise
+        except Exception as err:  # the kernel died or would not start: still a failed run
+            error = f"{type(err).__name__}: {err}"
+        finally:
+            for name in _PAPERMILL_LOGGERS:
+                logging.getLogger(name).removeFilter(quiet)
+    seconds = time.monotonic() - t0
+    results.record_execution(folder, notebook.name, error is None, seconds, error)
+    return Outcome(notebook.name, folder, error is None, seconds, error, output)
+
+
+def _summary(rows: list[dict]) -> str:
+    """A plain-text table of ``rows`` (dicts with the same keys), for the terminal."""
+    if not rows:
+        return "(nothing ran)"
+    keys = list(rows[0])
+    cells = [[str(r[k]) for k in keys] for r in rows]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+
+    def line(values: list[str]) -> str:
+        return "  ".join(v.ljust(w) for v, w in zip(values, widths)).rstrip()
+
+    return "\n".join([line(keys), line(["-" * w for w in widths]), *map(line, cells)])
+
+
+def _report(outcome: Outcome) -> None:
+    if outcome.ok:
+        return
+    print(f"FAILED {outcome.notebook}: {outcome.error}\n  partial notebook: {outcome.output}",
+          file=sys.stderr)
+
+
+def _outcome_row(outcome: Outcome, **extra) -> dict:
+    return {"notebook": outcome.notebook, **extra,
+            "status": "ok" if outcome.ok else "FAILED",
+            "seconds": f"{outcome.seconds:.1f}", "run dir": str(outcome.run_dir)}
+
+
+_PARAM = arg("-p", "--param", dest="params", nargs=2, action="append", default=[],
+             metavar=("NAME", "VALUE"),
+             help="set a notebook parameter; VALUE is YAML: 4096, 1e-3, true, '[1024, 4096]', "
+                  "'{a: 1}' (a str parameter takes VALUE as written); repeatable")
+_NO_PROGRESS = arg("--no-progress", action="store_true", help="hide papermill's progress bar")
+
+
+# --------------------------------------------------------------------------- run, run-all
+
+
+@subcommand(
+    "run", "execute one notebook through papermill into data/<study>/<run_id>/",
+    arg("notebook", metavar="NOTEBOOK",
+        help="a path, or a short name: handoff, 02_handoff and 02 all mean "
+             "notebooks/02_handoff.ipynb"),
+    _PARAM,
+    arg("--run-dir", default="", metavar="DIR",
+        help="the run folder (default: a new data/<study>/<run_id>/)"),
+    _NO_PROGRESS,
+)
+def _cmd_run(args) -> int:
+    """Execute NOTEBOOK through papermill with its parameters (-p NAME VALUE) into a run folder.
+
+Every -p name is checked against the notebook's parameters cell before anything is created; the
+executed notebook is written to <run_dir>/<notebook>.ipynb and kept when a cell fails (exit 1).
+The run folder is printed at the end."""
+    notebook = find_notebook(args.notebook)
+    declared = runnable_parameters(notebook)
+    params = parse_params(args.params, declared, notebook.name)
+    outcome = execute(notebook, params, run_dir=args.run_dir or None,
+                      progress=not args.no_progress,
+                      invocation={"argv": args.argv, "command": "run"})
+    _report(outcome)
+    print(outcome.run_dir)
+    return 0 if outcome.ok else 1
+
+
+@subcommand(
+    "run-all", "execute every notebook in notebooks/, in order, with default parameters",
+    _PARAM,
+    _NO_PROGRESS,
+)
+def _cmd_run_all(args) -> int:
+    """Execute every notebook of notebooks/ in file-name order (00_…, 01_…), each into its own run
+    folder, with its default parameters ("auto" sizes follow the hardware).
+
+A -p NAME VALUE goes to every notebook that declares NAME, and must be declared by at least one.
+A failed notebook does not stop the rest; the exit code is 1 if any failed. `make run` runs this."""
+    nbs = list_notebooks()
+    if not nbs:
+        raise UsageError(f"no notebooks in {notebooks_dir()}")
+    declared = {nb: runnable_parameters(nb) for nb in nbs}
+    names = [name for name, _ in args.params]
+    if "run_dir" in names:
+        raise UsageError(_RUN_DIR_IS_SET)
+    unknown = [n for n in names if not any(n in params for params in declared.values())]
+    if unknown:
+        listing = "\n".join(f"  {nb.name}: {', '.join(n for n in params if n != 'run_dir')}"
+                            for nb, params in declared.items())
+        raise UsageError(f"no notebook declares {', '.join(map(repr, unknown))}; the notebooks' "
+                         f"parameters:\n{listing}")
+    plans = []
+    for nb in nbs:
+        mine = [(n, v) for n, v in args.params if n in declared[nb]]
+        plans.append((nb, parse_params(mine, declared[nb], nb.name)))
+    outcomes = []
+    for nb, params in plans:
+        print(f"== {nb.name}", flush=True)
+        outcome = execute(nb, params, progress=not args.no_progress,
+                          invocation={"argv": args.argv, "command": "run-all"})
+        _report(outcome)
+        outcomes.append(outcome)
+    print()
+    print(_summary([_outcome_row(o) for o in outcomes]))
+    failed = [o.notebook for o in outcomes if not o.ok]
+    if failed:
+        print(f"\n{len(failed)} of {len(outcomes)} notebooks failed: {', '.join(failed)}",
+              file=sys.stderr)
+    return 1 if failed else 0
+
+
+# ----------------------------------------------------------------------------------- sweep
+
+
+def load_grid(path: str | os.PathLike) -> list[dict]:
+    """The points of a sweep grid file (YAML, or JSON for a ``.json`` file).
+
+    Either a mapping ``name: [values]`` (every combination, the first name varying slowest) or a
+    list of mappings (one point each). A value that is itself a list is written as a list of lists:
+    ``contexts: [[1024], [1024, 4096]]`` is two points.
+    """
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"grid file {str(path)!r} does not exist")
+    text = path.read_text(encoding="utf-8")
+    try:
+        grid = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        raise UsageError(f"grid file {path} cannot be parsed: {err}") from None
+    forms = ("a mapping of parameter name to a list of values (every combination), or a list of "
+             "mappings (one point each)")
+    if isinstance(grid, dict):
+        if not grid:
+            raise UsageError(f"grid file {path} is empty; write {forms}")
+        for name, values in grid.items():
+            if not isinstance(values, list) or not values:
+                raise UsageError(
+                    f"grid {path}: {name!r} must map to a non-empty list of values, got "
+                    f"{values!r}; write e.g. {name}: [{values!r}]")
+        names = list(grid)
+        return [{str(n): v for n, v in zip(names, combo)}
+                for combo in itertools.product(*grid.values())]
+    if isinstance(grid, list):
+        if not grid:
+            raise UsageError(f"grid file {path} is an empty list; write {forms}")
+        for i, point in enumerate(grid):
+            if not isinstance(point, dict):
+                raise UsageError(f"grid {path}: point {i} is {point!r}, not a mapping of "
+                                 "parameter name to value")
+        return [{str(n): v for n, v in point.items()} for point in grid]
+    raise UsageError(f"grid file {path} holds {type(grid).__name__}; write {forms}")
+
+
+def check_points(points: list[dict], declared: Mapping[str, Parameter],
+                 notebook: str) -> list[dict]:
+    """Every point's names checked against ``declared`` and its values coerced, before any run;
+    one UsageError lists every problem found."""
+    problems, checked = [], []
+    for i, point in enumerate(points):
+        try:
+            check_names([str(n) for n in point], declared, notebook)
+            checked.append({n: coerce(declared[n], v) for n, v in point.items()})
+        except UsageError as err:
+            problems.append(f"point {i} {point}: {err}")
+    if problems:
+        raise UsageError("the grid has points the notebook cannot take:\n" + "\n".join(problems))
+    return checked
+
+
+@subcommand(
+    "sweep", "run a notebook once per point of a parameter grid (YAML or JSON)",
+    arg("notebook", metavar="NOTEBOOK", help="a path or short name, as for `kvlab run`"),
+    arg("--grid", required=True, metavar="FILE",
+        help="YAML/JSON: {name: [values, ...]} for every combination, or [{name: value}, ...]"),
+    _PARAM,
+    arg("--dry-run", action="store_true", help="validate and list the points; run nothing"),
+    _NO_PROGRESS,
+)
+def _cmd_sweep(args) -> int:
+    """Run NOTEBOOK once per point of the grid in FILE, each point in its own run folder.
+
+    contexts: [[1024, 4096], [16384]]     # a list-valued parameter: a list of lists
+    kv_dtype: [bf16, fp8]                 # 2 × 2 = 4 runs
+
+Every point is validated before the first run; -p NAME VALUE fixes a parameter for all points
+(a grid value wins over it). A summary table ends the sweep; exit 1 if any point failed."""
+    notebook = find_notebook(args.notebook)
+    declared = runnable_parameters(notebook)
+    fixed = parse_params(args.params, declared, notebook.name)
+    points = check_points(load_grid(args.grid), declared, notebook.name)
+    print(f"{notebook.name}: {len(points)} point(s) from {args.grid}")
+    if args.dry_run:
+        print(_summary([{"point": i, "parameters": json.dumps(p)} for i, p in enumerate(points)]))
+        return 0
+    outcomes = []
+    for i, point in enumerate(points):
+        print(f"== point {i + 1}/{len(points)}: {json.dumps(point)}", flush=True)
+        outcome = execute(notebook, {**fixed, **point}, progress=not args.no_progress,
+                          invocation={"argv": args.argv, "command": "sweep",
+                                      "grid": str(args.grid), "point": i, "points": len(points)})
+        _report(outcome)
+        outcomes.append((point, outcome))
+    print()
+    print(_summary([_outcome_row(o, point=json.dumps(p)) for p, o in outcomes]))
+    failed = sum(not o.ok for _, o in outcomes)
+    if failed:
+        print(f"\n{failed} of {len(outcomes)} points failed", file=sys.stderr)
+    return 1 if failed else 0
+
+
+# ------------------------------------------------------------------------------------ calc
+
+
+def _human_bytes(n: float) -> str:
+    """Binary units, as everywhere in kvlab: 524288 → "512 KiB"."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:,.4g} {unit}"
+    return f"{n:,.0f} B"
+
+
+def _show(name: str, value) -> str:
+    from kvlab.nbtools import format_number
+
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return str(value)
+    if isinstance(value, (int, float)):
+        text = format_number(value, 4)
+        if "bytes" in name and abs(value) >= 1024:
+            return f"{text} ({_human_bytes(value)})"
+        if "flops" in name and name != "tflops":
+            return f"{text} ({value / 1e12:,.4g} TFLOP)"
+        return text
+    return str(value)
+
+
+@subcommand(
+    "calc", "the KV-cache calculator: bytes, link time and exposure for one model and prompt",
+    arg("model", metavar="MODEL",
+        help="a registry model name, e.g. llama-3.1-8b (case-insensitive)"),
+    arg("--tokens", required=True, type=int, metavar="N", help="prompt length in tokens"),
+    arg("--link", default="400G",
+        help="the link: a preset (100G, 200G, 400G, 800G, nvlink, pcie5) or a rate (400Gb/s, "
+             "50GB/s) (default 400G)"),
+    arg("--kv-dtype", default="bf16", help="KV-cache dtype: fp32, bf16, fp16, fp8, int8 "
+                                           "(default bf16)"),
+    arg("--tp", type=int, default=1, help="tensor-parallel degree of the prefill side (default 1)"),
+    arg("--tflops", type=float, default=400.0,
+        help="achieved prefill compute per GPU, TFLOP/s (default 400)"),
+)
+def _cmd_calc(args) -> int:
+    """Print the calculator's answer for MODEL and a prompt of N tokens: KV bytes per token and in
+    all, prefill time, transfer time over the link, and what a layer-by-layer handoff exposes."""
+    from kvlab import calculator, models
+
+    spec = models.get(args.model)
+    link = calculator.link(args.link)
+    estimate = calculator.handoff_estimate(spec, args.tokens, link, kv_dtype=args.kv_dtype,
+                                           tp=args.tp, tflops=args.tflops)
+    row = estimate.as_row()
+    rows = []
+    for key, value in row.items():
+        rows.append((key, _show(key, value)))
+        if key == "kv_dtype":
+            per_token = calculator.kv_bytes_per_token(spec, args.kv_dtype)
+            rows.append(("kv_bytes_per_token", _show("bytes", per_token)))
+        elif key == "link":
+            rows.append(("link_gbps", _show("gbps", link.gbit_per_s)))
+    rows.append(("note", estimate.shard.note))
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key.ljust(width)}  {value}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------ info
+
+
+def format_info(info: Mapping) -> str:
+    """``devices.describe()`` as text: host, GPUs, P2P matrix, driver/CUDA, versions."""
+    h = info["host"]
+    memory = _human_bytes(h["memory_bytes"]) if h.get("memory_bytes") else "unknown"
+    lines = [
+        f"host      {h['hostname']}  ({h['os']})",
+        f"cpu       {h['cpu_model']}  ({h['cpu_usable']} of {h['cpu_count']} logical CPUs usable)",
+        f"memory    {memory}",
+        f"device    {info['device_kind']}  (run-id tag: {info['device_tag']})",
+        f"driver    {info.get('driver_version') or '-'}",
+        f"cuda      {info.get('cuda_runtime') or '-'}",
+    ]
+    gpus = info.get("devices") or []
+    lines.append("")
+    if gpus:
+        lines.append(_summary([{"gpu": g["index"], "name": g["name"],
+                                "memory": _human_bytes(g["memory_bytes"]),
+                                "cc": g["compute_capability"], "SMs": g["sm_count"]}
+                               for g in gpus]))
+        lines += ["", "P2P access (row → column): Y = direct peer access, . = none"]
+        lines.append("      " + " ".join(f"{j:>3}" for j in range(len(gpus))))
+        for i, row in enumerate(info.get("p2p") or []):
+            marks = ["  -" if v is None else ("  Y" if v else "  .") for v in row]
+            lines.append(f"  {i:>3} " + " ".join(marks))
+    else:
+        lines.append("no CUDA device (CPU-only: notebooks use the tiny model and small sizes)")
+    lines += ["", "versions"]
+    lines += [f"  {name:<12} {version or '-'}" for name, version in info["versions"].items()]
+    return "\n".join(lines)
+
+
+@subcommand(
+    "info", "hardware, driver, CUDA, package versions and the GPU P2P matrix",
+    arg("--json", action="store_true", help="print the record as JSON (what run.json holds)"),
+)
+def _cmd_info(args) -> int:
+    """Print what kvlab sees on this machine: host, CPUs, memory, GPUs (memory, compute capability,
+    SM count), the peer-access matrix, driver and CUDA versions, and package versions — the same
+    record every run.json carries."""
+    from kvlab import devices
+
+    info = devices.describe()
+    print(json.dumps(info, indent=2) if args.json else format_info(info))
+    return 0

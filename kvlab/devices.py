@@ -1,0 +1,248 @@
+"""What hardware and software is here: GPUs, peer access, driver, CUDA, host, package versions.
+
+Everything here answers on a CPU-only machine too (no GPU, no driver, no nvidia-smi): a missing
+piece is reported as ``None`` or an empty list, never as an exception. ``describe()`` is the record
+that ``kvlab.results`` writes into every run.json and that ``kvlab info`` prints.
+
+torch is imported inside the functions that need it, so ``import kvlab.devices`` is cheap.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+from importlib import metadata
+
+# Distribution names to ask importlib.metadata about, per reported package. Several packages ship
+# under more than one name (CUDA-suffixed builds, nightlies); the first one installed wins.
+_PACKAGES: dict[str, tuple[str, ...]] = {
+    "torch": ("torch",),
+    "transformers": ("transformers",),
+    "triton": ("triton", "pytorch-triton"),
+    "nixl": ("nixl", "nixl-cu12", "nixl-cu13"),
+    "numpy": ("numpy",),
+    "pandas": ("pandas",),
+    "papermill": ("papermill",),
+    "cuda-python": ("cuda-python",),
+    "kvlab": ("kvlab",),
+}
+
+# Words in a GPU's marketing name that say who made it or which line it belongs to, not which chip
+# it is; dropped before picking the model token for a device tag.
+_VENDOR_WORDS = {"nvidia", "geforce", "tesla", "quadro", "amd", "radeon", "instinct", "graphics"}
+
+
+def _torch():
+    """torch, or None when it is not installed (the calls below then report no GPU)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+def has_cuda() -> bool:
+    """True when torch is installed and sees at least one CUDA (or ROCm) device."""
+    torch = _torch()
+    return bool(torch is not None and torch.cuda.is_available())
+
+
+def gpus() -> list[dict]:
+    """One dict per visible GPU, in torch's device order (CUDA_VISIBLE_DEVICES applies).
+
+    Keys: ``index`` (int), ``name`` (str, as the driver reports it), ``memory_bytes`` (int, total
+    device memory in bytes), ``compute_capability`` (str, "major.minor", e.g. "9.0"),
+    ``sm_count`` (int, streaming multiprocessors). Empty list on a machine without CUDA.
+    """
+    if not has_cuda():
+        return []
+    import torch
+
+    found = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        found.append(
+            {
+                "index": index,
+                "name": props.name,
+                "memory_bytes": int(props.total_memory),
+                "compute_capability": f"{props.major}.{props.minor}",
+                "sm_count": int(props.multi_processor_count),
+            }
+        )
+    return found
+
+
+def p2p_matrix() -> list[list[bool | None]]:
+    """Peer access between visible GPUs: ``m[i][j]`` is True when device i can read/write device j
+    directly (NVLink or PCIe P2P), per ``torch.cuda.can_device_access_peer``.
+
+    The diagonal is None (a device is not its own peer). Empty list without CUDA.
+    """
+    if not has_cuda():
+        return []
+    import torch
+
+    count = torch.cuda.device_count()
+    return [
+        [None if i == j else bool(torch.cuda.can_device_access_peer(i, j)) for j in range(count)]
+        for i in range(count)
+    ]
+
+
+def driver_version() -> str | None:
+    """The NVIDIA driver version (e.g. "580.159.04"), from nvidia-smi, else pynvml, else None."""
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run(
+                [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=15, check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            out = None
+        if out is not None and out.returncode == 0 and out.stdout.strip():
+            # One line per GPU, all the same driver: the first is the answer.
+            return out.stdout.strip().splitlines()[0].strip()
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # pynvml raises its own NVMLError family when there is no driver
+        return None
+    return version.decode() if isinstance(version, bytes) else str(version)
+
+
+def cuda_runtime() -> str | None:
+    """The CUDA runtime torch was built against (``torch.version.cuda``, e.g. "13.0"); None on a
+    CPU build of torch or without torch. ROCm builds report ``torch.version.hip`` as "hip <ver>"."""
+    torch = _torch()
+    if torch is None:
+        return None
+    if torch.version.cuda:
+        return str(torch.version.cuda)
+    hip = getattr(torch.version, "hip", None)
+    return f"hip {hip}" if hip else None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _memory_bytes() -> int | None:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def host() -> dict:
+    """The host: ``hostname``, ``os`` (platform string), ``cpu_model``, ``cpu_count`` (logical CPUs
+    in the machine), ``cpu_usable`` (logical CPUs this process may run on), ``memory_bytes`` (total
+    RAM in bytes, None when unknown)."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count()
+    return {
+        "hostname": socket.gethostname(),
+        "os": platform.platform(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpu_usable": usable,
+        "memory_bytes": _memory_bytes(),
+    }
+
+
+def _dist_version(names: tuple[str, ...]) -> str | None:
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def versions() -> dict[str, str | None]:
+    """Versions of Python and of the packages that shape a measurement; None for one not installed.
+
+    Read from the installed distributions' metadata rather than by importing them, so asking is
+    cheap and a package that is installed but broken (a triton without its compiler) cannot fail it.
+    """
+    found: dict[str, str | None] = {"python": platform.python_version()}
+    for key, names in _PACKAGES.items():
+        found[key] = _dist_version(names)
+    torch = _torch()
+    if torch is not None:
+        # The imported module is the one that runs; metadata could describe a shadowed copy.
+        found["torch"] = str(torch.__version__)
+    return found
+
+
+def tag_from_name(name: str) -> str:
+    """A short lowercase tag for a GPU model name, for run ids: "NVIDIA H200" → "h200",
+    "NVIDIA A100-SXM4-80GB" → "a100", "NVIDIA GeForce RTX 4090" → "rtx4090", "Tesla V100-SXM2-16GB"
+    → "v100". Only ``[a-z0-9]`` characters; "gpu" when nothing usable is left."""
+    tokens = [t for t in re.split(r"[^a-z0-9]+", name.lower()) if t and t not in _VENDOR_WORDS]
+    # The model is the first token mixing letters and digits (h200, a100, l40s, mi300x, gh200).
+    for token in tokens:
+        if re.search(r"[a-z]", token) and re.search(r"[0-9]", token):
+            return token
+    # Otherwise a line name followed by a number, as in "RTX 4090".
+    for first, second in zip(tokens, tokens[1:]):
+        if first.isalpha() and second.isdigit():
+            return first + second
+    return tokens[0] if tokens else "gpu"
+
+
+def device_tag() -> str:
+    """The run-id tag for this machine: the first GPU's model (e.g. "h200") or "cpu"."""
+    found = gpus()
+    return tag_from_name(found[0]["name"]) if found else "cpu"
+
+
+def describe() -> dict:
+    """Everything above in one JSON-serialisable dict (the hardware part of run.json).
+
+    Keys: ``device_kind`` ("cuda" or "cpu"), ``device_tag``, ``host``, ``devices`` (``gpus()``),
+    ``p2p`` (``p2p_matrix()``), ``driver_version``, ``cuda_runtime``, ``versions``.
+    """
+    found = gpus()
+    return {
+        "device_kind": "cuda" if found else "cpu",
+        "device_tag": tag_from_name(found[0]["name"]) if found else "cpu",
+        "host": host(),
+        "devices": found,
+        "p2p": p2p_matrix(),
+        "driver_version": driver_version(),
+        "cuda_runtime": cuda_runtime(),
+        "versions": versions(),
+    }
+
+
+def summary(info: dict) -> str:
+    """One short line naming the hardware of a ``describe()`` record (or a run.json, which holds
+    the same keys): "NVIDIA H200", "2× NVIDIA H100 80GB HBM3", or "cpu" for a CPU run."""
+    if info.get("device_kind") != "cuda" or not info.get("devices"):
+        return "cpu"
+    names = [d["name"] for d in info["devices"]]
+    if len(set(names)) == 1:
+        return names[0] if len(names) == 1 else f"{len(names)}× {names[0]}"
+    return " + ".join(names)

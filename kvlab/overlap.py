@@ -1,0 +1,936 @@
+"""Why a layer-wise handoff costs what it costs: two timelines of the same prefill, compared op by op.
+
+Input: the events tables (kvlab.trace) of a colocated prefill and of a layer-wise prefill + send of
+the same model and prompt. The model is deterministic, so both runs launch the same kernels in the
+same order on their compute stream; matching them one-to-one shows where the layer-wise run lost
+time. With the compute stream's ops numbered k = 0 … n−1 (kernels, and any memset / memcpy that
+prefill itself issues on that stream), each run's wall time is exactly
+
+    wall = Σ_k dur_k  +  Σ_k gap_k  +  tail
+
+    dur_k   how long op k ran
+    gap_k   idle time on the compute stream before op k (start_k − end_{k−1}): the GPU waiting for
+            the host to launch the next kernel, or for an event
+    tail    the exposed tail: how long the last copy ran on after the last compute op (0 colocated)
+
+measured from the first compute op. Hence
+
+    Δwall = Σ Δdur (ops that overlapped a copy)  +  Σ Δdur (ops that did not)  +  Δ Σ gap  +  Δ tail
+
+When the walls are measured independently of the trace (CUDA events around the region, as
+kvlab.trace.trace_handoff does), they also hold the lead-in — host work between the start event and
+prefill's first kernel (arming copies, the first hooks); trace_handoff marks the region with a
+kvlab/region range so its Δ is a term of its own. Whatever the measured Δwall holds beyond all these
+terms is reported as the unexplained remainder.
+
+Copies: memcpy records (on any stream other than the compute stream, or launched from a send range)
+ran on a copy engine; copy kernels (names with "copy" / "elementwise" on a non-compute stream, or
+launched from a send range) ran on SMs, competing with prefill's kernels for SM time as well as HBM.
+On one H200, same-GPU device→device copies slowed concurrent GEMMs by half while device→host copies
+did not (shared/MEASURED.md) — the "stretch inside copy windows" term measures that directly.
+
+Every timestamp and duration in the tables here is in ns (``_ns``) unless the column says ``_ms``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from .trace import GPU_KINDS, REGION, TraceError, _check_events
+
+__all__ = [
+    "NO_GPU_MESSAGE", "NoGPUActivity", "has_gpu_activity", "compute_stream", "copies", "compute_ops",
+    "layer_table", "match_kernels", "Decomposition", "decompose", "predicted_backlog",
+    "backlog_comparison", "host_backlog_comparison", "findings", "host_findings", "causes", "gantt",
+    "gantt_pair", "decomposition_chart", "host_chart", "backlog_chart",
+]
+
+NO_GPU_MESSAGE = "no GPU activity in this trace; run on a GPU for the timeline"
+_COPY_KERNEL_RE = re.compile(r"copy|elementwise|memcpy", re.IGNORECASE)
+_ENGINE_OF_KIND = {"memcpy": "copy engine", "kernel": "SM"}
+
+
+class NoGPUActivity(TraceError):
+    """The trace holds no kernels / memcpys (a CPU run): there is no GPU timeline to analyse."""
+
+    def __init__(self, message: str = NO_GPU_MESSAGE):
+        super().__init__(message)
+
+
+def has_gpu_activity(events: pd.DataFrame) -> bool:
+    """True when the trace holds at least one kernel, memcpy or memset."""
+    _check_events(events)
+    return bool(events.kind.isin(GPU_KINDS).any())
+
+
+def _need_gpu(events: pd.DataFrame, what: str) -> None:
+    if not has_gpu_activity(events):
+        raise NoGPUActivity(f"{NO_GPU_MESSAGE} ({what} has only host events)")
+
+
+def compute_stream(events: pd.DataFrame) -> tuple[int, int]:
+    """(device, stream) on which kernels ran longest: prefill's stream."""
+    _need_gpu(events, "this trace")
+    k = events[events.kind == "kernel"]
+    if k.empty:
+        raise NoGPUActivity("this trace has GPU copies but no kernels: it cannot show prefill's compute stream")
+    busy = k.groupby(["device", "stream"]).dur_ns.sum()
+    dev, stream = busy.idxmax()
+    return int(dev), int(stream)
+
+
+def _on(events: pd.DataFrame, lane: tuple[int, int]) -> pd.Series:
+    return (events.device == lane[0]).fillna(False) & (events.stream == lane[1]).fillna(False)
+
+
+def _n_layers(events: pd.DataFrame) -> int | None:
+    layers = events.layer.dropna()
+    return int(layers.max()) + 1 if len(layers) else None
+
+
+def _send_ranges(events: pd.DataFrame) -> pd.DataFrame:
+    """Host-side kvlab/send{i} ranges, one row per layer (the first if a layer has several)."""
+    r = events[(events.kind == "range") & events.stream.isna()
+               & events.name.astype(str).str.startswith("kvlab/send")]
+    return r.sort_values("start_ns").drop_duplicates("layer").set_index("layer")
+
+
+def _has_layer_ranges(events: pd.DataFrame) -> bool:
+    return bool(((events.kind == "range") & events.name.astype(str).str.startswith("kvlab/layer")).any())
+
+
+def copies(events: pd.DataFrame, compute: tuple[int, int] | None = None,
+           layers: int | None = None) -> pd.DataFrame:
+    """The transfers of a run: one row per memcpy or copy kernel, with the engine that moved it.
+
+    Selected: memcpys not on the compute stream, memcpys launched inside a kvlab/send range, and
+    kernels on another stream that were launched inside a send range or are named like a copy.
+    Columns: the events columns plus ``engine`` ("copy engine" for memcpy records, "SM" for copy
+    kernels) and ``layer_source`` ("range": from the send range; "order": the copies carry no range —
+    copies armed before prefill (kvlab.transfer's "flag" mode) or issued by a worker thread (pageable
+    host) — so the k-th of n·layers copies belongs to layer k // n, since every mode issues layers in
+    order; "none").
+    """
+    _check_events(events)
+    if not has_gpu_activity(events):
+        return events.iloc[0:0].assign(engine=pd.Series(dtype=object), layer_source=pd.Series(dtype=object))
+    cs = compute or compute_stream(events)
+    on_cs = _on(events, cs)
+    in_send = events.range_name.astype(str).str.startswith("kvlab/send")
+    memcpy = (events.kind == "memcpy") & (~on_cs | in_send)
+    kern = (events.kind == "kernel") & ~on_cs & (in_send | events.name.astype(str).str.contains(_COPY_KERNEL_RE))
+    out = events[memcpy | kern].sort_values("start_ns").copy()
+    out["engine"] = out.kind.map(_ENGINE_OF_KIND)
+    out["layer_source"] = np.where(out.layer.notna(), "range", "none").astype(object)
+    n_layers = layers or _n_layers(events)
+    missing = out.layer.isna()
+    if missing.all() and n_layers and len(out) and len(out) % n_layers == 0:
+        per = len(out) // n_layers
+        out["layer"] = pd.array(np.arange(len(out)) // per, dtype="Int64")
+        out["layer_source"] = "order"
+    return out
+
+
+def compute_ops(events: pd.DataFrame, compute: tuple[int, int] | None = None) -> pd.DataFrame:
+    """Prefill's ops on the compute stream, in order, with ``layer`` and ``segment`` set.
+
+    layer: from the enclosing kvlab/layer{i} range of the launching call; without layer ranges but
+    with send ranges, op k belongs to layer i when it was launched after send{i−1} began and before
+    send{i} began (so layer i−1's MLP counts towards layer i, and what follows the last send — the
+    last layer's MLP, the final norm, the LM head — is "post"). segment: "layer i", or "pre" / "post"
+    for ops before the first / after the last layer (embedding; final norm and LM head).
+    Raises NoGPUActivity for a CPU trace.
+    """
+    _need_gpu(events, "this trace")
+    cs = compute or compute_stream(events)
+    ops = events[_on(events, cs) & events.kind.isin(GPU_KINDS)].sort_values("start_ns").copy()
+    if not _has_layer_ranges(events):
+        sends = _send_ranges(events)
+        if len(sends) and ops.launch_ns.notna().any():
+            starts = sends.start_ns.to_numpy()
+            launched = ops.launch_ns.astype("float64").to_numpy()
+            idx = np.searchsorted(starts, launched, side="right")
+            layer = np.where(np.isnan(launched), np.nan, idx).astype("float64")
+            layer[layer >= len(starts)] = np.nan  # after the last send began: the head
+            ops["layer"] = pd.array(np.where(np.isnan(layer), None, layer), dtype="Int64")
+        else:
+            ops["layer"] = pd.array([pd.NA] * len(ops), dtype="Int64")
+    ops["segment"] = _segments(ops.layer)
+    return ops.reset_index(drop=True)
+
+
+def _segments(layer: pd.Series) -> pd.Series:
+    lay = layer.astype("Float64")
+    seg = pd.Series(["layer " + str(int(x)) if pd.notna(x) else None for x in lay], index=layer.index,
+                    dtype=object)
+    known = np.flatnonzero(lay.notna().to_numpy())
+    if len(known):
+        first, last = known[0], known[-1]
+        pos = np.arange(len(seg))
+        seg[(pos < first) & seg.isna().to_numpy()] = "pre"
+        seg[(pos > last) & seg.isna().to_numpy()] = "post"
+        seg[seg.isna()] = "between"
+    else:
+        seg[:] = "unassigned"
+    return seg
+
+
+def _need_ranges(events: pd.DataFrame, what: str) -> None:
+    if not events.range_name.notna().any():
+        raise TraceError(f"{what} has no kvlab/layer{{i}} or kvlab/send{{i}} ranges: trace it with "
+                         "LayerHooks(model, ..., ranges=True) (or KVLAB_RANGES=1 under nsys) so its "
+                         "kernels can be assigned to layers")
+
+
+def _intervals_overlap(starts, ends, qs, qe) -> np.ndarray:
+    """For each query interval [qs, qe), the time it overlaps the union of [starts, ends)."""
+    if len(starts) == 0:
+        return np.zeros(len(qs), dtype=np.int64)
+    order = np.argsort(starts)
+    s, e = np.asarray(starts)[order], np.asarray(ends)[order]
+    merged = []
+    for a, b in zip(s, e):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    ms = np.array([m[0] for m in merged])
+    me = np.array([m[1] for m in merged])
+    out = np.zeros(len(qs), dtype=np.int64)
+    for k, (a, b) in enumerate(zip(qs, qe)):
+        lo = max(np.searchsorted(me, a, side="right"), 0)
+        hi = np.searchsorted(ms, b, side="left")
+        total = 0
+        for j in range(lo, hi):
+            total += max(0, min(b, me[j]) - max(a, ms[j]))
+        out[k] = total
+    return out
+
+
+def layer_table(events: pd.DataFrame, compute: tuple[int, int] | None = None,
+                ceiling_gbps: float | None = None, ops: pd.DataFrame | None = None,
+                copy_rows: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per layer of a layer-wise run: its compute window and its copy.
+
+    Columns (ns unless named otherwise):
+      layer, kernels (ops in the window), compute_start_ns / compute_end_ns (first op start, last op
+      end), compute_ns (window length), last_attn_end_ns (end of the last op launched before the
+      layer's send hook ran: its attention), copy_start_ns / copy_end_ns, copy_busy_ns (summed copy
+      durations), copy_bytes, copy_gbps (bytes / busy time, decimal GB/s), ceiling_gbps,
+      pct_ceiling, start_lag_ns (copy start − last_attn_end: how long the copy waited after its data
+      was ready), backlog_ns (copy end − compute end: how far the link trails the layer), engine.
+    Raises TraceError when the trace has no hook ranges, NoGPUActivity for a CPU trace.
+    """
+    _need_gpu(events, "this trace")
+    _need_ranges(events, "this trace")
+    cs = compute or compute_stream(events)
+    ops = ops if ops is not None else compute_ops(events, cs)
+    cp = copy_rows if copy_rows is not None else copies(events, cs)
+    sends = _send_ranges(events)
+    layers = sorted(set(int(x) for x in ops.layer.dropna()) | set(int(x) for x in cp.layer.dropna()))
+    rows = []
+    for i in layers:
+        o = ops[ops.layer == i]
+        c = cp[cp.layer == i]
+        row = {"layer": i, "kernels": len(o)}
+        row["compute_start_ns"] = int(o.start_ns.min()) if len(o) else pd.NA
+        row["compute_end_ns"] = int(o.end_ns.max()) if len(o) else pd.NA
+        row["compute_ns"] = row["compute_end_ns"] - row["compute_start_ns"] if len(o) else pd.NA
+        last_attn = pd.NA
+        if i in sends.index and len(o) and o.launch_ns.notna().any():
+            before = o[o.launch_ns < int(sends.loc[i, "start_ns"])]
+            if len(before):
+                last_attn = int(before.end_ns.max())
+        row["last_attn_end_ns"] = last_attn
+        if len(c):
+            busy = int(c.dur_ns.sum())
+            nbytes = int(c.bytes.sum()) if c.bytes.notna().any() else pd.NA
+            row.update(copy_start_ns=int(c.start_ns.min()), copy_end_ns=int(c.end_ns.max()), copy_busy_ns=busy,
+                       copy_bytes=nbytes,
+                       copy_gbps=(nbytes / busy) if nbytes is not pd.NA and busy > 0 else np.nan,
+                       engine=", ".join(sorted(set(c.engine))))
+        else:
+            row.update(copy_start_ns=pd.NA, copy_end_ns=pd.NA, copy_busy_ns=pd.NA, copy_bytes=pd.NA,
+                       copy_gbps=np.nan, engine=None)
+        rows.append(row)
+    df = pd.DataFrame(rows, columns=["layer", "kernels", "compute_start_ns", "compute_end_ns", "compute_ns",
+                                     "last_attn_end_ns", "copy_start_ns", "copy_end_ns", "copy_busy_ns",
+                                     "copy_bytes", "copy_gbps", "engine"])
+    for col in ("compute_start_ns", "compute_end_ns", "compute_ns", "last_attn_end_ns", "copy_start_ns",
+                "copy_end_ns", "copy_busy_ns", "copy_bytes"):
+        df[col] = pd.array(df[col], dtype="Int64")
+    df["copy_gbps"] = df.copy_gbps.astype(float)
+    df["ceiling_gbps"] = float(ceiling_gbps) if ceiling_gbps else np.nan
+    df["pct_ceiling"] = 100 * df.copy_gbps / df.ceiling_gbps
+    df["start_lag_ns"] = df.copy_start_ns - df.last_attn_end_ns
+    df["backlog_ns"] = df.copy_end_ns - df.compute_end_ns
+    return df
+
+
+def _first_difference(a: list[str], b: list[str]) -> str:
+    for k, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"first difference at op {k}: {x[:80]!r} vs {y[:80]!r}"
+    return f"the first {min(len(a), len(b))} ops agree, then one run has {abs(len(a) - len(b))} more"
+
+
+def match_kernels(colocated: pd.DataFrame, layerwise: pd.DataFrame,
+                  compute_co: tuple[int, int] | None = None,
+                  compute_lw: tuple[int, int] | None = None) -> pd.DataFrame:
+    """Match the compute-stream ops of the two runs one-to-one by order and compare them.
+
+    Raises TraceError when the sequences differ (count or any name): the runs did not run the same
+    model and prompt, or something else launched work on prefill's stream. Columns: k, name, kind,
+    layer, segment (from the layer-wise run, else the colocated one), start_co_ns, dur_co_ns,
+    gap_co_ns, start_lw_ns, dur_lw_ns, gap_lw_ns (idle before the op; 0 for the first),
+    delta_ns (dur_lw − dur_co), delta_gap_ns, overlap_ns (time the layer-wise op overlapped copies),
+    inside_copy (overlap_ns > 0), stretch (dur_lw / dur_co).
+    """
+    _need_gpu(colocated, "the colocated trace")
+    _need_gpu(layerwise, "the layer-wise trace")
+    cs_co = compute_co or compute_stream(colocated)
+    cs_lw = compute_lw or compute_stream(layerwise)
+    co = compute_ops(colocated, cs_co)
+    lw = compute_ops(layerwise, cs_lw)
+    names_co, names_lw = co.name.astype(str).tolist(), lw.name.astype(str).tolist()
+    if names_co != names_lw:
+        raise TraceError(
+            f"the colocated and layer-wise runs did not launch the same ops on their compute streams "
+            f"({len(names_co)} vs {len(names_lw)} ops; {_first_difference(names_co, names_lw)}): compare "
+            "two runs of the same model, prompt and dtype")
+    cp = copies(layerwise, cs_lw)
+    overlap = _intervals_overlap(cp.start_ns.to_numpy(dtype=np.int64), cp.end_ns.to_numpy(dtype=np.int64),
+                                 lw.start_ns.to_numpy(dtype=np.int64), lw.end_ns.to_numpy(dtype=np.int64))
+    use_lw = lw.layer.notna().any()
+    layer = lw.layer if use_lw else co.layer
+    segment = lw.segment if use_lw else co.segment
+
+    def gaps(ops):
+        g = ops.start_ns.to_numpy(dtype=np.int64) - np.concatenate(([ops.start_ns.iloc[0]],
+                                                                    ops.end_ns.to_numpy(dtype=np.int64)[:-1]))
+        return g
+
+    out = pd.DataFrame({
+        "k": np.arange(len(co)), "name": co.name.to_numpy(), "kind": co.kind.to_numpy(),
+        "layer": pd.array(layer.to_numpy(), dtype="Int64"), "segment": segment.to_numpy(),
+        "start_co_ns": co.start_ns.to_numpy(dtype=np.int64), "dur_co_ns": co.dur_ns.to_numpy(dtype=np.int64),
+        "gap_co_ns": gaps(co),
+        "start_lw_ns": lw.start_ns.to_numpy(dtype=np.int64), "dur_lw_ns": lw.dur_ns.to_numpy(dtype=np.int64),
+        "gap_lw_ns": gaps(lw),
+    })
+    out["delta_ns"] = out.dur_lw_ns - out.dur_co_ns
+    out["delta_gap_ns"] = out.gap_lw_ns - out.gap_co_ns
+    out["overlap_ns"] = overlap
+    out["inside_copy"] = out.overlap_ns > 0
+    out["stretch"] = np.where(out.dur_co_ns > 0, out.dur_lw_ns / out.dur_co_ns.where(out.dur_co_ns > 0, 1), np.nan)
+    return out
+
+
+@dataclass
+class Decomposition:
+    """The result of decompose(). Tables in ns unless a column says _ms.
+
+    totals: wall_co_ns, wall_lw_ns, wall_source ("measured": walls passed in, e.g. CUDA events around
+        the traced region; "trace": first compute op → last compute op or copy end), delta_wall_ns,
+        kernel_inside_ns, kernel_outside_ns (Σ Δdur of ops that did / did not overlap a copy),
+        idle_ns (Δ Σ gap), tail_ns (Δ exposed tail), lead_ns (Δ lead-in: region start → first compute
+        op; measured walls and kvlab/region ranges only, else 0), explained_ns, remainder_ns,
+        explained_frac (1 − |remainder| / |Δwall|), plus counts and median stretches.
+    segments: one row per segment ("lead-in", "pre", "layer 0" …, "post", "tail") with the Δ terms
+        in ms (kernel_inside_ms, kernel_outside_ms, idle_ms, tail_ms, lead_ms, total_ms).
+    layers: layer_table() of the layer-wise run, with the colocated compute windows beside it.
+    kernels: match_kernels(); copies: copies() of the layer-wise run.
+    """
+
+    totals: dict
+    segments: pd.DataFrame
+    layers: pd.DataFrame
+    kernels: pd.DataFrame
+    copies: pd.DataFrame
+    ceiling_gbps: float | None = None
+    notes: list = field(default_factory=list)
+
+    def summary(self) -> pd.DataFrame:
+        """The decomposition as a small table: term, ms, share of Δwall (%)."""
+        t = self.totals
+        d = t["delta_wall_ns"]
+        rows = [("Δwall", d), ("kernels stretched inside copy windows", t["kernel_inside_ns"]),
+                ("kernels stretched outside copy windows", t["kernel_outside_ns"]),
+                ("GPU idle gaps (waiting for the host)", t["idle_ns"]), ("exposed tail after the last kernel", t["tail_ns"]),
+                ("host work before the first kernel (lead-in)", t["lead_ns"]),
+                ("unexplained remainder", t["remainder_ns"])]
+        return pd.DataFrame([{"term": name, "ms": ns / 1e6, "pct_of_delta": 100 * ns / d if d else np.nan}
+                             for name, ns in rows])
+
+
+def decompose(colocated: pd.DataFrame, layerwise: pd.DataFrame, *, ceiling_gbps: float | None = None,
+              wall_co_ns: int | None = None, wall_lw_ns: int | None = None,
+              compute_co: tuple[int, int] | None = None,
+              compute_lw: tuple[int, int] | None = None) -> Decomposition:
+    """Decompose the layer-wise run's extra wall time into kernel stretch (inside / outside copy
+    windows), idle gaps and exposed tail, per layer and in total (see the module docstring).
+
+    colocated, layerwise: events tables of one run each (kvlab.trace). ceiling_gbps: the link's
+    ceiling on the same path (bytes / time of one bulk copy), to put each layer's copy rate beside.
+    wall_co_ns, wall_lw_ns: wall times measured outside the trace (both or neither); without them the
+    walls come from the trace itself and the remainder only shows what the matching missed.
+    Raises NoGPUActivity (CPU traces), TraceError (no hook ranges in the layer-wise run, different
+    op sequences).
+    """
+    _need_gpu(colocated, "the colocated trace")
+    _need_gpu(layerwise, "the layer-wise trace")
+    _need_ranges(layerwise, "the layer-wise trace")
+    if (wall_co_ns is None) != (wall_lw_ns is None):
+        raise ValueError("give both wall_co_ns and wall_lw_ns (measured walls of the two runs), or neither")
+    cs_co = compute_co or compute_stream(colocated)
+    cs_lw = compute_lw or compute_stream(layerwise)
+    kern = match_kernels(colocated, layerwise, cs_co, cs_lw)
+    cp_lw = copies(layerwise, cs_lw)
+    cp_co = copies(colocated, cs_co)
+    ops_lw = compute_ops(layerwise, cs_lw)
+    ops_co = compute_ops(colocated, cs_co)
+    if ops_lw.layer.isna().all():
+        raise TraceError(
+            "the layer-wise trace has kvlab ranges, but none of its compute kernels falls inside one: the "
+            "runtime calls that launched them ran on other threads than the ranges, or outside them, and no "
+            "GPU-side range (Kineto's gpu_user_annotation) covers them; check the trace's 'thread' and "
+            "'launch_ns' columns for the kernels")
+
+    def lead_in(events, ops):
+        r = events[(events.kind == "range") & (events.name == REGION) & events.stream.isna()]
+        return int(ops.start_ns.min()) - int(r.start_ns.min()) if len(r) else None
+
+    def span(ops, cp):
+        first = int(ops.start_ns.min())
+        last_compute = int(ops.end_ns.max())
+        last_copy = int(cp.end_ns.max()) if len(cp) else last_compute
+        tail = max(0, last_copy - last_compute)
+        return first, last_compute, tail, last_compute + tail - first
+
+    _, end_co, tail_co, trace_wall_co = span(ops_co, cp_co)
+    _, end_lw, tail_lw, trace_wall_lw = span(ops_lw, cp_lw)
+    measured = wall_co_ns is not None
+    wall_co = int(wall_co_ns) if measured else trace_wall_co
+    wall_lw = int(wall_lw_ns) if measured else trace_wall_lw
+    inside = int(kern.delta_ns[kern.inside_copy].sum())
+    outside = int(kern.delta_ns[~kern.inside_copy].sum())
+    idle = int(kern.delta_gap_ns.sum())
+    tail = tail_lw - tail_co
+    lead_co, lead_lw = lead_in(colocated, ops_co), lead_in(layerwise, ops_lw)
+    # trace-derived walls start at the first compute op, so only measured walls hold a lead-in
+    lead = lead_lw - lead_co if measured and lead_co is not None and lead_lw is not None else 0
+    delta = wall_lw - wall_co
+    explained = inside + outside + idle + tail + lead
+    remainder = delta - explained
+    frac = 1 - abs(remainder) / abs(delta) if delta != 0 else (1.0 if remainder == 0 else 0.0)
+
+    stretch_in = kern.stretch[kern.inside_copy].median() if kern.inside_copy.any() else np.nan
+    stretch_out = kern.stretch[~kern.inside_copy].median() if (~kern.inside_copy).any() else np.nan
+    totals = {
+        "wall_co_ns": wall_co, "wall_lw_ns": wall_lw, "wall_source": "measured" if measured else "trace",
+        "trace_wall_co_ns": trace_wall_co, "trace_wall_lw_ns": trace_wall_lw,
+        "delta_wall_ns": delta, "kernel_inside_ns": inside, "kernel_outside_ns": outside, "idle_ns": idle,
+        "tail_ns": tail, "lead_ns": lead, "lead_co_ns": lead_co, "lead_lw_ns": lead_lw,
+        "explained_ns": explained, "remainder_ns": remainder, "explained_frac": frac,
+        "ops": len(kern), "ops_inside": int(kern.inside_copy.sum()),
+        "stretch_inside": float(stretch_in), "stretch_outside": float(stretch_out),
+        "idle_co_ns": int(kern.gap_co_ns.sum()), "idle_lw_ns": int(kern.gap_lw_ns.sum()),
+        "copies": len(cp_lw), "copy_bytes": int(cp_lw.bytes.sum()) if cp_lw.bytes.notna().any() else 0,
+        "copy_busy_ns": int(cp_lw.dur_ns.sum()), "engines": sorted(set(cp_lw.engine)) if len(cp_lw) else [],
+        "copy_kinds": sorted(set(x for x in cp_lw.copy_kind if x)) if len(cp_lw) else [],
+        "compute_stream_co": cs_co, "compute_stream_lw": cs_lw,
+    }
+
+    zero = {"kernel_inside_ms": 0.0, "kernel_outside_ms": 0.0, "idle_ms": 0.0, "tail_ms": 0.0, "lead_ms": 0.0}
+    seg_rows = [{"segment": "lead-in", "layer": pd.NA, "ops": 0, **zero, "lead_ms": lead / 1e6}]
+    for seg in dict.fromkeys(kern.segment):
+        g = kern[kern.segment == seg]
+        layer = g.layer.dropna()
+        seg_rows.append({
+            "segment": seg, "layer": int(layer.iloc[0]) if len(layer) else pd.NA, "ops": len(g), **zero,
+            "kernel_inside_ms": g.delta_ns[g.inside_copy].sum() / 1e6,
+            "kernel_outside_ms": g.delta_ns[~g.inside_copy].sum() / 1e6,
+            "idle_ms": g.delta_gap_ns.sum() / 1e6,
+        })
+    seg_rows.append({"segment": "tail", "layer": pd.NA, "ops": 0, **zero, "tail_ms": tail / 1e6})
+    segments = pd.DataFrame(seg_rows)
+    segments["layer"] = pd.array(segments.layer, dtype="Int64")
+    segments["total_ms"] = segments[list(zero)].sum(axis=1)
+
+    layers = layer_table(layerwise, cs_lw, ceiling_gbps, ops=ops_lw, copy_rows=cp_lw)
+    # the colocated run's windows, with the layer labels of the matched layer-wise ops
+    co_l = kern[["layer", "start_co_ns", "dur_co_ns"]].assign(end=lambda d: d.start_co_ns + d.dur_co_ns)
+    win = co_l.dropna(subset=["layer"]).groupby("layer").agg(co_compute_start_ns=("start_co_ns", "min"),
+                                                             co_compute_end_ns=("end", "max"))
+    layers = layers.merge(win, left_on="layer", right_index=True, how="left")
+    for col in ("co_compute_start_ns", "co_compute_end_ns"):
+        layers[col] = pd.array(layers[col], dtype="Int64")
+    notes = []
+    if len(cp_lw) and (cp_lw.layer_source == "order").all():
+        notes.append("copies carried no send range (armed before prefill, or issued by a worker thread); "
+                     "they were assigned to layers in issue order")
+    return Decomposition(totals, segments, layers, kern, cp_lw, ceiling_gbps, notes)
+
+
+# ============================================================================== backlog
+
+
+def _pipeline_local(compute_s, transfer_s) -> dict:
+    """The pipelined-send model (the same as kvlab.calculator.pipeline_exposure): layer i is ready
+    when it has computed; its send starts when it is ready and the previous send is done."""
+    now = free = 0.0
+    end_c, start, end = [], [], []
+    for c, t in zip(compute_s, transfer_s):
+        now += c
+        s = max(now, free)
+        free = s + t
+        end_c.append(now)
+        start.append(s)
+        end.append(free)
+    return {"compute_end_s": end_c, "send_start_s": start, "send_end_s": end}
+
+
+def predicted_backlog(compute_s_per_layer, transfer_s_per_layer) -> pd.DataFrame:
+    """The calculator's pipelined-exposure model, per layer (seconds in, seconds out).
+
+    Uses kvlab.calculator.pipeline_exposure (a local copy of the same model if the calculator cannot
+    be imported). Columns: layer, compute_s, transfer_s, compute_end_s, send_start_s, send_end_s,
+    wait_s (send_start − compute_end: the calculator's "backlog", time waiting for the link) and
+    backlog_s (send_end − compute_end: how far the link trails the layer — the quantity measured as
+    copy end − compute end).
+    """
+    c = [float(x) for x in compute_s_per_layer]
+    t = [float(x) for x in transfer_s_per_layer]
+    if len(c) != len(t) or not c:
+        raise ValueError(f"need one compute and one transfer time per layer, got {len(c)} and {len(t)}")
+    if any(not math.isfinite(x) or x < 0 for x in c + t):
+        raise ValueError("compute and transfer times must be finite seconds ≥ 0")
+    try:
+        from .calculator import pipeline_exposure
+
+        e = pipeline_exposure(c, t)
+        res = {"compute_end_s": list(e.compute_end_s), "send_start_s": list(e.send_start_s),
+               "send_end_s": list(e.send_end_s)}
+    except ImportError:
+        res = _pipeline_local(c, t)
+    df = pd.DataFrame({"layer": np.arange(len(c)), "compute_s": c, "transfer_s": t, **res})
+    df["wait_s"] = df.send_start_s - df.compute_end_s
+    df["backlog_s"] = df.send_end_s - df.compute_end_s
+    return df
+
+
+def backlog_comparison(decomp: Decomposition, layer_copy_ms: float | None = None) -> pd.DataFrame:
+    """Measured backlog per layer (copy end − compute end, layer-wise run) beside the predicted one.
+
+    Prediction inputs: compute time of layer i = the colocated run's layer end i − layer end i−1
+    (layer 0 from the first op), so the model's clock matches the trace's; transfer time =
+    layer_copy_ms (one layer copied alone, fixed cost included) when given, else the layer's bytes at
+    the ceiling, else its measured copy busy time. Columns in ms: layer, compute_ms, transfer_ms,
+    measured_backlog_ms, predicted_backlog_ms, predicted_wait_ms.
+    """
+    lay = decomp.layers.dropna(subset=["co_compute_end_ns", "compute_end_ns"]).sort_values("layer")
+    if lay.empty:
+        raise TraceError("no layer has a compute window in both runs: cannot compare backlogs")
+    origin = int(decomp.kernels.start_co_ns.min())
+    ends = lay.co_compute_end_ns.astype("int64").to_numpy()
+    compute_ns = np.diff(np.concatenate(([origin], ends)))
+    if layer_copy_ms is not None:
+        transfer_ns = np.full(len(lay), layer_copy_ms * 1e6)
+    elif decomp.ceiling_gbps and lay.copy_bytes.notna().all():
+        transfer_ns = lay.copy_bytes.astype("float64").to_numpy() / decomp.ceiling_gbps
+    else:
+        transfer_ns = lay.copy_busy_ns.astype("float64").fillna(0).to_numpy()
+    pred = predicted_backlog(compute_ns / 1e9, transfer_ns / 1e9)
+    lw_origin = int(decomp.kernels.start_lw_ns.min())
+    return pd.DataFrame({
+        "layer": lay.layer.astype(int).to_numpy(),
+        "compute_ms": compute_ns / 1e6, "transfer_ms": transfer_ns / 1e6,
+        "measured_backlog_ms": lay.backlog_ns.astype("float64").to_numpy() / 1e6,
+        "predicted_backlog_ms": pred.backlog_s.to_numpy() * 1e3,
+        "predicted_wait_ms": pred.wait_s.to_numpy() * 1e3,
+        "measured_compute_end_ms": (lay.compute_end_ns.astype("float64").to_numpy() - lw_origin) / 1e6,
+        "predicted_compute_end_ms": pred.compute_end_s.to_numpy() * 1e3,
+    })
+
+
+def host_backlog_comparison(colocated: pd.DataFrame, layerwise: pd.DataFrame,
+                            layer_copy_ms: float) -> pd.DataFrame:
+    """The backlog comparison from host ranges alone, for traces without GPU activity (a CPU run).
+
+    compute_ms: colocated kvlab/layer{i} end − layer{i−1} end (layer 0 from its own start);
+    measured_backlog_ms: layer-wise send{i} end − layer{i} end (on a CPU the copy is synchronous inside
+    the hook, so it ends before its layer does: negative); predicted from compute_ms and layer_copy_ms.
+    Same columns as backlog_comparison.
+    """
+    r_co = colocated[(colocated.kind == "range") & colocated.stream.isna() & (colocated.name == colocated.range_name)]
+    r_lw = layerwise[(layerwise.kind == "range") & layerwise.stream.isna() & (layerwise.name == layerwise.range_name)]
+    lay_co = r_co[r_co.name.str.startswith("kvlab/layer")].drop_duplicates("layer").set_index("layer").sort_index()
+    lay_lw = r_lw[r_lw.name.str.startswith("kvlab/layer")].drop_duplicates("layer").set_index("layer").sort_index()
+    snd_lw = r_lw[r_lw.name.str.startswith("kvlab/send")].drop_duplicates("layer").set_index("layer").sort_index()
+    layers = [i for i in lay_co.index if i in lay_lw.index and i in snd_lw.index]
+    if not layers:
+        raise TraceError("the traces lack kvlab/layer{i} ranges in the colocated run or kvlab/layer{i} and "
+                         "kvlab/send{i} ranges in the layer-wise run: trace both with LayerHooks(ranges=True)")
+    ends = lay_co.loc[layers, "end_ns"].astype("int64").to_numpy()
+    compute_ns = np.diff(np.concatenate(([int(lay_co.loc[layers[0], "start_ns"])], ends)))
+    transfer_ns = np.full(len(layers), float(layer_copy_ms) * 1e6)
+    pred = predicted_backlog(compute_ns / 1e9, transfer_ns / 1e9)
+    measured = (snd_lw.loc[layers, "end_ns"].astype("int64").to_numpy()
+                - lay_lw.loc[layers, "end_ns"].astype("int64").to_numpy())
+    origin = int(lay_lw.loc[layers[0], "start_ns"])
+    return pd.DataFrame({
+        "layer": np.asarray(layers, dtype=int), "compute_ms": compute_ns / 1e6, "transfer_ms": transfer_ns / 1e6,
+        "measured_backlog_ms": measured / 1e6, "predicted_backlog_ms": pred.backlog_s.to_numpy() * 1e3,
+        "predicted_wait_ms": pred.wait_s.to_numpy() * 1e3,
+        "measured_compute_end_ms": (lay_lw.loc[layers, "end_ns"].astype("int64").to_numpy() - origin) / 1e6,
+        "predicted_compute_end_ms": pred.compute_end_s.to_numpy() * 1e3,
+    })
+
+
+# ============================================================================== findings
+
+
+def causes(decomp: Decomposition) -> pd.DataFrame:
+    """The terms of Δwall ranked by size (largest |ms| first): cause, ms, pct_of_delta, where (the
+    segment contributing most to that term)."""
+    t = decomp.totals
+    seg = decomp.segments
+    rows = []
+    for term, col, key in (("kernels stretched inside copy windows", "kernel_inside_ms", "kernel_inside_ns"),
+                           ("kernels stretched outside copy windows", "kernel_outside_ms", "kernel_outside_ns"),
+                           ("GPU idle gaps (waiting for the host)", "idle_ms", "idle_ns"),
+                           ("exposed tail after the last kernel", "tail_ms", "tail_ns"),
+                           ("host work before the first kernel (lead-in)", "lead_ms", "lead_ns"),
+                           ("unexplained remainder", None, "remainder_ns")):
+        ns = t[key]
+        where = ""
+        if col is not None and len(seg):
+            s = seg.loc[seg[col].abs().idxmax()]
+            if abs(s[col]) > 0:
+                where = f"{s.segment} ({s[col]:+.3f} ms)"
+        rows.append({"cause": term, "ms": ns / 1e6,
+                     "pct_of_delta": 100 * ns / t["delta_wall_ns"] if t["delta_wall_ns"] else np.nan,
+                     "largest_in": where})
+    df = pd.DataFrame(rows)
+    return df.reindex(df.ms.abs().sort_values(ascending=False).index).reset_index(drop=True)
+
+
+def _ms(ns) -> str:
+    """A duration in ns as text: ms from 0.1 ms up, else µs (one decimal below 10 µs)."""
+    x = ns / 1e6
+    if abs(x) >= 0.1:
+        return f"{x:.2f} ms"
+    us = x * 1e3
+    return f"{us:.1f} µs" if abs(us) < 10 else f"{us:.0f} µs"
+
+
+def findings(decomp: Decomposition, backlog: pd.DataFrame | None = None) -> list[str]:
+    """Short sentences derived from the numbers: the wall-time difference, its causes ranked by size,
+    the copies (engine, rate against the ceiling, start lag), the backlog, and how much of Δwall the
+    decomposition explains."""
+    t = decomp.totals
+    d = t["delta_wall_ns"]
+    out = []
+    rel = 100 * d / t["wall_co_ns"] if t["wall_co_ns"] else float("nan")
+    out.append(f"Layer-wise prefill took {_ms(abs(d))} {'longer' if d >= 0 else 'less'} than colocated "
+               f"({t['wall_lw_ns'] / 1e6:.2f} vs {t['wall_co_ns'] / 1e6:.2f} ms, {rel:+.1f} %).")
+    ranked = causes(decomp)
+    ranked = ranked[ranked.cause != "unexplained remainder"]
+    shown = 0
+    for r in ranked.itertuples():
+        if shown >= 3 or (abs(r.ms) < 1e-3 and shown > 0):
+            break
+        share = f"{r.pct_of_delta:.0f} % of Δwall" if np.isfinite(r.pct_of_delta) else "Δwall is 0"
+        lead = "The largest cause" if shown == 0 else "Next"
+        sign = "added" if r.ms >= 0 else "saved"
+        text = f"{lead}: {r.cause} {sign} {_ms(abs(r.ms * 1e6))} ({share})"
+        if r.cause.startswith("kernels stretched inside"):
+            text += (f"; {t['ops_inside']} of {t['ops']} compute ops overlapped a copy, median "
+                     f"{t['stretch_inside']:.2f}× their colocated time (outside: {t['stretch_outside']:.2f}×)")
+        elif r.cause.startswith("GPU idle"):
+            text += (f"; the compute stream sat idle {_ms(t['idle_lw_ns'])} in total against "
+                     f"{_ms(t['idle_co_ns'])} colocated")
+        elif r.cause.startswith("host work before"):
+            text += (f"; prefill's first kernel started {_ms(t['lead_lw_ns'])} after the start event, against "
+                     f"{_ms(t['lead_co_ns'])} colocated")
+        if r.largest_in and not r.cause.startswith(("exposed tail", "host work before")):
+            text += f", most of it in {r.largest_in}"
+        out.append(text + ".")
+        shown += 1
+    cp = decomp.copies
+    if len(cp):
+        lay = decomp.layers
+        engines = " and ".join(f"{e} ({', '.join(sorted(set(x for x in cp[cp.engine == e].copy_kind if x)) or ['kernels'])})"
+                               for e in sorted(set(cp.engine)))
+        rate = lay.copy_gbps.median()
+        text = f"The {len(cp)} copies ran on the {engines}"
+        if np.isfinite(rate):
+            text += f" at a median {rate:.1f} GB/s per layer"
+            if decomp.ceiling_gbps:
+                text += f", {100 * rate / decomp.ceiling_gbps:.0f} % of the {decomp.ceiling_gbps:.1f} GB/s ceiling"
+        lag = lay.start_lag_ns.dropna()
+        if len(lag):
+            text += f"; a copy started a median {_ms(float(lag.median()))} after its layer's attention finished"
+        out.append(text + ".")
+    if backlog is not None and len(backlog):
+        first, last = backlog.measured_backlog_ms.iloc[0], backlog.measured_backlog_ms.iloc[-1]
+        pred = backlog.predicted_backlog_ms.iloc[-1]
+        # queueing shows as a backlog that rises by more than one layer's copy over the run
+        grows = last - first > float(backlog.transfer_ms.median())
+        out.append(f"The measured backlog went from {_ms(first * 1e6)} at layer {backlog.layer.iloc[0]} to "
+                   f"{_ms(last * 1e6)} at layer {backlog.layer.iloc[-1]} "
+                   f"({'it grows by more than one layer copy: the link is slower than compute' if grows else 'it rises by less than one layer copy: the link keeps up'}); "
+                   f"the pipelined model predicts {_ms(pred * 1e6)} at the last layer.")
+    source = ("walls measured around each run" if t["wall_source"] == "measured" else
+              "walls taken from the trace, so the remainder only shows what the matching missed")
+    out.append(f"The decomposition explains {100 * t['explained_frac']:.0f} % of Δwall ({source}); "
+               f"{_ms(abs(t['remainder_ns']))} is unexplained.")
+    out.extend(n[0].upper() + n[1:] + "." for n in decomp.notes)
+    return out
+
+
+def host_findings(colocated: pd.DataFrame, layerwise: pd.DataFrame, wall_co_ms: float | None = None,
+                  wall_lw_ms: float | None = None) -> list[str]:
+    """Sentences for traces without GPU activity (a CPU run): the no-GPU notice, then what the hooks'
+    host ranges show (per-layer host time, send time, which on a CPU holds the synchronous copy)."""
+    from .trace import host_layers
+
+    out = [NO_GPU_MESSAGE[0].upper() + NO_GPU_MESSAGE[1:] + "."]
+    if wall_co_ms is not None and wall_lw_ms is not None:
+        d = wall_lw_ms - wall_co_ms
+        out.append(f"On the host, layer-wise prefill took {wall_lw_ms:.2f} ms against {wall_co_ms:.2f} ms "
+                   f"colocated ({d:+.2f} ms).")
+    try:
+        lw = host_layers(layerwise)
+    except TraceError as e:
+        out.append(str(e))
+        return out
+    send = lw.send_ms.sum()
+    lay = lw.layer_ms.sum()
+    out.append(f"The {len(lw)} send hooks took {send:.3f} ms of the {lay:.2f} ms spent inside layer ranges "
+               f"({100 * send / lay:.1f} %); on a CPU a send is a synchronous copy, so it cannot overlap compute.")
+    try:
+        co = host_layers(colocated)
+        out.append(f"Per layer, the host spent a median {lw.layer_ms.median():.3f} ms with sending and "
+                   f"{co.layer_ms.median():.3f} ms without.")
+    except TraceError:
+        pass
+    return out
+
+
+# ============================================================================== figures
+
+
+def _layer_colors():
+    from . import plots
+
+    return plots.BLUE, plots.SKY_BLUE, plots.VERMILLION, plots.ORANGE, plots.GREY
+
+
+def _lanes(events: pd.DataFrame):
+    """Lanes for a Gantt chart: (label, rows, role) — GPU streams when there are any, else host threads."""
+    lanes = []
+    if has_gpu_activity(events):
+        cs = compute_stream(events)
+        gpu = events[events.kind.isin(GPU_KINDS)]
+        keys = [cs] + sorted({(int(d), int(s)) for d, s in zip(gpu.device, gpu.stream)} - {cs})
+        for key in keys:
+            rows = gpu[_on(gpu, key)]
+            role = "compute" if key == cs else "copy"
+            lanes.append((f"{role}\n(gpu {key[0]}, stream {key[1]})", rows, role))
+        return lanes
+    host = events[events.kind == "cpu_op"]
+    for tid, rows in host.groupby("thread", dropna=False):
+        rows = rows.sort_values("start_ns")
+        keep, end = [], -1
+        for i, (s, e) in enumerate(zip(rows.start_ns, rows.end_ns)):
+            if s >= end:  # top-level ops only: nested aten calls would draw over their parents
+                keep.append(i)
+                end = e
+        lanes.append((f"host ops\n(thread {tid})", rows.iloc[keep], "host"))
+    ranges = events[(events.kind == "range") & events.range_name.notna() & (events.name == events.range_name)]
+    if len(ranges):
+        lanes.append(("hook ranges", ranges, "ranges"))
+    return lanes
+
+
+def _origin(events: pd.DataFrame) -> tuple[int, str]:
+    """Where a Gantt chart's x = 0 is: the first compute-stream op (GPU), else the first host op — the
+    same point in both runs of a pair, which their first events (e.g. copies armed before prefill) are not."""
+    if has_gpu_activity(events) and (events.kind == "kernel").any():
+        cs = compute_stream(events)
+        return int(events[_on(events, cs)].start_ns.min()), "the first compute kernel"
+    ops = events[events.kind == "cpu_op"]
+    return (int(ops.start_ns.min()), "the first host op") if len(ops) else (0, "the first event")
+
+
+def gantt(events: pd.DataFrame, ax=None, title: str | None = None, label_layers: bool = True,
+          legend: bool = False):
+    """A per-stream Gantt chart of one run (x in ms from its first compute kernel, or first host op on a
+    CPU): compute-stream ops shaded by layer (alternating), copies in vermillion (copy engine) or orange
+    (SM copy kernels), memsets grey. A CPU trace draws host threads instead (top-level ops) and the
+    hooks' ranges. Returns the Axes."""
+    import matplotlib.pyplot as plt
+
+    _check_events(events)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(11, 2.8))
+    even, odd, engine_c, sm_c, grey = _layer_colors()
+    lanes = _lanes(events)
+    origin, origin_name = _origin(events)
+    for y, (label, rows, role) in enumerate(reversed(lanes)):
+        if rows.empty:
+            continue
+        starts = (rows.start_ns.to_numpy(dtype=float) - origin) / 1e6
+        widths = np.maximum(rows.dur_ns.to_numpy(dtype=float) / 1e6, 1e-4)
+        if role in ("compute", "host"):
+            lay = rows.layer.astype("Float64").fillna(-1).to_numpy()
+            colors = np.where(lay < 0, grey, np.where(lay % 2 == 0, even, odd))
+            colors = np.where(rows.kind.to_numpy() == "memset", grey, colors)
+        elif role == "copy":
+            colors = np.where(rows.kind.to_numpy() == "memcpy", engine_c,
+                              np.where(rows.kind.to_numpy() == "kernel", sm_c, grey))
+        else:
+            lay = rows.layer.astype("Float64").fillna(0).to_numpy()
+            colors = np.where(rows.name.astype(str).str.startswith("kvlab/send").to_numpy(), engine_c,
+                              np.where(lay % 2 == 0, even, odd))
+        ax.broken_barh(list(zip(starts, widths)), (y - 0.4, 0.8), facecolors=list(colors), linewidth=0)
+    ax.set_yticks(range(len(lanes)))
+    ax.set_yticklabels([label for label, _, _ in reversed(lanes)], fontsize=8)
+    ax.set_xlabel(f"time from {origin_name} (ms)")
+    ax.grid(axis="y", visible=False)
+    if label_layers and lanes:
+        rows = lanes[0][1]
+        lay = rows.dropna(subset=["layer"])
+        if len(lay):
+            win = lay.groupby("layer").agg(s=("start_ns", "min"), e=("end_ns", "max"))
+            step = max(1, len(win) // 16)
+            for i, (layer, w) in enumerate(win.iterrows()):
+                if i % step == 0:
+                    # inside the top lane, so the legend above the lanes never covers a label
+                    ax.text((w.s + w.e - 2 * origin) / 2e6, len(lanes) - 1, f"L{int(layer)}", ha="center", va="center",
+                            fontsize=7, color="#222222",
+                            bbox={"boxstyle": "round,pad=0.15", "fc": "white", "alpha": 0.75, "lw": 0})
+    if legend:
+        from matplotlib.patches import Patch
+
+        roles = {role for _, _, role in lanes}
+        if roles & {"compute", "copy"}:
+            items = [(even, "compute, even layers"), (odd, "compute, odd layers"), (engine_c, "memcpy (copy engine)"),
+                     (sm_c, "copy kernel (SMs)"), (grey, "outside layers / memset")]
+        else:
+            items = [(even, "even layers"), (odd, "odd layers"), (engine_c, "send hook"), (grey, "outside layers")]
+        # above the lanes, right-aligned beside the left-aligned title: below them it would sit on the
+        # x label, whose distance from the axes depends on the figure's height
+        ax.legend(handles=[Patch(color=c, label=t) for c, t in items], fontsize=7, ncol=len(items),
+                  loc="lower right", bbox_to_anchor=(1.0, 1.0), frameon=False, handlelength=1.2,
+                  columnspacing=1.0, borderaxespad=0.2)
+    if title:
+        ax.set_title(title)
+    return ax
+
+
+def gantt_pair(colocated: pd.DataFrame, layerwise: pd.DataFrame, title: str | None = None):
+    """Two Gantt charts on one time axis: colocated above, layer-wise below. Returns the Figure."""
+    import matplotlib.pyplot as plt
+
+    n_co, n_lw = len(_lanes(colocated)), len(_lanes(layerwise))
+    fig, (a, b) = plt.subplots(2, 1, figsize=(11, 1.2 + 0.75 * (n_co + n_lw)), sharex=True,
+                               gridspec_kw={"height_ratios": [max(n_co, 1), max(n_lw, 1)]})
+    gantt(colocated, ax=a, title="colocated prefill")
+    gantt(layerwise, ax=b, title="layer-wise prefill + send", legend=True)
+    a.set_xlabel("")
+    if title:
+        fig.suptitle(title, x=0.01, ha="left", fontweight="semibold")
+    fig.tight_layout()
+    return fig
+
+
+def decomposition_chart(decomp: Decomposition, ax=None, title: str | None = None):
+    """Stacked bars per segment (lead-in, pre, layer 0 …, post, tail): Δ kernel time inside / outside
+    copy windows, Δ idle gaps, the exposed tail and the lead-in, in ms. Returns the Axes."""
+    import matplotlib.pyplot as plt
+
+    from . import plots
+
+    seg = decomp.segments
+    if ax is None:
+        _, ax = plt.subplots(figsize=(max(6, 0.28 * len(seg) + 2), 3.6))
+    x = np.arange(len(seg))
+    terms = [("kernel_inside_ms", "kernels, inside copy windows", plots.VERMILLION),
+             ("kernel_outside_ms", "kernels, outside copy windows", plots.BLUE),
+             ("idle_ms", "idle gaps", plots.GREEN), ("tail_ms", "exposed tail", plots.PURPLE),
+             ("lead_ms", "lead-in (host, before the first kernel)", plots.ORANGE)]
+    pos = np.zeros(len(seg))
+    neg = np.zeros(len(seg))
+    for col, label, color in terms:
+        v = seg[col].to_numpy(dtype=float)
+        bottom = np.where(v >= 0, pos, neg)
+        ax.bar(x, v, bottom=bottom, color=color, label=label, width=0.8)
+        pos += np.where(v >= 0, v, 0)
+        neg += np.where(v < 0, v, 0)
+    labels = [s.replace("layer ", "") for s in seg.segment]
+    step = max(1, len(labels) // 30)
+    ax.set_xticks(x[::step])
+    ax.set_xticklabels(labels[::step], fontsize=8)
+    ax.axhline(0, color="#333333", linewidth=0.8)
+    ax.set_xlabel("layer (pre = embedding, post = norm + LM head)")
+    ax.set_ylabel("Δ time vs colocated (ms)")
+    ax.legend(fontsize=8, ncol=2)
+    if title:
+        ax.set_title(title)
+    return ax
+
+
+def host_chart(colocated: pd.DataFrame, layerwise: pd.DataFrame, ax=None, title: str | None = None):
+    """Per layer, host time inside the hooks' ranges: colocated layer, layer-wise layer, and the
+    layer-wise send hook (ms). The chart a CPU trace can give in place of the decomposition."""
+    import matplotlib.pyplot as plt
+
+    from . import plots
+    from .trace import host_layers
+
+    co, lw = host_layers(colocated), host_layers(layerwise)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(max(6, 0.3 * len(lw) + 2), 3.6))
+    x = np.arange(len(lw))
+    w = 0.28
+    ax.bar(x - w, co.layer_ms.reindex(range(len(lw))).to_numpy(dtype=float), w, color=plots.color("colocated"),
+           label="colocated: layer")
+    ax.bar(x, lw.layer_ms.to_numpy(dtype=float), w, color=plots.color("layer-wise"), label="layer-wise: layer")
+    ax.bar(x + w, lw.send_ms.to_numpy(dtype=float), w, color=plots.ORANGE, label="layer-wise: send hook")
+    ax.set_xticks(x)
+    ax.set_xticklabels([str(int(i)) for i in lw.layer])
+    ax.set_xlabel("layer")
+    ax.set_ylabel("host time (ms)")
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title)
+    return ax
+
+
+def backlog_chart(table: pd.DataFrame, ax=None, title: str | None = None):
+    """Measured backlog per layer (copy end − compute end) against the pipelined model's. Returns Axes."""
+    import matplotlib.pyplot as plt
+
+    from . import plots
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.6))
+    ax.plot(table.layer, table.measured_backlog_ms, marker="o", color=plots.color("layer-wise"), label="measured")
+    ax.plot(table.layer, table.predicted_backlog_ms, linestyle="--", color=plots.GREY, label="predicted (pipelined model)")
+    ax.axhline(0, color="#333333", linewidth=0.8)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("layer")
+    ax.set_ylabel("copy end − compute end (ms)")
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title)
+    return ax

@@ -1,0 +1,703 @@
+"""The paged-transfer measurement: every paged transport beside one contiguous copy of the same bytes.
+
+For each context × block size × destination:
+
+- a source pool twice the size the sequence needs, filled with random values, and a block table drawn
+  at random from it (a busy server's scattered free list);
+- the destination: a pool on the same GPU or a peer GPU, twice the size, with its own scattered table;
+  or a pinned / pageable host pool of exactly the sequence's blocks, written packed (paged → contiguous);
+- "contiguous": one copy of the same number of bytes between contiguous buffers on the same path — the
+  ceiling every paged method is compared with, measured in the same run;
+- each method: constructed once (destination allocated and poisoned), planned (and tuned on a GPU),
+  poisoned again, sent once and verified byte for byte (every destination block equals its source block,
+  every other destination block still NaN), then timed: `warmup` sends, `repeats` timed sends (CUDA events
+  on a GPU for stream-ordered methods; the host clock for NIXL and on a CPU).
+
+Slow methods are not timed 9 times: per-block copy at more than `slow_pieces` pieces, and any method whose
+verified send took longer than `slow_call_s`, is timed once (the row's note says so); one that took longer
+than `max_call_s` is recorded as skipped with the reason. A method that cannot run here (no CUDA, no
+NIXL, old CUDA runtime, a destination it does not serve) gets one "skipped" row with the reason.
+
+Results are tidy: one row per (context, block_size, method, destination, repeat) with pieces (blocks
+moved, one per layer side), bytes, ms, gbps (decimal GB/s), verified, status, note.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from . import paged, timing
+from .paged import BlockAllocator, BlockPool, PoolSpec, verify_transfer
+from .transfer import Destination, Landing
+
+__all__ = ["BenchLayout", "LAYOUTS", "METHODS", "GPU_CONTEXTS", "CPU_CONTEXTS", "BLOCK_SIZES", "COLUMNS",
+           "default_destinations", "resolve", "measure", "merge", "summary", "pct_table", "goals", "finding",
+           "plot_gbps_vs_block_size", "decode_check", "run_nixl_only"]
+
+
+@dataclass(frozen=True)
+class BenchLayout:
+    """The per-token KV shape being moved: layers, kv_heads, head_dim, dtype."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str = "bf16"
+
+    def spec(self, block_size: int, pool_layout: str = "nhd") -> PoolSpec:
+        return PoolSpec(self.layers, block_size, self.kv_heads, self.head_dim, self.dtype, pool_layout)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.spec(1).block_bytes * 2 * self.layers
+
+
+LAYOUTS = {
+    # Qwen2.5-7B: 28 layers, 4 KV heads of 128, bf16 → 57,344 bytes of KV per token
+    "qwen2.5-7b": BenchLayout(28, 4, 128, "bf16"),
+    # a CPU-sized stand-in with the same structure (2 layers, 2 KV heads of 16)
+    "tiny": BenchLayout(2, 2, 16, "bf16"),
+}
+
+METHODS = ("contiguous", "per-block-copy", "torch-index", "triton", "chunked-gather-d2h", "mapped-pinned",
+           "cuda-memcpy-batch", "nixl")
+GPU_CONTEXTS = (1024, 4096, 16384, 32768)
+CPU_CONTEXTS = (64, 256)
+BLOCK_SIZES = (16, 32, 64, 128)
+COLUMNS = ["context", "block_size", "method", "destination", "pieces", "bytes", "repeat", "ms", "gbps",
+           "verified", "status", "note", "backend", "plan_ms", "pool_layout", "dtype"]
+
+
+def default_destinations(device: torch.device | str | None = None) -> list[str]:
+    """same-gpu and pinned host on a GPU (plus cuda:1 as a peer when there are ≥ 2 GPUs with P2P);
+    on a CPU: the same device and pageable host memory."""
+    dev = timing.resolve_device(device)
+    if dev.type != "cuda":
+        return ["same-gpu", "pageable"]
+    out = ["same-gpu", "pinned"]
+    count = torch.cuda.device_count()
+    if count >= 2:
+        peer = 1 if (dev.index or 0) != 1 else 0
+        if torch.cuda.can_device_access_peer(dev.index or 0, peer):
+            out.append(f"cuda:{peer}")
+    return out
+
+
+def _split(value, cast=str) -> list:
+    if isinstance(value, str):
+        items = [v.strip() for v in value.split(",") if v.strip()]
+    else:
+        items = list(value)
+    try:
+        return [cast(v) for v in items]
+    except (TypeError, ValueError):
+        raise ValueError(f"{value!r} is not a comma-separated list of {cast.__name__} values") from None
+
+
+def _tokens(v) -> int:
+    # "32k" / "32K" = 32 × 1024 tokens, as the notebooks write contexts
+    t = str(v).strip().lower()
+    return int(t[:-1]) * 1024 if t.endswith("k") else int(t)
+
+
+def resolve(contexts="auto", block_sizes="auto", methods="auto", destinations="auto", layout="auto",
+            device=None) -> dict:
+    """Turn notebook parameters (comma-separated strings or "auto") into measure() arguments.
+
+    "auto" by hardware — GPU: contexts 1k, 4k, 16k, 32k; Qwen2.5-7B layout; destinations
+    default_destinations(); CPU: contexts 64, 256 tokens; the tiny layout. Both: block sizes 16, 32, 64,
+    128 and every method. Returns {contexts, block_sizes, methods, destinations, layout, device}.
+    """
+    dev = timing.resolve_device(device)
+    gpu = dev.type == "cuda"
+    out = {
+        "contexts": list(GPU_CONTEXTS if gpu else CPU_CONTEXTS) if contexts == "auto" else _split(contexts, _tokens),
+        "block_sizes": list(BLOCK_SIZES) if block_sizes == "auto" else _split(block_sizes, int),
+        "methods": list(METHODS) if methods == "auto" else _split(methods),
+        "destinations": default_destinations(dev) if destinations == "auto" else _split(destinations),
+        "layout": ("qwen2.5-7b" if gpu else "tiny") if layout == "auto" else layout,
+        "device": str(dev),
+    }
+    _check_list("contexts", out["contexts"], positive_int=True)
+    _check_list("block_sizes", out["block_sizes"], positive_int=True)
+    _check_list("methods", out["methods"], valid=METHODS)
+    _layout(out["layout"])
+    for d in out["destinations"]:
+        Destination.parse(d, dev)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# the ceiling: one copy of the same bytes between contiguous buffers
+
+
+class _Contiguous:
+    """One contiguous copy of `nbytes` from the start of the source pool into a flat destination buffer."""
+
+    name = "contiguous"
+    stream_ordered = True
+
+    def __init__(self, src_pool: BlockPool, nbytes: int, dest: Destination, src_device: torch.device):
+        numel = nbytes // src_pool.spec.element_bytes
+        self.src = src_pool.data.view(-1)[:numel]
+        self.dst = torch.empty(numel, dtype=src_pool.spec.dtype, device=dest.device,
+                               pin_memory=dest.kind == "pinned")
+        self.cuda = src_device.type == "cuda"
+        self.src_device = src_device
+        self.layers = src_pool.spec.layers
+        self.stream = torch.cuda.Stream(device=src_device) if self.cuda else None
+        self._done = torch.cuda.Event() if self.cuda else None
+        self.non_blocking = self.cuda and dest.kind != "pageable"
+        self.backend = "copy_"
+        self.notes: list[str] = []
+
+    def poison(self):
+        self.dst.fill_(float("nan"))
+
+    def send(self, *_):
+        if not self.cuda:
+            self.dst.copy_(self.src)
+            return Landing(self.layers)
+        self.stream.wait_stream(torch.cuda.current_stream(self.src_device))
+        with torch.cuda.stream(self.stream):
+            self.dst.copy_(self.src, non_blocking=self.non_blocking)
+        self._done.record(self.stream)
+        return Landing(self.layers, [self._done] * self.layers)
+
+    def verify(self) -> dict:
+        view = {2: torch.int16, 4: torch.int32, 1: torch.uint8}[self.src.element_size()]
+        step = 1 << 27  # compare 128 Mi elements at a time: bounded extra memory
+        bad = 0
+        for a in range(0, self.src.numel(), step):
+            x = self.src[a:a + step].view(view)
+            y = self.dst[a:a + step].to(x.device).view(view)
+            bad += int((x != y).sum())
+        return {"ok": bad == 0, "mismatched_elements": bad}
+
+    def close(self):
+        pass
+
+
+# ---------------------------------------------------------------------------------------------------
+# measurement
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    # GPU: return pools to the driver between configurations (a 32k pool pair is ~7.5 GB); a full
+    # gc pass costs ~0.2 s, which only pays off when there is device memory to give back
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _check_list(name: str, values, valid=None, positive_int=False) -> list:
+    if isinstance(values, (str, int)):
+        values = [values]
+    values = list(values)
+    if not values:
+        raise ValueError(f"{name} is empty: give at least one value")
+    for v in values:
+        if positive_int and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
+            raise ValueError(f"{name} entry {v!r} is not valid: give positive ints")
+        if valid is not None and v not in valid:
+            raise ValueError(f"{name} entry {v!r} is not valid; valid: {list(valid)}")
+    return values
+
+
+def _layout(layout) -> BenchLayout:
+    if layout is None:
+        return LAYOUTS["qwen2.5-7b"]
+    if isinstance(layout, BenchLayout):
+        return layout
+    if isinstance(layout, str):
+        try:
+            return LAYOUTS[layout]
+        except KeyError:
+            raise ValueError(f"unknown layout {layout!r}; valid: {sorted(LAYOUTS)} or a BenchLayout") from None
+    if isinstance(layout, dict):
+        return BenchLayout(**layout)
+    raise ValueError(f"layout must be a name {sorted(LAYOUTS)}, a dict or a BenchLayout, got {type(layout).__name__}")
+
+
+def measure(contexts=GPU_CONTEXTS, block_sizes=BLOCK_SIZES, methods=METHODS, destinations=None, repeats: int = 9,
+            warmup: int = 2, device=None, layout=None, pool_layout: str = "nhd", seed: int = 0,
+            slow_pieces: int = 20_000, slow_call_s: float = 1.0, max_call_s: float = 120.0, tune: bool = True,
+            options: dict | None = None, progress=None) -> pd.DataFrame:
+    """Measure paged transports against the contiguous ceiling; returns the tidy results (see COLUMNS).
+
+    contexts: tokens per sequence; block_sizes: tokens per block; methods: names from METHODS
+    ("contiguous" is always measured, first, as the ceiling); destinations: "same-gpu", "cuda:N",
+    "pinned", "pageable" (default: default_destinations(device)); layout: a LAYOUTS name, dict or
+    BenchLayout (default Qwen2.5-7B); pool_layout: "nhd" | "hnd"; tune: tune Triton kernels on a GPU;
+    options: {method: {option: value}} passed to the transports; progress: callable(str) for status lines.
+
+    Columns: context (tokens), block_size (tokens), method, destination (label), pieces (blocks moved, one
+    per layer side; 1 for contiguous), bytes (payload), repeat, ms (one send), gbps (bytes / ms / 10⁶),
+    verified (byte-exact check before timing), status ("ok" | "skipped" | "failed"), note (fallbacks,
+    tuned config, slow-method handling, skip reasons), backend (what actually ran), plan_ms (host time to
+    construct the transport and build its plan: allocation, poisoning, index arrays, kernel tuning and
+    compilation; not part of ms), pool_layout, dtype.
+    `df.attrs["transports"]` holds each transport's configuration (backend, notes, tuning, NIXL setup).
+    """
+    device = timing.resolve_device(device)
+    contexts = _check_list("contexts", contexts, positive_int=True)
+    block_sizes = _check_list("block_sizes", block_sizes, positive_int=True)
+    methods = _check_list("methods", methods, valid=METHODS)
+    if "contiguous" in methods:
+        methods.remove("contiguous")
+    methods = ["contiguous", *dict.fromkeys(methods)]
+    dests = [Destination.parse(d, device) for d in _check_list(
+        "destinations", destinations if destinations is not None else default_destinations(device))]
+    if pool_layout not in paged.LAYOUTS:
+        raise ValueError(f"pool_layout {pool_layout!r} is not valid; use one of {list(paged.LAYOUTS)}")
+    lay = _layout(layout)
+    for name, v, lo in (("repeats", repeats, 1), ("warmup", warmup, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name}={v!r}: expected an int ≥ {lo}")
+    options = dict(options or {})
+    for m in options:
+        if m not in METHODS:
+            raise ValueError(f"options given for unknown method {m!r}; valid: {list(METHODS)}")
+    say = progress or (lambda s: None)
+    rows: list[dict] = []
+    configs: list[dict] = []
+    for context in contexts:
+        for bs in block_sizes:
+            spec = lay.spec(bs, pool_layout)
+            n = spec.blocks_for(context)
+            pieces = 2 * spec.layers * n
+            nbytes = spec.payload_bytes(context)
+            base = dict(context=context, block_size=bs, pieces=pieces, bytes=nbytes, pool_layout=pool_layout,
+                        dtype=str(spec.dtype).removeprefix("torch."))
+            src_pool = BlockPool(spec, 2 * n, device=device).fill_random(seed)
+            src_table = BlockAllocator(2 * n, bs, seed=seed).allocate(context)
+            for dest in dests:
+                host = dest.kind in ("pinned", "pageable")
+                dst_blocks = n if host else 2 * n
+                dst_table = None if host else BlockAllocator(2 * n, bs, seed=seed + 1).allocate(context)
+                for method in methods:
+                    say(f"{context} tokens, {bs}-token blocks, {method} → {dest.label}")
+                    opts = _options_for(method, options, tune, device, spec, nbytes)
+                    got, cfg = _measure_one(method, opts, spec, dest, dst_blocks, device, src_pool, src_table,
+                                            dst_table, nbytes, pieces, repeats, warmup, slow_pieces, slow_call_s,
+                                            max_call_s)
+                    for r in got:
+                        rows.append({**base, "method": method, "destination": dest.label,
+                                     "pieces": 1 if method == "contiguous" else pieces, **r})
+                    if cfg is not None:
+                        configs.append({"context": context, "block_size": bs, "destination": dest.label, **cfg})
+            del src_pool
+            _free(device)
+    df = pd.DataFrame(rows, columns=COLUMNS)
+    df.attrs["transports"] = configs
+    return df
+
+
+def _options_for(method, options, tune, device, spec, nbytes) -> dict:
+    opts = dict(options.get(method, {}))
+    if method in ("triton", "chunked-gather-d2h", "mapped-pinned"):
+        opts.setdefault("tune", bool(tune) and device.type == "cuda")
+    if method == "chunked-gather-d2h" and device.type != "cuda":
+        # a CPU-sized chunk so the ring really cycles (several chunks per send)
+        opts.setdefault("chunk_mib", max(spec.block_bytes, nbytes // 4) / 2**20)
+    return opts
+
+
+def _row(ms=float("nan"), nbytes=0, repeat=0, verified=False, status="ok", note="", backend="", plan_ms=float("nan")):
+    gbps = nbytes / (ms * 1e6) if ms == ms and ms > 0 else float("nan")
+    return dict(repeat=repeat, ms=ms, gbps=gbps, verified=verified, status=status, note=note, backend=backend,
+                plan_ms=plan_ms)
+
+
+def _measure_one(method, opts, spec, dest, dst_blocks, device, src_pool, src_table, dst_table, nbytes, pieces,
+                 repeats, warmup, slow_pieces, slow_call_s, max_call_s):
+    """Rows for one method on one configuration, and the transport's configuration record."""
+    if method != "contiguous":
+        if dest.kind not in paged.TRANSPORTS[method].kinds:
+            return [], None  # not a path this method serves (e.g. a host-only method to a GPU): no row
+        why = paged.unavailable(method, device, dest)
+        if why is not None:
+            return [_row(status="skipped", note=why)], None
+    t = None
+    try:
+        t0 = time.perf_counter()
+        if method == "contiguous":
+            t = _Contiguous(src_pool, nbytes, dest, device)
+        else:
+            t = paged.make_transport(method, spec, dest, dst_blocks, device, **opts)
+            t.prepare(src_pool, src_table, dst_table)
+        _sync(device)
+        plan_ms = (time.perf_counter() - t0) * 1e3
+        # verified send: poison after planning (tuning writes the destination rows), send once, check
+        t.poison()
+        _sync(device)
+        t0 = time.perf_counter()
+        t.send(src_pool, src_table, dst_table).wait()
+        _sync(device)
+        first_s = time.perf_counter() - t0
+        check = t.verify() if method == "contiguous" else verify_transfer(src_pool, src_table, t.pool, dst_table)
+        backend = t.backend
+        notes = list(t.notes)
+        if not check["ok"]:
+            return [_row(nbytes=nbytes, status="failed", note=f"verification failed: {check}", backend=backend,
+                         plan_ms=plan_ms)], _config(t, method)
+        reps, warm = repeats, warmup
+        if first_s > max_call_s:
+            return [_row(nbytes=nbytes, verified=True, status="skipped", backend=backend, plan_ms=plan_ms,
+                         note=f"one send took {first_s:.1f} s (> max_call_s={max_call_s:g}): not timed")], _config(t, method)
+        if method == "per-block-copy" and pieces > slow_pieces:
+            reps, warm = 1, 0
+            notes.append(f"timed once: {pieces:,} pieces > {slow_pieces:,} (one send took {first_s:.2f} s)")
+        elif first_s > slow_call_s:
+            reps, warm = 1, 0
+            notes.append(f"timed once: one send took {first_s:.2f} s (> {slow_call_s:g} s)")
+        times = _time(t, src_pool, src_table, dst_table, reps, warm, device)
+        note = "; ".join(notes)
+        return [_row(ms, nbytes, r, True, "ok", note, backend, plan_ms) for r, ms in enumerate(times)], _config(t, method)
+    except (RuntimeError, ValueError, OSError) as exc:
+        # a method that fails here must not sink the other methods' measurements: record why
+        return [_row(status="failed", note=f"{type(exc).__name__}: {exc}")], None
+    finally:
+        if t is not None:
+            t.close()
+        del t
+        _free(device)
+
+
+def _config(t, method) -> dict:
+    info = {"method": method, "backend": t.backend, "notes": list(t.notes)}
+    if hasattr(t, "config"):
+        info["config"] = t.config
+    return info
+
+
+def _time(t, src_pool, src_table, dst_table, reps, warm, device) -> list[float]:
+    if device.type == "cuda" and t.stream_ordered:
+        cur = torch.cuda.current_stream(device)
+
+        def fn():
+            t.send(src_pool, src_table, dst_table).stream_wait(cur)
+
+        return timing.time_fn(fn, n=reps, warmup=warm, device=device)
+
+    def host_fn():
+        t.send(src_pool, src_table, dst_table).wait()
+
+    return timing.time_fn(host_fn, n=reps, warmup=warm, device="cpu")
+
+
+# ---------------------------------------------------------------------------------------------------
+# analysis (reads what measure wrote; never measures)
+
+
+def merge(df: pd.DataFrame, extra: pd.DataFrame) -> pd.DataFrame:
+    """Add the method rows of another run of measure() (e.g. run_nixl_only's CSV) to `df`.
+
+    Its own "contiguous" rows are dropped: every method is compared with the ceiling of the main run.
+    A method already in `df` for the same (context, block_size, destination) is replaced by the extra rows.
+    """
+    missing = set(COLUMNS) - set(extra.columns)
+    if missing:
+        raise ValueError(f"the extra results lack columns {sorted(missing)}; expected measure()'s columns")
+    extra = extra[extra.method != "contiguous"]
+    key = ["context", "block_size", "method", "destination"]
+    have = df.set_index(key).index
+    drop = have.isin(extra.set_index(key).index)
+    return pd.concat([df[~drop], extra[COLUMNS]], ignore_index=True)
+
+
+def _pick(df: pd.DataFrame, context=None, block_size=None) -> tuple[int, int]:
+    if context is None:
+        context = int(df.context.max())
+    if block_size is None:
+        sizes = sorted(df.block_size.unique())
+        block_size = 16 if 16 in sizes else int(sizes[0])
+    return int(context), int(block_size)
+
+
+def summary(df: pd.DataFrame, context: int | None = None, block_size: int | None = None) -> pd.DataFrame:
+    """The headline table at one context and block size (default: the longest context, 16-token blocks).
+
+    One row per (destination, method): pieces, repeats, ms median/min/max, time "median (min–max)",
+    gbps (at the median), ceiling_gbps (the contiguous copy, same destination, same run), pct_of_ceiling,
+    verified, status, note. Skipped or failed methods appear with their reason.
+    """
+    context, block_size = _pick(df, context, block_size)
+    sub = df[(df.context == context) & (df.block_size == block_size)]
+    out = []
+    for dest, g in sub.groupby("destination", sort=False):
+        ceil_ms = g[(g.method == "contiguous") & (g.status == "ok")].ms
+        ceiling = float(g.bytes.iloc[0] / (ceil_ms.median() * 1e6)) if len(ceil_ms) else float("nan")
+        for method, m in g.groupby("method", sort=False):
+            ok = m[m.status == "ok"]
+            row = dict(context=context, block_size=block_size, destination=dest, method=method,
+                       pieces=int(m.pieces.iloc[0]), repeats=len(ok), verified=bool(m.verified.all()),
+                       status=m.status.iloc[0], backend=_text(m.backend.iloc[0]), note=_text(m.note.iloc[0]))
+            if len(ok):
+                med = float(ok.ms.median())
+                gbps = float(ok.bytes.iloc[0] / (med * 1e6))
+                row.update(ms=med, ms_min=float(ok.ms.min()), ms_max=float(ok.ms.max()),
+                           time=f"{timing.fmt_ms(med)} ({timing.fmt_ms(float(ok.ms.min()))}–"
+                                f"{timing.fmt_ms(float(ok.ms.max()))})",
+                           gbps=gbps, ceiling_gbps=ceiling, pct_of_ceiling=100 * gbps / ceiling)
+            else:
+                row.update(ms=float("nan"), ms_min=float("nan"), ms_max=float("nan"), time="—",
+                           gbps=float("nan"), ceiling_gbps=ceiling, pct_of_ceiling=float("nan"))
+            out.append(row)
+    cols = ["context", "block_size", "destination", "method", "pieces", "time", "ms", "ms_min", "ms_max", "gbps",
+            "ceiling_gbps", "pct_of_ceiling", "repeats", "verified", "status", "backend", "note"]
+    return pd.DataFrame(out, columns=cols)
+
+
+def _text(v) -> str:
+    # CSV round trips turn empty strings into NaN
+    return "" if v is None or (isinstance(v, float) and v != v) else str(v)
+
+
+def pct_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Every configuration at a glance: % of the contiguous ceiling (median), one row per (destination,
+    context, block_size), one column per method."""
+    parts = [summary(df, c, b) for c, b in df[["context", "block_size"]].drop_duplicates().itertuples(index=False)]
+    s = pd.concat(parts, ignore_index=True)
+    s = s[(s.method != "contiguous") & s.pct_of_ceiling.notna()]
+    if s.empty:
+        return pd.DataFrame()
+    t = s.pivot_table(index=["destination", "context", "block_size"], columns="method", values="pct_of_ceiling",
+                      sort=False)
+    t = t[[m for m in METHODS if m in t.columns]]
+    t.columns.name = None
+    return t.reset_index()
+
+
+# the issue's goals at the headline configuration: kvlab's transport per destination kind and its target
+_GOALS = {"same-gpu": ("triton", 95.0), "pinned-host": ("chunked-gather-d2h", 98.0)}
+
+
+def goals(df: pd.DataFrame, context: int | None = None, block_size: int | None = None) -> pd.DataFrame:
+    """Issue 5's goals at the headline configuration: triton ≥ 95 % of the contiguous copy to the same GPU,
+    chunked-gather-d2h ≥ 98 % of it to pinned host (and the best host method, for reference)."""
+    s = summary(df, context, block_size)
+    rows = []
+    for dest, (method, target) in _GOALS.items():
+        r = s[(s.destination == dest) & (s.method == method)]
+        if not len(r) or r.pct_of_ceiling.isna().all():
+            continue
+        pct = float(r.pct_of_ceiling.iloc[0])
+        rows.append(dict(goal=f"{method} ≥ {target:g} % of contiguous to {dest}", context=int(r.context.iloc[0]),
+                         block_size=int(r.block_size.iloc[0]), value=f"{pct:.1f} %", met=bool(pct >= target)))
+    return pd.DataFrame(rows, columns=["goal", "context", "block_size", "value", "met"])
+
+
+def finding(df: pd.DataFrame, context: int | None = None, block_size: int | None = None) -> str:
+    """A few sentences derived from the numbers at the headline configuration."""
+    s = summary(df, context, block_size)
+    if s.empty:
+        return "No results."
+    ctx, bs = int(s.context.iloc[0]), int(s.block_size.iloc[0])
+    parts = []
+    for dest, g in s.groupby("destination", sort=False):
+        ok = g[(g.method != "contiguous") & g.gbps.notna()]
+        ceiling = float(g.ceiling_gbps.iloc[0])
+        if ok.empty or ceiling != ceiling:
+            continue
+        best = ok.loc[ok.gbps.idxmax()]
+        worst = ok.loc[ok.gbps.idxmin()]
+        how = f" ({best.backend})" if best.backend and best.backend != best.method else ""
+        text = (f"To {dest}, the contiguous copy of the same {g.pieces.max():,} blocks' bytes ran at {ceiling:,.0f} GB/s; "
+                f"the fastest paged method, {best.method}{how}, reached {best.gbps:,.3g} GB/s "
+                f"({best.pct_of_ceiling:.1f} % of it, {best.time})")
+        if worst.method != best.method:
+            text += (f", and the slowest, {worst.method}, {worst.gbps:,.3g} GB/s "
+                     f"({best.gbps / worst.gbps:,.0f}× slower than {best.method})")
+        parts.append(text + ".")
+    skipped = s[s.status != "ok"]
+    if len(skipped):
+        parts.append("Not measured here: " + "; ".join(f"{r.method} to {r.destination} ({r.note})"
+                                                     for r in skipped.drop_duplicates("method").itertuples()) + ".")
+    return f"At {ctx:,} tokens in {bs}-token blocks: " + " ".join(parts)
+
+
+def plot_gbps_vs_block_size(df: pd.DataFrame, context: int | None = None):
+    """GB/s (median) against block size, one line per method, the contiguous copy as the dashed ceiling,
+    one panel per destination, at one context (default the longest). Returns the matplotlib Figure."""
+    import matplotlib.pyplot as plt
+
+    context = int(df.context.max()) if context is None else int(context)
+    sub = df[(df.context == context) & (df.status == "ok")]
+    dests = list(dict.fromkeys(sub.destination))
+    fig, axes = plt.subplots(1, max(len(dests), 1), figsize=(5.2 * max(len(dests), 1), 4.2), squeeze=False,
+                             sharey=True)
+    med = (sub.groupby(["destination", "method", "block_size"], sort=False)
+           .apply(lambda g: g.bytes.iloc[0] / (g.ms.median() * 1e6), include_groups=False)
+           .rename("gbps").reset_index())
+    methods = [m for m in METHODS if m in set(med.method)]
+    from .plots import palette
+
+    colors = palette(methods)
+    # a method that ran through a fallback (e.g. triton on a CPU without the interpreter) says so in the legend
+    labels = {}
+    for m in methods:
+        backends = set(sub[sub.method == m].backend.dropna().astype(str)) - {"", m}
+        labels[m] = f"{m} ({', '.join(sorted(backends))})" if any("fallback" in b for b in backends) else m
+    for ax, dest in zip(axes[0], dests):
+        d = med[med.destination == dest]
+        for m in methods:
+            line = d[d.method == m].sort_values("block_size")
+            if line.empty:
+                continue
+            if m == "contiguous":
+                ax.plot(line.block_size, line.gbps, "--", color=colors[m], lw=1.8, label="contiguous copy (ceiling)")
+            else:
+                ax.plot(line.block_size, line.gbps, "o-", color=colors[m], label=labels[m])
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        sizes = sorted(d.block_size.unique())
+        ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.set_xlabel("block size (tokens)")
+        ax.set_title(dest)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("GB/s (median, decimal)")
+    handles, labels = {}, {}
+    for ax in axes[0]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    fig.legend(list(handles.values()), list(handles.keys()), loc="lower center", ncol=min(len(handles), 4),
+               frameon=False, bbox_to_anchor=(0.5, -0.02))
+    fig.suptitle(f"Paged KV transfer at {context:,} tokens: GB/s vs block size")
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------------
+# correctness: decode from a cache that travelled through each transport
+
+
+def decode_check(model, methods=METHODS, destinations=None, tokens: int = 64, block_size: int = 16,
+                 steps: int = 8, device=None, pool_layout: str = "nhd", seed: int = 0,
+                 layerwise: bool = True) -> pd.DataFrame:
+    """For each method × destination: prefill into a paged pool, move the blocks, rebuild a contiguous
+    cache from the destination blocks, decode `steps` greedy tokens, and compare tokens and logits with
+    the colocated decode (prefill into one contiguous buffer, decode from it) bit for bit.
+
+    layerwise=True also sends each stream-ordered method layer by layer from the forward hooks while the
+    prefill writes the pages (mode "layerwise"). Returns one row per (method, destination, mode):
+    tokens_match, logits_equal, logits_max_abs_diff, poison_left (NaNs in the rebuilt cache), blocks_ok
+    (byte-exact check, poison outside the table), status, note.
+    """
+    from .handoff import correctness_check, decode, make_prompt, prefill
+    from .hooks import LayerHooks
+    from .kvcache import KVBuffer, layout_for
+
+    device = timing.resolve_device(device)
+    methods = [m for m in _check_list("methods", methods, valid=METHODS) if m != "contiguous"]
+    dests = [Destination.parse(d, device) for d in _check_list(
+        "destinations", destinations if destinations is not None else default_destinations(device))]
+    dtype = next(model.parameters()).dtype
+    layout = layout_for(model, tokens, dtype=dtype)
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    ids = make_prompt(vocab, tokens, device, seed)
+
+    colocated = KVBuffer(layout, device=device).poison()
+    first = prefill(model, ids, colocated).argmax(-1)
+    ref_tokens, ref_logits = decode(model, colocated, first, steps)
+
+    spec = paged.PoolSpec.from_kv_layout(layout, block_size, pool_layout)
+    n = spec.blocks_for(tokens)
+    src_table = BlockAllocator(2 * n, block_size, seed=seed).allocate(tokens)
+    src_pool = BlockPool(spec, 2 * n, device=device).poison()
+    paged_logits = paged.prefill_into_pages(model, ids, src_pool, src_table)
+    rows = []
+
+    def check(t, dst_table, mode, pool):
+        got = t.pool.read(dst_table if dst_table is not None else paged.BlockTable.packed(tokens, block_size),
+                          device=device)
+        toks, lg = decode(model, got, first, steps)
+        row = correctness_check(ref_tokens, ref_logits, toks, lg, got.count_poison())
+        row["blocks_ok"] = verify_transfer(pool, src_table, t.pool, dst_table)["ok"]
+        return row
+
+    for dest in dests:
+        host = dest.kind in ("pinned", "pageable")
+        dst_table = None if host else BlockAllocator(2 * n, block_size, seed=seed + 1).allocate(tokens)
+        for method in methods:
+            cls = paged.TRANSPORTS[method]
+            if dest.kind not in cls.kinds:
+                continue
+            base = dict(method=method, destination=dest.label)
+            why = cls.unavailable(device, dest)
+            if why is not None:
+                rows.append({**base, "mode": "bulk", "status": "skipped", "note": why})
+                continue
+            t = paged.make_transport(method, spec, dest, n if host else 2 * n, device, tune=False) \
+                if method in ("triton", "chunked-gather-d2h", "mapped-pinned") else \
+                paged.make_transport(method, spec, dest, n if host else 2 * n, device)
+            try:
+                t.prepare(src_pool, src_table, dst_table)
+                t.poison()
+                t.send(src_pool, src_table, dst_table).wait()
+                rows.append({**base, "mode": "bulk", "status": "ok", "note": "; ".join(t.notes),
+                             **check(t, dst_table, "bulk", src_pool)})
+                if layerwise and cls.stream_ordered:
+                    lw_pool = BlockPool(spec, 2 * n, device=device).poison()
+                    sender = t.layerwise(lw_pool, src_table, dst_table)
+                    t.poison()
+                    with LayerHooks(model, on_kv_ready=sender.on_layer, ranges=False):
+                        sender.begin()
+                        paged.prefill_into_pages(model, ids, lw_pool, src_table)
+                        landing = sender.finish()
+                    landing.wait()
+                    rows.append({**base, "mode": "layerwise", "status": "ok", "note": "; ".join(t.notes),
+                                 **check(t, dst_table, "layerwise", lw_pool)})
+            finally:
+                t.close()
+    out = pd.DataFrame(rows)
+    out.attrs["paged_prefill_logits_equal"] = bool(torch.equal(paged_logits.cpu(), prefill(
+        model, ids, KVBuffer(layout, device=device)).cpu()))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# NIXL in a call of its own (it is installed separately from the notebook environment)
+
+
+def run_nixl_only(out_dir, contexts=GPU_CONTEXTS, block_sizes=(16,), destinations=None, repeats: int = 9,
+                  warmup: int = 2, device=None, layout=None, pool_layout: str = "nhd", seed: int = 0,
+                  max_call_s: float = 120.0) -> pd.DataFrame:
+    """Measure NIXL (and the contiguous ceiling beside it) and write the results to `out_dir`:
+    `nixl_results.csv` (the same columns as measure()) and `nixl_config.json` (NIXL version, backend,
+    descriptor counts per configuration, UCX_* environment, the device). Returns the results.
+
+    The notebook can merge the CSV (its `nixl_csv` parameter) so NIXL appears beside the other methods.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    why = paged.unavailable("nixl", timing.resolve_device(device), "same-gpu")
+    df = measure(contexts, block_sizes, ["contiguous", "nixl"], destinations, repeats, warmup, device, layout,
+                 pool_layout, seed, max_call_s=max_call_s)
+    df.to_csv(out / "nixl_results.csv", index=False)
+    from . import devices
+
+    record = {
+        "nixl_available": why is None, "nixl_unavailable_reason": why,
+        "nixl_version": paged._nixl_version(),
+        "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
+        "layout": asdict(_layout(layout)), "pool_layout": pool_layout,
+        "transports": df.attrs.get("transports", []),
+        "devices": devices.describe(),
+    }
+    (out / "nixl_config.json").write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
+    return df

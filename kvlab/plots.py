@@ -1,0 +1,210 @@
+"""The house style of kvlab figures, and ``save()``, which files each figure under its run.
+
+Every figure is drawn for a blog post: large enough type, no chart junk, and the Okabe–Ito palette,
+which stays distinguishable under the common colour-vision deficiencies. A method or destination
+keeps one colour in every figure (``color("bulk")`` is always the same blue), so a reader who
+learned it once can read the next figure without its legend.
+
+``save(fig, name, run)`` writes PNG + SVG into the run folder and publishes them to
+``figures/<study>/`` with a footer naming the run and its device. A CPU run never replaces a figure
+that a GPU run published: a sidecar ``figures/<study>/<name>.json`` says which run published it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+# Okabe & Ito (2008), "Color Universal Design".
+BLACK = "#000000"
+ORANGE = "#E69F00"
+SKY_BLUE = "#56B4E9"
+GREEN = "#009E73"
+YELLOW = "#F0E442"
+BLUE = "#0072B2"
+VERMILLION = "#D55E00"
+PURPLE = "#CC79A7"
+GREY = "#8C8C8C"  # not Okabe–Ito: reserved for ceilings and references, never for a measured series
+
+# The order series take when nothing names their colour. Yellow is last: thin yellow lines are hard
+# to see on white.
+CYCLE = [BLUE, VERMILLION, GREEN, ORANGE, SKY_BLUE, PURPLE, BLACK, YELLOW]
+
+# Fixed colours for the names that recur across studies. Names are normalised first (lowercase,
+# '_' and spaces → '-'), so "layer_wise", "Layer wise" and "layer-wise" are one name.
+_NAMED = {
+    # handoff methods
+    "colocated": BLACK,
+    "bulk": BLUE,
+    "layer-wise": VERMILLION,
+    "layerwise": VERMILLION,
+    # destinations of a transfer, under the labels kvlab.transfer gives them ("cuda:N" is
+    # normalised to "peer"; "same-device" is the same destination on a CPU-only run)
+    "same-gpu": GREEN,
+    "same-device": GREEN,
+    "peer": SKY_BLUE,
+    "pinned": ORANGE,
+    "pinned-host": ORANGE,
+    "pageable": PURPLE,
+    "pageable-host": PURPLE,
+    # references
+    "ceiling": GREY,
+    "contiguous": GREY,
+}
+
+FIGURE_FORMATS = ("png", "svg")
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
+
+
+def _normalise(name: str) -> str:
+    key = re.sub(r"[\s_]+", "-", str(name).strip().lower())
+    return "peer" if re.fullmatch(r"cuda:\d+", key) else key
+
+
+def color(name: str) -> str:
+    """The colour (hex string) of a method, destination or other series name.
+
+    Known names (colocated, bulk, layer-wise, same-gpu/same-device, cuda:N/peer, pinned(-host),
+    pageable(-host), ceiling) have fixed colours; any other name gets a colour from its hash,
+    the same in every process.
+    """
+    key = _normalise(name)
+    if key in _NAMED:
+        return _NAMED[key]
+    digest = hashlib.sha256(key.encode()).digest()
+    return CYCLE[digest[0] % len(CYCLE)]
+
+
+def palette(names) -> dict[str, str]:
+    """``{name: colour}`` for the series of one figure (pass it as seaborn's ``palette=``).
+
+    Known names keep their fixed colours; the others take the unused colours of ``CYCLE`` in the
+    order given, so that, unlike hashing, no two series of the figure share a colour (while there
+    are colours left).
+    """
+    names = list(dict.fromkeys(names))
+    out = {n: _NAMED[_normalise(n)] for n in names if _normalise(n) in _NAMED}
+    free = [c for c in CYCLE if c not in out.values()]
+    for i, n in enumerate(n for n in names if n not in out):
+        out[n] = free[i] if i < len(free) else CYCLE[i % len(CYCLE)]
+    return {n: out[n] for n in names}
+
+
+def style() -> None:
+    """Apply the house style to matplotlib and seaborn (call once, at the top of a notebook)."""
+    import matplotlib as mpl
+    import seaborn as sns
+
+    sns.set_theme(context="notebook", style="whitegrid", palette=CYCLE, font_scale=1.1)
+    mpl.rcParams.update(
+        {
+            "figure.figsize": (7.0, 4.2),
+            "figure.dpi": 110,
+            "savefig.dpi": 200,
+            "savefig.bbox": "tight",
+            "savefig.pad_inches": 0.1,
+            "axes.spines.top": False,
+            "axes.spines.right": False,
+            "axes.titleweight": "semibold",
+            "axes.titlesize": 13,
+            "axes.titlelocation": "left",
+            "legend.frameon": False,
+            "lines.linewidth": 2.0,
+            "lines.markersize": 6,
+            # Text as paths: the SVG looks the same wherever it is shown, whatever fonts are there.
+            "svg.fonttype": "path",
+            # Fixed ids inside the SVG, so re-rendering the same figure gives the same file.
+            "svg.hashsalt": "kvlab",
+        }
+    )
+
+
+def _run_facts(run) -> tuple[Path, str, str, bool, str]:
+    """(run folder, run id, study, is_gpu, device line) of a ``results.Run`` or a run folder."""
+    from kvlab import devices, results
+
+    if isinstance(run, results.Run):
+        record, folder = run.record, run.dir
+    elif isinstance(run, (str, os.PathLike)):
+        folder = Path(run)
+        record, _ = results.load(folder)
+    else:
+        raise TypeError(f"run must be a results.Run or a run folder path, got {type(run).__name__}")
+    return (folder, record["run_id"], record["study"], record.get("device_kind") == "cuda",
+            devices.summary(record))
+
+
+def footer_text(run_id: str, device: str) -> str:
+    """The provenance line under every saved figure: ``kvlab · run <run_id> · <device>``."""
+    return f"kvlab · run {run_id} · {device}"
+
+
+def _set_footer(fig, text: str) -> None:
+    # Hung just below the figure's bottom edge (va="top" at y=0): a tight bounding box takes it in,
+    # and it can never sit on top of an x-axis label. Saving the same figure twice reuses it.
+    existing = getattr(fig, "_kvlab_footer", None)
+    if existing is not None:
+        existing.set_text(text)
+        return
+    fig._kvlab_footer = fig.text(0.995, 0.0, text, ha="right", va="top", fontsize=7.5,
+                                 color="#666666")
+
+
+def save(fig, name: str, run, publish: bool = True) -> list[Path]:
+    """Write ``fig`` as ``<run_dir>/figures/<name>.png`` and ``.svg``, then publish both to
+    ``<figures_root>/<study>/`` with a sidecar ``<name>.json`` (run id, device, is_gpu).
+
+    ``run`` is a ``results.Run`` or the path of a run folder (to redraw an older run's figure from
+    its data). Publishing is skipped, with a printed note, when this is a CPU run and the published
+    figure came from a GPU run. ``name``: lowercase letters, digits, '-' and '_'
+    (e.g. ``"exposure_vs_link"``). Returns the paths written: the run's copies, then the published
+    ones (if published).
+    """
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(f"figure name {name!r} is not valid: use lowercase letters, digits, '-' "
+                         "and '_' (e.g. 'exposure_vs_link'), without an extension")
+    if not hasattr(fig, "savefig"):
+        raise TypeError(f"fig must be a matplotlib Figure, got {type(fig).__name__}")
+    folder, run_id, study, is_gpu, device = _run_facts(run)
+
+    _set_footer(fig, footer_text(run_id, device))
+    own = folder / "figures"
+    own.mkdir(parents=True, exist_ok=True)
+    written = []
+    for ext in FIGURE_FORMATS:
+        path = own / f"{name}.{ext}"
+        # No date in the SVG metadata, so the file changes only when the figure does.
+        metadata = {"Title": name, "Date": None} if ext == "svg" else {"Title": name}
+        fig.savefig(path, format=ext, metadata=metadata)
+        written.append(path)
+    if not publish:
+        return written
+
+    from kvlab import results
+
+    target = results.figures_root() / study
+    sidecar = target / f"{name}.json"
+    if sidecar.is_file() and not is_gpu:
+        try:
+            published = json.loads(sidecar.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            published = {}
+        if published.get("is_gpu"):
+            print(f"kept {target / name}.png from GPU run {published.get('run_id')}: a CPU run "
+                  f"does not replace it (this run's copy: {own / name}.png)")
+            return written
+    target.mkdir(parents=True, exist_ok=True)
+    for src in list(written):
+        dst = target / src.name
+        shutil.copyfile(src, dst)
+        written.append(dst)
+    sidecar.write_text(
+        json.dumps({"figure": name, "study": study, "run_id": run_id, "is_gpu": is_gpu,
+                    "device": device, "run": f"{study}/{run_id}"}, indent=2) + "\n",
+        encoding="utf-8",
+    )
+    return written

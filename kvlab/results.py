@@ -1,0 +1,512 @@
+"""Runs: where results go, and the run.json that says where and how they were made.
+
+A run is one folder ``data/<study>/<run_id>/`` holding ``run.json``, tidy CSV tables (one row per
+configuration × repeat, units in the column names), the executed notebook and the run's own copy
+of its figures. The run id is ``YYYYMMDD-HHMMSS-<device tag>`` in UTC, e.g.
+``20261129-093012-h200``; two runs started in the same second get ``-2``, ``-3``… appended.
+
+Typical use, in a notebook::
+
+    run = results.start("handoff", {"model": model, "contexts": contexts}, run_dir=run_dir)
+    run.save_table(df)                  # data/handoff/<run_id>/results.csv
+    run.update(ceilings=ceilings)       # extra fields in run.json
+    run.finish()
+
+and for analysis of what another study measured: ``record, tables = results.load(
+results.latest("link_ceilings"))``. A CPU run never stands in for a GPU result: ``latest`` prefers
+the newest GPU run and ``kvlab.plots`` never lets a CPU run replace a figure published by a GPU run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import enum
+import json
+import math
+import os
+import re
+import reprlib
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+RUN_JSON = "run.json"
+SCHEMA = 1
+STATUSES = ("running", "finished", "failed")
+
+# Study names become folder names and are derived from notebook names ("02_handoff" → "handoff").
+_STUDY_RE = re.compile(r"^[a-z0-9][a-z0-9_]*$")
+_TABLE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# Arrays and tensors up to this many elements may be recorded as parameters (as lists); a larger
+# one is data, not a parameter, and belongs in a table.
+_MAX_ARRAY_PARAM = 10_000
+# Fields that say where and how a run was made; Run.update must not rewrite them after the fact.
+_PROTECTED = frozenset(
+    {
+        "schema", "run_id", "study", "status", "started_utc", "finished_utc", "duration_s", "git",
+        "kvlab_version", "device_kind", "device_tag", "host", "devices", "p2p", "driver_version",
+        "cuda_runtime", "versions", "parameters", "argv", "invocation", "tables",
+    }
+)
+
+
+# ---------------------------------------------------------------------------------------- paths
+
+
+def repo_root() -> Path:
+    """The workbook's root: ``KVLAB_ROOT``, else the folder above the kvlab package when it holds
+    pyproject.toml (a source checkout), else the current directory (an installed wheel)."""
+    env = os.environ.get("KVLAB_ROOT", "").strip()
+    if env:
+        return Path(env).expanduser().resolve()
+    checkout = Path(__file__).resolve().parent.parent
+    if (checkout / "pyproject.toml").is_file():
+        return checkout
+    return Path.cwd()
+
+
+def data_root() -> Path:
+    """Where runs live: ``KVLAB_DATA``, else ``<repo_root>/data``."""
+    env = os.environ.get("KVLAB_DATA", "").strip()
+    return Path(env).expanduser().resolve() if env else repo_root() / "data"
+
+
+def figures_root() -> Path:
+    """Where published figures live: ``KVLAB_FIGURES``, else ``<repo_root>/figures``."""
+    env = os.environ.get("KVLAB_FIGURES", "").strip()
+    return Path(env).expanduser().resolve() if env else repo_root() / "figures"
+
+
+def study_of(notebook: str | os.PathLike) -> str:
+    """The study a notebook writes: its file name without the number prefix and extension,
+    ``notebooks/02_handoff.ipynb`` → ``"handoff"``."""
+    stem = Path(notebook).name.removesuffix(".ipynb")
+    return re.sub(r"^\d+[_-]", "", stem)
+
+
+def check_study(study) -> str:
+    """``study`` if it is a valid study name (lowercase letters, digits, underscores); else
+    ValueError naming it."""
+    if not isinstance(study, str) or not _STUDY_RE.match(study):
+        raise ValueError(
+            f"study name {study!r} is not valid: use lowercase letters, digits and underscores, "
+            "starting with a letter or digit (e.g. 'handoff', 'link_ceilings')"
+        )
+    return study
+
+
+# ---------------------------------------------------------------------------------- run ids
+
+
+def _utc_now() -> _dt.datetime:
+    return _dt.datetime.now(_dt.timezone.utc)
+
+
+def _iso(when: _dt.datetime) -> str:
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def run_tag() -> str:
+    """The device part of a new run id: the GPU model ("h200") on a GPU preset, else "cpu"."""
+    from kvlab import devices, nbtools
+
+    return devices.device_tag() if nbtools.preset() == "gpu" else "cpu"
+
+
+def new_run_id(tag: str | None = None, when: _dt.datetime | None = None) -> str:
+    """``YYYYMMDD-HHMMSS-<tag>`` for ``when`` (default now) in UTC; ``tag`` defaults to
+    ``run_tag()``."""
+    tag = run_tag() if tag is None else tag
+    if not re.fullmatch(r"[a-z0-9]+", tag):
+        raise ValueError(f"run id tag {tag!r} is not valid: use lowercase letters and digits only")
+    when = (when or _utc_now()).astimezone(_dt.timezone.utc)
+    return f"{when:%Y%m%d-%H%M%S}-{tag}"
+
+
+def new_run_dir(study: str) -> Path:
+    """Create and return a fresh, empty ``<data_root>/<study>/<run_id>/``.
+
+    Creation is exclusive, so two runs started in the same second (a fast sweep) get distinct
+    folders: the second one's id carries ``-2``.
+    """
+    check_study(study)
+    parent = data_root() / study
+    parent.mkdir(parents=True, exist_ok=True)
+    base = new_run_id()
+    for n in range(1, 1000):
+        path = parent / (base if n == 1 else f"{base}-{n}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise RuntimeError(f"could not find a free run folder for {base} under {parent}")
+
+
+# ------------------------------------------------------------------------------ JSON values
+
+
+def jsonable(value, where: str = "value"):
+    """``value`` converted to plain JSON types, or TypeError naming ``where`` and the bad type.
+
+    Converted: paths → str; numpy scalars → Python numbers; numpy arrays and torch tensors of at
+    most 10,000 elements → lists; torch dtypes and devices → their str ("torch.bfloat16");
+    enums → their value; dates → ISO strings; dataclasses → dicts; tuples and sets → lists;
+    NaN and ±inf → the strings "nan", "inf", "-inf" (strict JSON has no such numbers).
+    """
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value) if math.isfinite(value) else str(value)
+    if isinstance(value, enum.Enum):
+        return jsonable(value.value, where)
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, (_dt.datetime, _dt.date)):
+        return value.isoformat()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return jsonable(dataclasses.asdict(value), where)
+    if isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, (str, int, float, bool)) and key is not None:
+                raise TypeError(f"{where}: key {key!r} of type {type(key).__name__} is not valid; "
+                                "use str keys")
+            out[str(key)] = jsonable(item, f"{where}[{key!r}]")
+        return out
+    if isinstance(value, (list, tuple)):
+        return [jsonable(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, (set, frozenset)):
+        return [jsonable(item, f"{where}{{}}") for item in sorted(value, key=repr)]
+
+    # numpy and torch values can only exist when their module is already imported; checking
+    # sys.modules keeps this function from importing either.
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        if isinstance(value, numpy.dtype):
+            return str(value)
+        if isinstance(value, numpy.generic):
+            return jsonable(value.item(), where)
+        if isinstance(value, numpy.ndarray):
+            return jsonable(_small_array(value, int(value.size), "numpy array", where), where)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        if isinstance(value, (torch.dtype, torch.device)):
+            return str(value)
+        if isinstance(value, torch.Tensor):
+            return jsonable(_small_array(value, int(value.numel()), "torch tensor", where), where)
+    kind = type(value)
+    raise TypeError(
+        f"{where}: {reprlib.repr(value)} of type {kind.__module__}.{kind.__qualname__} cannot be "
+        "recorded in run.json; valid: None, bool, int, float, str, list, tuple, dict, set, paths, enums, dates, "
+        "dataclasses, numpy scalars/arrays, torch dtypes/devices/tensors"
+    )
+
+
+def _small_array(value, size: int, what: str, where: str) -> list:
+    if size > _MAX_ARRAY_PARAM:
+        raise TypeError(f"{where}: a {what} of {size:,} elements is data, not a parameter (at most "
+                        f"{_MAX_ARRAY_PARAM:,}); save it with Run.save_table instead")
+    return value.tolist()
+
+
+def _write_json(path: Path, record: dict) -> None:
+    """Write atomically: a crash mid-write must not leave a truncated run.json behind."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(record, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+# ------------------------------------------------------------------------------------ git
+
+
+def git_state(root: str | os.PathLike | None = None) -> dict:
+    """``{"commit": sha or None, "dirty": bool or None, "dirty_paths": [...]}`` of the repository
+    holding ``root`` (default ``repo_root()``).
+
+    ``commit`` is None without git, outside a repository or before its first commit; ``dirty``
+    is None without git or outside a repository. Changes under the data and figures roots are
+    not dirt: they are what runs write, and counting them would mark every second run dirty.
+    ``dirty_paths`` lists at most 20 changed paths, enough to see what was uncommitted.
+    """
+    root = Path(root) if root is not None else repo_root()
+    unknown = {"commit": None, "dirty": None, "dirty_paths": []}
+    git = shutil.which("git")
+    if git is None or not root.is_dir():
+        return unknown
+
+    def call(*args: str) -> subprocess.CompletedProcess | None:
+        try:
+            return subprocess.run([git, "-C", str(root), *args], capture_output=True, text=True,
+                                  timeout=60, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+
+    top = call("rev-parse", "--show-toplevel")
+    if top is None or top.returncode != 0 or not top.stdout.strip():
+        return unknown
+    top_dir = Path(top.stdout.strip()).resolve()
+    head = call("rev-parse", "--verify", "--quiet", "HEAD")
+    commit = head.stdout.strip() if head is not None and head.returncode == 0 else None
+    excludes = []
+    for output in (data_root(), figures_root()):
+        try:
+            excludes.append(f":(top,exclude){output.resolve().relative_to(top_dir).as_posix()}")
+        except ValueError:  # outside this repository: nothing of it can show up in git status
+            pass
+    status = call("status", "--porcelain", "--untracked-files=all", "--", ":(top)", *excludes)
+    if status is None or status.returncode != 0:
+        return {"commit": commit, "dirty": None, "dirty_paths": []}
+    changed = [line[3:] for line in status.stdout.splitlines() if line.strip()]
+    return {"commit": commit, "dirty": bool(changed), "dirty_paths": changed[:20]}
+
+
+# ------------------------------------------------------------------------------------ runs
+
+
+def _invocation() -> tuple[list, dict | None]:
+    """(argv, invocation) of what started this run. ``kvlab run`` passes its own command line to
+    the notebook's kernel in ``KVLAB_INVOCATION`` (JSON), because the kernel's sys.argv only names
+    the kernel launcher."""
+    raw = os.environ.get("KVLAB_INVOCATION", "").strip()
+    if raw:
+        try:
+            invocation = json.loads(raw)
+        except json.JSONDecodeError:
+            invocation = {"raw": raw}
+        if isinstance(invocation, dict):
+            return list(invocation.get("argv") or sys.argv), invocation
+    return list(sys.argv), None
+
+
+class Run:
+    """One run: its folder, and its run.json kept in step with every change.
+
+    Attributes: ``dir`` (Path of the run folder), ``run_id`` (str), ``study`` (str), ``is_gpu``
+    (bool: the run measured on a CUDA device), ``record`` (a copy of run.json as a dict).
+    Made by ``start()``; not constructed directly.
+    """
+
+    def __init__(self, path: Path, record: dict):
+        self.dir = Path(path)
+        self._record = record
+        self._t0 = time.monotonic()
+
+    @property
+    def run_id(self) -> str:
+        return self._record["run_id"]
+
+    @property
+    def study(self) -> str:
+        return self._record["study"]
+
+    @property
+    def is_gpu(self) -> bool:
+        return self._record["device_kind"] == "cuda"
+
+    @property
+    def record(self) -> dict:
+        return json.loads(json.dumps(self._record))
+
+    @property
+    def json_path(self) -> Path:
+        return self.dir / RUN_JSON
+
+    def _write(self) -> None:
+        _write_json(self.json_path, self._record)
+
+    def save_table(self, df, name: str = "results") -> Path:
+        """Write ``df`` to ``<run_dir>/<name>.csv`` and list it in run.json; returns the path.
+
+        Tidy tables: one row per configuration × repeat, units in column names (``bytes``, ``ms``,
+        ``gbps``). A named index (as after ``groupby``) is data and is written as columns; an
+        unnamed one is just row numbers and is dropped.
+        """
+        import pandas as pd
+
+        if not isinstance(df, pd.DataFrame):
+            raise TypeError(f"save_table needs a pandas DataFrame, got {type(df).__name__}")
+        if not isinstance(name, str):
+            raise TypeError(f"table name must be a str, got {type(name).__name__}")
+        stem = name.removesuffix(".csv")
+        if not _TABLE_RE.match(stem):
+            raise ValueError(f"table name {name!r} is not valid: use letters, digits, '_', '-' "
+                             "and '.', starting with a letter or digit (e.g. 'results')")
+        if any(level is not None for level in df.index.names):
+            df = df.reset_index()
+        path = self.dir / f"{stem}.csv"
+        df.to_csv(path, index=False)
+        self._record.setdefault("tables", {})[stem] = {
+            "file": path.name,
+            "rows": int(len(df)),
+            "columns": [str(c) for c in df.columns],
+        }
+        self._write()
+        return path
+
+    def update(self, **fields) -> None:
+        """Add or replace fields of run.json (e.g. ``ceilings=...``, ``resolved={...}``) and write
+        it at once. Provenance fields (run_id, git, devices, parameters, …) cannot be replaced."""
+        clash = sorted(set(fields) & _PROTECTED)
+        if clash:
+            raise ValueError(f"run.json fields {clash} are written by kvlab and cannot be updated; "
+                             f"protected: {sorted(_PROTECTED)}")
+        converted = {key: jsonable(value, key) for key, value in fields.items()}
+        self._record.update(converted)
+        self._write()
+
+    def finish(self) -> None:
+        """Mark the run finished (UTC time, duration in seconds) and write run.json. Only finished
+        runs are found by ``latest()``; calling it again re-stamps the finish time."""
+        self._record["status"] = "finished"
+        self._record["finished_utc"] = _iso(_utc_now())
+        self._record["duration_s"] = round(time.monotonic() - self._t0, 3)
+        self._write()
+
+    def __repr__(self) -> str:
+        return f"Run({self.study!r}, {self.run_id!r}, dir={str(self.dir)!r}, is_gpu={self.is_gpu})"
+
+
+def start(study: str, params: Mapping, run_dir: str | os.PathLike = "") -> Run:
+    """Begin a run of ``study`` with ``params`` (the notebook's parameters) and write run.json.
+
+    ``run_dir`` empty: a new ``<data_root>/<study>/<run_id>/``; otherwise that folder (created if
+    missing) is the run, and its name is the run id. Bad input (an invalid study name, params
+    that are not a mapping or hold a value JSON cannot record) raises before anything is written.
+
+    run.json holds: schema, run_id, study, status ("running" until ``finish()``), started_utc,
+    finished_utc, duration_s, git (commit, dirty flag, dirty paths), kvlab_version, device_kind
+    ("cuda" | "cpu"), device_tag, host, devices (GPUs), p2p, driver_version, cuda_runtime,
+    versions, parameters, argv, invocation.
+    """
+    check_study(study)
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a mapping of parameter name to value, got "
+                        f"{type(params).__name__}")
+    parameters = jsonable(dict(params), "params")
+    if not isinstance(run_dir, (str, os.PathLike)):
+        raise TypeError(f"run_dir must be a str or path, got {type(run_dir).__name__}")
+
+    from kvlab import __version__, devices, nbtools
+
+    hardware = devices.describe()
+    # A CPU preset forced on a GPU host (KVLAB_PRESET=cpu) measures on the CPU: it is a CPU run,
+    # and must not be mistaken for a GPU result.
+    if hardware["device_kind"] == "cuda" and nbtools.preset() == "cpu":
+        hardware["device_kind"], hardware["device_tag"] = "cpu", "cpu"
+
+    if os.fspath(run_dir) == "":
+        path = new_run_dir(study)
+    else:
+        path = Path(run_dir).expanduser().resolve()
+        path.mkdir(parents=True, exist_ok=True)
+
+    argv, invocation = _invocation()
+    record = {
+        "schema": SCHEMA,
+        "run_id": path.name,
+        "study": study,
+        "status": "running",
+        "started_utc": _iso(_utc_now()),
+        "finished_utc": None,
+        "duration_s": None,
+        "git": git_state(),
+        "kvlab_version": __version__,
+        **hardware,
+        "parameters": parameters,
+        "argv": argv,
+        "invocation": invocation,
+    }
+    run = Run(path, record)
+    run._write()
+    return run
+
+
+def record_execution(run_dir: str | os.PathLike, notebook: str, ok: bool, seconds: float,
+                     error: str | None = None) -> bool:
+    """Note in a run's run.json how its notebook execution ended (``kvlab run`` calls this).
+
+    A failed execution turns a still-"running" run into "failed", so ``latest()`` skips it.
+    Returns False when the run has no run.json (the notebook failed before ``start()``).
+    """
+    path = Path(run_dir) / RUN_JSON
+    if not path.is_file():
+        return False
+    record = _read_json(path)
+    record["execution"] = {"notebook": notebook, "ok": bool(ok), "seconds": round(seconds, 3),
+                           "error": error}
+    if not ok and record.get("status") == "running":
+        record["status"] = "failed"
+    _write_json(path, record)
+    return True
+
+
+# ----------------------------------------------------------------------------------- reading
+
+
+def runs(study: str, gpu: bool | None = None, finished: bool = True) -> list[Path]:
+    """Run folders of ``study``, newest first (by start time, then id).
+
+    ``gpu``: True → GPU runs only, False → CPU runs only, None → both. ``finished``: only runs
+    whose run.json says "finished" (a crashed or still-running run is not a result).
+    """
+    check_study(study)
+    found = []
+    parent = data_root() / study
+    if not parent.is_dir():
+        return []
+    for path in parent.iterdir():
+        meta = path / RUN_JSON
+        if not meta.is_file():
+            continue
+        try:
+            record = _read_json(meta)
+        except (OSError, json.JSONDecodeError):
+            continue  # a run.json being written by a run in progress, or damaged: not a result
+        if finished and record.get("status") != "finished":
+            continue
+        is_gpu = record.get("device_kind") == "cuda"
+        if gpu is not None and is_gpu != gpu:
+            continue
+        found.append((record.get("started_utc") or "", path.name, path))
+    found.sort(reverse=True)
+    return [path for _, _, path in found]
+
+
+def latest(study: str, gpu: bool = True) -> Path:
+    """The newest finished run folder of ``study``: with ``gpu=True`` the newest GPU run, falling
+    back to the newest CPU run when no GPU run exists; with ``gpu=False`` the newest of any kind.
+
+    FileNotFoundError (naming the study and where it looked) when the study has no finished run.
+    """
+    found = (runs(study, gpu=True) if gpu else []) or runs(study)
+    if not found:
+        raise FileNotFoundError(
+            f"no finished run of study {study!r} under {data_root() / study}; "
+            f"make one with: kvlab run {study}"
+        )
+    return found[0]
+
+
+def load(run_dir: str | os.PathLike) -> tuple[dict, dict]:
+    """``(record, tables)`` of a run: run.json as a dict, and ``{name: DataFrame}`` for every
+    ``<name>.csv`` in the run folder."""
+    import pandas as pd
+
+    path = Path(run_dir)
+    meta = path / RUN_JSON
+    if not meta.is_file():
+        raise FileNotFoundError(f"{path} is not a run folder: it has no {RUN_JSON}")
+    tables = {csv.stem: pd.read_csv(csv) for csv in sorted(path.glob("*.csv"))}
+    return _read_json(meta), tables

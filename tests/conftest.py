@@ -1,0 +1,93 @@
+"""Shared test set-up: every test writes into its own temporary data and figures folders, never into
+the repository, and tests marked ``gpu`` are skipped on a machine without CUDA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+# Variables a developer's shell may carry that would change what kvlab does under test.
+_KVLAB_ENV = ("KVLAB_ROOT", "KVLAB_PRESET", "KVLAB_BATCH", "KVLAB_INVOCATION", "KVLAB_DEBUG")
+
+
+@pytest.fixture(autouse=True)
+def kvlab_dirs(tmp_path, monkeypatch):
+    """KVLAB_DATA and KVLAB_FIGURES point at fresh folders under tmp_path (not yet created, so a
+    test can tell whether anything was written at all)."""
+    for name in _KVLAB_ENV:
+        monkeypatch.delenv(name, raising=False)
+    dirs = SimpleNamespace(data=tmp_path / "kvlab-data", figures=tmp_path / "kvlab-figures")
+    monkeypatch.setenv("KVLAB_DATA", str(dirs.data))
+    monkeypatch.setenv("KVLAB_FIGURES", str(dirs.figures))
+    return dirs
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return  # no torch import when nothing asks for a GPU
+    from kvlab import devices
+
+    if devices.has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; torch sees none here")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+def write_notebook(path: Path, parameters: str, *cells: str) -> Path:
+    """Write a small notebook: a markdown title, a code cell tagged ``parameters`` holding
+    ``parameters``, then one code cell per entry of ``cells``."""
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+    nb = new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    tagged = new_code_cell(parameters)
+    tagged.metadata["tags"] = ["parameters"]
+    nb.cells = [new_markdown_cell(f"# {path.stem}"), tagged, *map(new_code_cell, cells)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, str(path))
+    return path
+
+
+TOY_PARAMETERS = '''\
+size: int = 3  # rows in the table
+scale: float = 1.0  # multiplier of every value, unitless
+label: str = "x"  # a label carried into run.json
+contexts: list[int] = [1, 2]  # prompt lengths, tokens
+mode: int | str = "auto"  # "auto" or a number
+run_dir: str = ""  # kvlab run sets it; empty = a new data/<study>/<run_id>/
+'''
+
+TOY_BODY = '''\
+import pandas as pd
+from kvlab import nbtools, results
+
+run = results.start("toy", dict(size=size, scale=scale, label=label, contexts=contexts,
+                                mode=mode), run_dir=run_dir)
+run.save_table(pd.DataFrame({"i": range(size), "value_ms": [i * scale for i in range(size)]}))
+run.update(interactive=nbtools.is_interactive())
+if size == 13:
+    raise RuntimeError("size 13 fails on purpose")
+run.finish()
+'''
+
+
+@pytest.fixture
+def toy_project(tmp_path, monkeypatch):
+    """A throwaway workbook (KVLAB_ROOT) whose notebooks/ holds 00_toy.ipynb: parameters of each
+    kind, a table, and a failure on demand (size=13)."""
+    root = tmp_path / "project"
+    write_notebook(root / "notebooks" / "00_toy.ipynb", TOY_PARAMETERS, TOY_BODY)
+    monkeypatch.setenv("KVLAB_ROOT", str(root))
+    return root
+
+
+@pytest.fixture
+def make_notebook():
+    """``write_notebook(path, parameters, *cells)`` for tests that need a notebook of their own."""
+    return write_notebook

@@ -1,0 +1,466 @@
+"""Provenance: run ids and run.json (kvlab.results), the hardware record (kvlab.devices), figure
+publishing and its CPU-never-replaces-GPU rule (kvlab.plots), and the notebook helpers
+(kvlab.nbtools)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kvlab import devices, nbtools, plots, results  # noqa: E402
+
+RUN_ID = re.compile(r"^\d{8}-\d{6}-[a-z0-9]+(-\d+)?$")
+UTC_STAMP = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z$")
+
+FAKE_H200 = {
+    "device_kind": "cuda",
+    "device_tag": "h200",
+    "host": {"hostname": "gpu-node", "os": "Linux", "cpu_model": "x", "cpu_count": 16,
+             "cpu_usable": 16, "memory_bytes": 2**37},
+    "devices": [{"index": 0, "name": "NVIDIA H200", "memory_bytes": 150_000_000_000,
+                 "compute_capability": "9.0", "sm_count": 132}],
+    "p2p": [[None]],
+    "driver_version": "580.159.04",
+    "cuda_runtime": "13.0",
+    "versions": {"python": "3.12.0", "torch": "2.11.0"},
+}
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Make this machine look like one H200 to kvlab (run ids, run.json, presets)."""
+    monkeypatch.setattr(devices, "has_cuda", lambda: True)
+    monkeypatch.setattr(devices, "gpus", lambda: FAKE_H200["devices"])
+    monkeypatch.setattr(devices, "describe", lambda: json.loads(json.dumps(FAKE_H200)))
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+# ------------------------------------------------------------------------------- run.json
+
+
+def test_start_writes_run_json_at_once_with_every_field(kvlab_dirs):
+    params = {"model": "kvlab-tiny", "contexts": (128, 256), "out": Path("/tmp/x"),
+              "repeats": np.int64(9), "ratio": np.float32(0.5), "dtype": torch.bfloat16,
+              "device": torch.device("cpu"), "weights": np.arange(3), "missing": float("nan")}
+    run = results.start("toy", params)
+    assert run.dir.parent == kvlab_dirs.data / "toy"
+    assert run.dir.name == run.run_id and RUN_ID.match(run.run_id)
+    record = read_json(run.dir / "run.json")
+    for key in ("schema", "run_id", "study", "status", "started_utc", "finished_utc", "duration_s",
+                "git", "kvlab_version", "device_kind", "device_tag", "host", "devices", "p2p",
+                "driver_version", "cuda_runtime", "versions", "parameters", "argv", "invocation"):
+        assert key in record, key
+    assert record["study"] == "toy" and record["status"] == "running"
+    assert UTC_STAMP.match(record["started_utc"]) and record["finished_utc"] is None
+    assert set(record["git"]) == {"commit", "dirty", "dirty_paths"}
+    assert record["host"]["hostname"] and record["host"]["cpu_count"] >= 1
+    assert record["versions"]["python"].count(".") == 2
+    assert record["versions"]["torch"] == torch.__version__
+    assert isinstance(record["argv"], list)
+    assert record["parameters"] == {
+        "model": "kvlab-tiny", "contexts": [128, 256], "out": "/tmp/x", "repeats": 9,
+        "ratio": 0.5, "dtype": "torch.bfloat16", "device": "cpu", "weights": [0, 1, 2],
+        "missing": "nan"}
+    assert isinstance(record["parameters"]["repeats"], int)
+
+    run.finish()
+    done = read_json(run.dir / "run.json")
+    assert done["status"] == "finished" and UTC_STAMP.match(done["finished_utc"])
+    assert done["duration_s"] >= 0
+    assert done["started_utc"] == record["started_utc"]
+
+
+def test_cpu_run_is_tagged_cpu(kvlab_dirs, monkeypatch):
+    monkeypatch.setattr(devices, "has_cuda", lambda: False)
+    run = results.start("toy", {})
+    assert run.run_id.endswith("-cpu") and not run.is_gpu
+    assert run.record["device_kind"] == "cpu"
+
+
+def test_gpu_run_is_tagged_with_the_gpu_model(kvlab_dirs, fake_gpu):
+    run = results.start("toy", {})
+    assert run.run_id.endswith("-h200") and run.is_gpu
+    assert run.record["devices"][0]["name"] == "NVIDIA H200"
+    assert run.record["driver_version"] == "580.159.04"
+
+
+def test_forced_cpu_preset_on_a_gpu_host_is_a_cpu_run(kvlab_dirs, fake_gpu, monkeypatch):
+    monkeypatch.setenv("KVLAB_PRESET", "cpu")
+    run = results.start("toy", {})
+    assert run.run_id.endswith("-cpu") and not run.is_gpu
+
+
+def test_run_id_format_is_utc():
+    when = dt.datetime(2026, 11, 29, 10, 30, 12, tzinfo=dt.timezone(dt.timedelta(hours=1)))
+    assert results.new_run_id("h200", when) == "20261129-093012-h200"
+    with pytest.raises(ValueError, match="H200"):
+        results.new_run_id("H200", when)
+
+
+def test_runs_started_in_the_same_second_get_distinct_folders(kvlab_dirs, monkeypatch):
+    monkeypatch.setattr(results, "new_run_id", lambda tag=None, when=None: "20261129-093012-cpu")
+    first, second = results.start("toy", {}), results.start("toy", {})
+    assert first.run_id == "20261129-093012-cpu"
+    assert second.run_id == "20261129-093012-cpu-2"
+
+
+def test_given_run_dir_is_used_and_named_by_its_folder(tmp_path):
+    run = results.start("toy", {"a": 1}, run_dir=tmp_path / "here" / "20260101-000000-cpu")
+    assert run.dir == tmp_path / "here" / "20260101-000000-cpu"
+    assert read_json(run.dir / "run.json")["run_id"] == "20260101-000000-cpu"
+
+
+def test_invocation_from_kvlab_run_is_recorded(kvlab_dirs, monkeypatch):
+    argv = ["kvlab", "run", "toy", "-p", "size", "4"]
+    monkeypatch.setenv("KVLAB_INVOCATION", json.dumps({"argv": argv, "command": "run"}))
+    record = results.start("toy", {}).record
+    assert record["argv"] == argv and record["invocation"]["command"] == "run"
+
+
+@pytest.mark.parametrize("study, params, error, match", [
+    ("toy", [("a", 1)], TypeError, "mapping"),
+    ("toy", {"x": object()}, TypeError, r"params\['x'\].*object"),
+    ("toy", {"x": {"deep": [1, {2, object()}]}}, TypeError, r"params\['x'\]\['deep'\]\[1\]"),
+    ("toy", {"big": np.zeros(20_000)}, TypeError, "20,000 elements"),
+    ("toy", {"t": torch.zeros(200, 100)}, TypeError, "torch tensor"),
+    ("toy", {(1, 2): 3}, TypeError, "key"),
+    ("Bad-Study", {}, ValueError, "Bad-Study"),
+    ("", {}, ValueError, "study name"),
+    ("../up", {}, ValueError, "lowercase"),
+])
+def test_bad_params_are_refused_before_anything_is_written(kvlab_dirs, study, params, error,
+                                                             match):
+    with pytest.raises(error, match=match):
+        results.start(study, params)
+    assert not kvlab_dirs.data.exists()
+
+
+def test_save_table_writes_tidy_csv_and_lists_it(kvlab_dirs):
+    run = results.start("toy", {})
+    df = pd.DataFrame({"size_bytes": [1024, 2048], "ms": [0.5, 0.75]})
+    path = run.save_table(df)
+    assert path == run.dir / "results.csv"
+    assert pd.read_csv(path).equals(df)
+    grouped = df.assign(path=["a", "b"]).groupby("path")["ms"].median()
+    named = run.save_table(grouped.to_frame(), "medians.csv")
+    assert list(pd.read_csv(named).columns) == ["path", "ms"]  # the named index is data
+    filtered = df[df.ms > 0.6]  # an unnamed index is only row numbers: dropped
+    assert list(pd.read_csv(run.save_table(filtered, "filtered")).columns) == ["size_bytes", "ms"]
+    tables = read_json(run.dir / "run.json")["tables"]
+    assert tables["results"] == {"file": "results.csv", "rows": 2, "columns": ["size_bytes", "ms"]}
+    assert set(tables) == {"results", "medians", "filtered"}
+    with pytest.raises(ValueError, match="sub/dir"):
+        run.save_table(df, "sub/dir")
+    with pytest.raises(TypeError, match="list"):
+        run.save_table([1, 2])
+
+
+def test_update_adds_fields_and_guards_provenance(kvlab_dirs):
+    run = results.start("toy", {"a": 1})
+    run.update(ceilings={"d2d_same": {"gbps": 2000.0}}, resolved={"sizes": (4096, 8192)})
+    record = read_json(run.dir / "run.json")
+    assert record["ceilings"]["d2d_same"]["gbps"] == 2000.0
+    assert record["resolved"]["sizes"] == [4096, 8192]
+    with pytest.raises(ValueError, match="git"):
+        run.update(git={"commit": "forged"})
+    with pytest.raises(TypeError, match="later"):
+        run.update(later=object())
+    assert read_json(run.dir / "run.json")["git"] == record["git"]
+
+
+def test_record_execution_marks_a_crashed_run_failed(kvlab_dirs):
+    run = results.start("toy", {})
+    assert results.record_execution(run.dir, "00_toy.ipynb", False, 1.5, "RuntimeError: x")
+    record = read_json(run.dir / "run.json")
+    assert record["status"] == "failed"
+    assert record["execution"] == {"notebook": "00_toy.ipynb", "ok": False, "seconds": 1.5,
+                                   "error": "RuntimeError: x"}
+    assert not results.record_execution(kvlab_dirs.data / "nowhere", "x.ipynb", False, 0.0)
+
+
+# ------------------------------------------------------------------------------------- git
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t",
+                           *args], check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    """A git repository with one commit, as KVLAB_ROOT, with KVLAB_DATA inside it."""
+    root = tmp_path / "repo"
+    root.mkdir()
+    git(root, "init", "-q")
+    (root / "code.py").write_text("x = 1\n")
+    monkeypatch.setenv("KVLAB_ROOT", str(root))
+    monkeypatch.setenv("KVLAB_DATA", str(root / "data"))
+    monkeypatch.setenv("KVLAB_FIGURES", str(root / "figures"))
+    return root
+
+
+def test_git_commit_and_dirty_flag(repo):
+    state = results.git_state()
+    assert state["commit"] is None and state["dirty"] is True  # no commit yet, code.py untracked
+    git(repo, "add", "code.py")
+    git(repo, "commit", "-qm", "first")
+    head = git(repo, "rev-parse", "HEAD")
+
+    run = results.start("toy", {})  # writes data/toy/<id>/run.json inside the repository
+    assert run.record["git"] == {"commit": head, "dirty": False, "dirty_paths": []}
+    (repo / "figures" / "toy").mkdir(parents=True)
+    (repo / "figures" / "toy" / "f.png").write_bytes(b"png")
+    assert results.git_state()["dirty"] is False  # what runs write is not dirt
+
+    (repo / "code.py").write_text("x = 2\n")
+    state = results.start("toy", {}).record["git"]
+    assert state["commit"] == head and state["dirty"] is True
+    assert state["dirty_paths"] == ["code.py"]
+
+
+def test_git_state_is_null_outside_a_repository_or_without_git(tmp_path, monkeypatch):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    assert results.git_state(plain) == {"commit": None, "dirty": None, "dirty_paths": []}
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    assert results.git_state(Path(__file__).parent) == {"commit": None, "dirty": None,
+                                                        "dirty_paths": []}
+
+
+# -------------------------------------------------------------------------- paths, reading
+
+
+def test_roots_follow_the_environment(tmp_path, monkeypatch, kvlab_dirs):
+    assert results.data_root() == kvlab_dirs.data
+    assert results.figures_root() == kvlab_dirs.figures
+    monkeypatch.delenv("KVLAB_DATA")
+    monkeypatch.setenv("KVLAB_ROOT", str(tmp_path / "elsewhere"))
+    assert results.data_root() == tmp_path / "elsewhere" / "data"
+    monkeypatch.delenv("KVLAB_ROOT")
+    assert (results.repo_root() / "pyproject.toml").is_file()  # this checkout
+
+
+@pytest.mark.parametrize("name, study", [("notebooks/02_handoff.ipynb", "handoff"),
+                                         ("01_link_ceilings.ipynb", "link_ceilings"),
+                                         ("scratch.ipynb", "scratch")])
+def test_study_of_notebook(name, study):
+    assert results.study_of(name) == study
+
+
+def _finished(study: str, run_id: str, kind: str, status: str = "finished") -> Path:
+    folder = results.data_root() / study / run_id
+    folder.mkdir(parents=True)
+    started = dt.datetime.strptime(run_id[:15], "%Y%m%d-%H%M%S").strftime("%Y-%m-%dT%H:%M:%SZ")
+    (folder / "run.json").write_text(json.dumps(
+        {"run_id": run_id, "study": study, "status": status, "started_utc": started,
+         "device_kind": kind}))
+    return folder
+
+
+def test_latest_prefers_gpu_runs_and_skips_unfinished(kvlab_dirs):
+    with pytest.raises(FileNotFoundError, match="'handoff'.*kvlab run handoff"):
+        results.latest("handoff")
+    cpu_old = _finished("handoff", "20261101-000000-cpu", "cpu")
+    assert results.latest("handoff") == cpu_old  # no GPU run yet: the CPU one
+    gpu = _finished("handoff", "20261102-000000-h200", "cuda")
+    cpu_new = _finished("handoff", "20261103-000000-cpu", "cpu")
+    _finished("handoff", "20261104-000000-h200", "cuda", status="failed")
+    _finished("handoff", "20261105-000000-h200", "cuda", status="running")
+    assert results.latest("handoff") == gpu
+    assert results.latest("handoff", gpu=False) == cpu_new
+    assert results.runs("handoff") == [cpu_new, gpu, cpu_old]
+    assert results.runs("handoff", gpu=True, finished=False)[0].name == "20261105-000000-h200"
+
+
+def test_load_returns_record_and_tables(kvlab_dirs):
+    run = results.start("toy", {"a": 1})
+    run.save_table(pd.DataFrame({"x": [1, 2]}))
+    run.save_table(pd.DataFrame({"y_ms": [0.5]}), "fit")
+    run.finish()
+    record, tables = results.load(run.dir)
+    assert record["parameters"] == {"a": 1} and record["status"] == "finished"
+    assert set(tables) == {"results", "fit"} and tables["fit"]["y_ms"].tolist() == [0.5]
+    with pytest.raises(FileNotFoundError, match="run.json"):
+        results.load(kvlab_dirs.data)
+
+
+# --------------------------------------------------------------------------------- devices
+
+
+@pytest.mark.parametrize("name, tag", [
+    ("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-80GB", "a100"),
+    ("NVIDIA GeForce RTX 4090", "rtx4090"), ("Tesla V100-SXM2-16GB", "v100"),
+    ("NVIDIA GH200 480GB", "gh200"), ("NVIDIA L40S", "l40s"), ("AMD Instinct MI300X", "mi300x"),
+    ("NVIDIA RTX A6000", "a6000"), ("", "gpu"),
+])
+def test_device_tag_from_gpu_name(name, tag):
+    assert devices.tag_from_name(name) == tag
+
+
+def test_describe_answers_on_this_machine():
+    info = devices.describe()
+    json.dumps(info, allow_nan=False)  # it goes into run.json as is
+    assert info["device_kind"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert len(info["devices"]) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    assert len(info["p2p"]) == len(info["devices"])
+    assert info["cuda_runtime"] == torch.version.cuda
+    assert info["host"]["memory_bytes"] > 2**28
+    assert info["versions"]["transformers"]
+    assert devices.device_tag() == info["device_tag"]
+
+
+def test_summary_names_the_hardware():
+    assert devices.summary(FAKE_H200) == "NVIDIA H200"
+    two = {**FAKE_H200, "devices": FAKE_H200["devices"] * 2}
+    assert devices.summary(two) == "2× NVIDIA H200"
+    assert devices.summary({**two, "device_kind": "cpu"}) == "cpu"
+
+
+# -------------------------------------------------------------------------- figures (plots)
+
+
+def _figure():
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [0, 1], color=plots.color("bulk"))
+    return fig
+
+
+def test_save_writes_run_copy_and_publishes_with_footer(kvlab_dirs):
+    run = results.start("toy", {})
+    fig = _figure()
+    paths = plots.save(fig, "line", run)
+    published = kvlab_dirs.figures / "toy"
+    assert paths == [run.dir / "figures" / "line.png", run.dir / "figures" / "line.svg",
+                     published / "line.png", published / "line.svg"]
+    assert all(p.stat().st_size > 0 for p in paths)
+    assert (published / "line.png").read_bytes() == (run.dir / "figures/line.png").read_bytes()
+    footer = f"kvlab · run {run.run_id} · cpu"
+    assert [t.get_text() for t in fig.texts] == [footer]
+    sidecar = read_json(published / "line.json")
+    assert sidecar["run_id"] == run.run_id and sidecar["is_gpu"] is False
+    plots.save(fig, "line", run)  # saving again keeps one footer
+    assert len(fig.texts) == 1
+    plt.close(fig)
+
+
+def test_cpu_run_never_replaces_a_gpu_published_figure(kvlab_dirs, monkeypatch, capsys):
+    published = kvlab_dirs.figures / "toy"
+    with monkeypatch.context() as m:  # a GPU run publishes first
+        m.setattr(devices, "has_cuda", lambda: True)
+        m.setattr(devices, "gpus", lambda: FAKE_H200["devices"])
+        m.setattr(devices, "describe", lambda: json.loads(json.dumps(FAKE_H200)))
+        gpu_run = results.start("toy", {})
+        fig = _figure()
+        plots.save(fig, "line", gpu_run)
+        assert fig.texts[0].get_text() == f"kvlab · run {gpu_run.run_id} · NVIDIA H200"
+    gpu_png = (published / "line.png").read_bytes()
+
+    cpu_run = results.start("toy", {})
+    assert not cpu_run.is_gpu
+    paths = plots.save(_figure(), "line", cpu_run)
+    assert paths == [cpu_run.dir / "figures/line.png", cpu_run.dir / "figures/line.svg"]
+    assert (published / "line.png").read_bytes() == gpu_png
+    assert read_json(published / "line.json")["run_id"] == gpu_run.run_id
+    assert "GPU run" in capsys.readouterr().out
+
+    plots.save(_figure(), "other", cpu_run)  # a name no GPU run published: CPU publishes it
+    assert read_json(published / "other.json")["run_id"] == cpu_run.run_id
+
+    # Redrawing from the GPU run's folder (an analysis notebook) publishes as that GPU run.
+    plots.save(_figure(), "other", gpu_run.dir)
+    assert read_json(published / "other.json") == {
+        "figure": "other", "study": "toy", "run_id": gpu_run.run_id, "is_gpu": True,
+        "device": "NVIDIA H200", "run": f"toy/{gpu_run.run_id}"}
+    plt.close("all")
+
+
+@pytest.mark.parametrize("name", ["Line", "line.png", "a b", "", "../x"])
+def test_save_refuses_bad_figure_names(kvlab_dirs, name):
+    run = results.start("toy", {})
+    with pytest.raises(ValueError, match="figure name"):
+        plots.save(_figure(), name, run)
+    assert not (run.dir / "figures").exists()
+    plt.close("all")
+
+
+def test_colors_are_fixed_per_name_and_distinct_per_figure():
+    assert plots.color("bulk") == plots.BLUE
+    assert plots.color("layer_wise") == plots.color("Layer-wise") == plots.VERMILLION
+    assert plots.color("cuda:3") == plots.color("peer")
+    assert plots.color("same-device") == plots.color("same-gpu")  # CPU and GPU runs agree
+    assert plots.color("pinned-host") == plots.color("pinned")
+    assert plots.color("pageable-host") == plots.color("pageable")
+    assert plots.color("some new method") == plots.color("some_new_method")
+    assert plots.color("some new method") in plots.CYCLE
+    names = ["bulk", "100G", "200G", "400G", "800G", "nvlink"]
+    pal = plots.palette(names)
+    assert list(pal) == names and pal["bulk"] == plots.BLUE
+    assert len(set(pal.values())) == len(names)
+
+
+def test_style_applies_the_house_settings():
+    plots.style()
+    assert matplotlib.rcParams["svg.hashsalt"] == "kvlab"
+    assert matplotlib.rcParams["axes.spines.top"] is False
+    colors = [matplotlib.colors.to_hex(c["color"]) for c in matplotlib.rcParams["axes.prop_cycle"]]
+    assert colors == [c.lower() for c in plots.CYCLE]
+
+
+# -------------------------------------------------------------------------------- nbtools
+
+
+def test_preset_follows_hardware_and_environment(monkeypatch):
+    monkeypatch.setattr(devices, "has_cuda", lambda: False)
+    assert nbtools.preset() == "cpu"
+    assert nbtools.resolve("auto", gpu="qwen2.5-7b", cpu="kvlab-tiny") == "kvlab-tiny"
+    assert nbtools.resolve("llama-2-7b", gpu="qwen2.5-7b", cpu="kvlab-tiny") == "llama-2-7b"
+    monkeypatch.setenv("KVLAB_PRESET", "gpu")
+    with pytest.raises(RuntimeError, match="no CUDA"):
+        nbtools.preset()
+    monkeypatch.setattr(devices, "has_cuda", lambda: True)
+    assert nbtools.preset() == "gpu"
+    monkeypatch.setenv("KVLAB_PRESET", "cpu")
+    assert nbtools.preset() == "cpu"
+    monkeypatch.setenv("KVLAB_PRESET", "tpu")
+    with pytest.raises(ValueError, match="tpu"):
+        nbtools.preset()
+
+
+def test_is_interactive_is_false_outside_a_kernel(monkeypatch):
+    assert nbtools.is_interactive() is False
+
+
+@pytest.mark.parametrize("x, text", [(524288, "524,288"), (1234.5678, "1,235"), (12.3456, "12.3"),
+                                     (0.000123456, "0.000123"), (1.5, "1.50"), (0, "0"),
+                                     (float("nan"), ""), (True, "True"), (np.int64(4096), "4,096"),
+                                     (np.bool_(False), "False"), (np.float32(2.5), "2.50"),
+                                     (torch.tensor(0.25), "0.25")])
+def test_format_number(x, text):
+    assert nbtools.format_number(x) == text
+
+
+def test_show_table_prints_without_index(capsys):
+    nbtools.show_table(pd.DataFrame({"model": ["a", "b"], "kv_bytes": [524288, 131072],
+                                     "ms": [12.3456, 0.5]}), caption="KV per token")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "KV per token"
+    assert out[1].split() == ["model", "kv_bytes", "ms"]
+    assert out[2].split() == ["a", "524,288", "12.3"]
+    with pytest.raises(TypeError, match="DataFrame"):
+        nbtools.show_table([1, 2])
