@@ -240,6 +240,16 @@ def git_state(root: str | os.PathLike | None = None) -> dict:
     not dirt: they are what runs write, and counting them would mark every second run dirty.
     ``dirty_paths`` lists at most 20 changed paths, enough to see what was uncommitted.
     """
+    state = _git_state(root)
+    # A copy of the tree without a usable .git (a GPU node that got a working-tree copy) cannot name its
+    # commit; whoever sent the tree can, through KVLAB_GIT_COMMIT. Recorded as such, never guessed.
+    sent = os.environ.get("KVLAB_GIT_COMMIT", "").strip()
+    if state["commit"] is None and sent:
+        state = dict(state, commit=sent, commit_source="KVLAB_GIT_COMMIT")
+    return state
+
+
+def _git_state(root) -> dict:
     root = Path(root) if root is not None else repo_root()
     unknown = {"commit": None, "dirty": None, "dirty_paths": []}
     git = shutil.which("git")
