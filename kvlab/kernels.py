@@ -351,7 +351,11 @@ def candidate_configs(row_words: int) -> list[KernelConfig]:
             for warps in (4, 8):
                 if rpp * block > _MAX_WORDS_PER_THREAD * 32 * warps or rpp * block < 32 * warps:
                     continue
-                out.append(KernelConfig(block=block, rows_per_program=rpp, num_warps=warps))
+                # with and without the streaming cache hints: whether evict-first helps a pure copy
+                # is a property of the GPU, so it is measured rather than assumed
+                for streaming in (True, False):
+                    out.append(KernelConfig(block=block, rows_per_program=rpp, num_warps=warps,
+                                            streaming=streaming))
     return out or [DEFAULT_CONFIG]
 
 

@@ -797,6 +797,7 @@ class HandoffTrace:
 
 
 def trace_handoff(model, context: int, destination: str, transport: str = "copy", repeats: int = 3,
+                  send_mode: str = "auto",
                   device=None, out_dir: str | os.PathLike | None = None, seed: int = 0,
                   warmup: int = 2, progress=None) -> HandoffTrace:
     """Trace a colocated prefill and a layer-wise prefill + send of the same prompt.
@@ -840,7 +841,7 @@ def trace_handoff(model, context: int, destination: str, transport: str = "copy"
     ids = make_prompt(cfg.vocab_size, context, dev, seed)
     src = KVBuffer(layout, device=dev)
     t = Transport(layout, destination, dev, granularity="buffer")
-    sender = t.layerwise(src)
+    sender = t.layerwise(src, send_mode)  # send_mode: see kvlab.transfer.LayerwiseSend
     send_hooks = {False: LayerHooks(model, sender.on_layer, ranges=False, bytes_per_layer=layout.bytes_per_layer),
                   True: LayerHooks(model, sender.on_layer, ranges=True, bytes_per_layer=layout.bytes_per_layer)}
     range_hooks = LayerHooks(model, None, ranges=True)
