@@ -774,6 +774,29 @@ def format_info(info: Mapping) -> str:
     return "\n".join(lines)
 
 
+@subcommand("ceilings", "measure link ceilings: GB/s and fixed cost per copy, for each path here",
+            configure="kvlab.ceilings:add_arguments")
+def _cmd_ceilings(args) -> int:
+    """Time plain copies over a size sweep on every path this machine has (same-GPU, peer, pinned and
+    pageable host), fit fixed cost + bandwidth per path, and write a link_ceilings run under
+    data/link_ceilings/<run_id>/ — the ceilings every later bandwidth is compared with."""
+    from kvlab import ceilings  # imports torch: only when this subcommand runs
+
+    return ceilings.run_args(args)
+
+
+@subcommand("trace", "timelines: profile a command with Nsight Systems, or load a trace",
+            arg("rest", nargs=argparse.REMAINDER, metavar="nsys|load ...",
+                help="`nsys [--out DIR] -- COMMAND ...` or `load FILE [--csv OUT]` "
+                     "(see `kvlab trace nsys --help`)"))
+def _cmd_trace(args) -> int:
+    """Take or read a timeline into kvlab's events table. Where Nsight Systems cannot make a report,
+    it says so: torch.profiler (kvlab.trace.capture, notebook 03) is the path that always works."""
+    from kvlab import trace
+
+    return trace.trace_main(args.rest or ["--help"])
+
+
 @subcommand(
     "info", "hardware, driver, CUDA, package versions and the GPU P2P matrix",
     arg("--json", action="store_true", help="print the record as JSON (what run.json holds)"),

@@ -439,3 +439,19 @@ def test_wheelhouse_platforms_include_older_glibc_tags():
     other = subprocess.run(["make", "-s", "platform-flags", "PLATFORM=macosx_11_0_arm64"],
                            cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     assert other == ["--platform", "macosx_11_0_arm64"]
+
+
+def test_ceilings_measures_the_host_path_and_writes_a_run(kvlab_dirs, capsys):
+    assert kvlab("ceilings", "--paths", "h2h", "--sizes", "4K", "64K", "-n", "3", "--warmup", "1",
+                 "--device", "cpu") == 0
+    out = capsys.readouterr().out
+    assert "h2h" in out
+    run_dirs = list((kvlab_dirs.data / "link_ceilings").iterdir())
+    assert len(run_dirs) == 1 and (run_dirs[0] / "run.json").is_file()
+
+
+def test_trace_load_refuses_a_file_that_is_not_a_trace(tmp_path, capsys):
+    bogus = tmp_path / "notes.txt"
+    bogus.write_text("not a trace\n")
+    assert kvlab("trace", "load", str(bogus)) == 2
+    assert "not JSON" in capsys.readouterr().err
