@@ -680,8 +680,11 @@ def findings(decomp: Decomposition, backlog: pd.DataFrame | None = None) -> list
     if backlog is not None and len(backlog):
         first, last = backlog.measured_backlog_ms.iloc[0], backlog.measured_backlog_ms.iloc[-1]
         pred = backlog.predicted_backlog_ms.iloc[-1]
-        # queueing shows as a backlog that rises by more than one layer's copy over the run
-        grows = last - first > float(backlog.transfer_ms.median())
+        # queueing shows as a backlog that rises by more than one layer's copy over the run and ends
+        # later than one copy after the last layer's compute; a backlog that stays negative (copies land
+        # before their layer's compute ends) is a link that keeps up, whatever its drift
+        one_copy = float(backlog.transfer_ms.median())
+        grows = last - first > one_copy and last > one_copy
         out.append(f"The measured backlog went from {_ms(first * 1e6)} at layer {backlog.layer.iloc[0]} to "
                    f"{_ms(last * 1e6)} at layer {backlog.layer.iloc[-1]} "
                    f"({'it grows by more than one layer copy: the link is slower than compute' if grows else 'it rises by less than one layer copy: the link keeps up'}); "

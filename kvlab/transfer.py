@@ -265,14 +265,16 @@ class LayerwiseSend:
                cuStreamWriteValue32 on the compute stream (about 2 µs of host time). A generation
                counter makes the flag monotonic, so a new request never sees an old request's value.
       "event"  the hook records an event on the compute stream, makes the copy stream wait on it and
-               launches the layer's copy (4 host calls a layer; measured about 60 µs on our H200 host).
+               launches the layer's copy (four host calls a layer — seed 004's hook; at 1k tokens the
+               GPU then waits for the host, see notebook 03 with send_mode="event").
       "staged" (pageable host, with stream memory operations) the flag mode into a pinned staging
                buffer, and a worker thread that waits for each layer's event and copies it from the
                staging buffer into the pageable destination with a plain host memcpy. The driver never sees
                pageable memory, so nothing it does for that copy can stall prefill's kernel launches.
       "thread" (pageable host, fallback) the driver blocks the calling thread for a copy to pageable
                memory, so the hook records an event and hands the layer to a worker thread that issues the
-               copy. Measured on our H200: this stalls prefill by ~9 ms at 1k tokens.
+               copy; the driver's pageable copy then runs while prefill launches kernels, which "staged"
+               avoids.
       "cpu"    a CPU-only machine: synchronous copies.
     Everything (events, views, the destination buffer) is prepared before prefill starts.
     """

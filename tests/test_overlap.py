@@ -326,7 +326,7 @@ def test_the_notebooks_gpu_branch_runs_on_a_synthetic_gpu_trace(tmp_path, pair):
     path = Path(__file__).resolve().parent.parent / "notebooks" / "03_overlap_timeline.ipynb"
     code = [c.source for c in nbformat.read(str(path), as_version=4).cells if c.cell_type == "code"]
     ns = dict(trace=fake_trace, overlap=overlap, plots=plots, nbtools=nbtools, results=results, run=run,
-              lm=None, n_tokens=1024, dest="pinned", transport="copy", repeats=1, device="cuda",
+              lm=None, n_tokens=1024, dest="pinned", transport="copy", send_mode="auto", repeats=1, device="cuda",
               model_name="synthetic", Markdown=lambda s: s, display=lambda *a, **k: None)
     for source in code[2:]:  # after the parameters and the set-up cell (which builds a model)
         exec(compile(source, str(path), "exec"), ns)
