@@ -480,26 +480,10 @@ def decompose(colocated: pd.DataFrame, layerwise: pd.DataFrame, *, ceiling_gbps:
 # ============================================================================== backlog
 
 
-def _pipeline_local(compute_s, transfer_s) -> dict:
-    """The pipelined-send model (the same as kvlab.calculator.pipeline_exposure): layer i is ready
-    when it has computed; its send starts when it is ready and the previous send is done."""
-    now = free = 0.0
-    end_c, start, end = [], [], []
-    for c, t in zip(compute_s, transfer_s):
-        now += c
-        s = max(now, free)
-        free = s + t
-        end_c.append(now)
-        start.append(s)
-        end.append(free)
-    return {"compute_end_s": end_c, "send_start_s": start, "send_end_s": end}
-
-
 def predicted_backlog(compute_s_per_layer, transfer_s_per_layer) -> pd.DataFrame:
     """The calculator's pipelined-exposure model, per layer (seconds in, seconds out).
 
-    Uses kvlab.calculator.pipeline_exposure (a local copy of the same model if the calculator cannot
-    be imported). Columns: layer, compute_s, transfer_s, compute_end_s, send_start_s, send_end_s,
+    Uses kvlab.calculator.pipeline_exposure. Columns: layer, compute_s, transfer_s, compute_end_s, send_start_s, send_end_s,
     wait_s (send_start − compute_end: the calculator's "backlog", time waiting for the link) and
     backlog_s (send_end − compute_end: how far the link trails the layer — the quantity measured as
     copy end − compute end).
@@ -510,14 +494,11 @@ def predicted_backlog(compute_s_per_layer, transfer_s_per_layer) -> pd.DataFrame
         raise ValueError(f"need one compute and one transfer time per layer, got {len(c)} and {len(t)}")
     if any(not math.isfinite(x) or x < 0 for x in c + t):
         raise ValueError("compute and transfer times must be finite seconds ≥ 0")
-    try:
-        from .calculator import pipeline_exposure
+    from .calculator import pipeline_exposure
 
-        e = pipeline_exposure(c, t)
-        res = {"compute_end_s": list(e.compute_end_s), "send_start_s": list(e.send_start_s),
-               "send_end_s": list(e.send_end_s)}
-    except ImportError:
-        res = _pipeline_local(c, t)
+    e = pipeline_exposure(c, t)
+    res = {"compute_end_s": list(e.compute_end_s), "send_start_s": list(e.send_start_s),
+           "send_end_s": list(e.send_end_s)}
     df = pd.DataFrame({"layer": np.arange(len(c)), "compute_s": c, "transfer_s": t, **res})
     df["wait_s"] = df.send_start_s - df.compute_end_s
     df["backlog_s"] = df.send_end_s - df.compute_end_s

@@ -49,7 +49,7 @@ import torch
 
 from . import kernels
 from .kvcache import KVBuffer, KVLayout, as_dtype
-from .transfer import Destination, Landing, _host_available_bytes
+from .transfer import Destination, Landing, check_capacity
 
 __all__ = [
     "LAYOUTS", "PoolSpec", "BlockTable", "BlockAllocator", "BlockPool",
@@ -776,16 +776,7 @@ class PagedTransport:
 
     # -- helpers ----------------------------------------------------------------------------------
     def _check_capacity(self, need: int) -> None:
-        if self.dest.kind in ("device", "peer") and self.dest.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.dest.device)
-            if need > free:
-                raise ValueError(f"destination pool needs {need / 2**30:.2f} GiB but {free / 2**30:.2f} GiB is free "
-                                 f"on {self.dest.device}: use fewer dst_blocks")
-        else:
-            avail = _host_available_bytes()
-            if avail is not None and need > avail:
-                raise ValueError(f"destination pool needs {need / 2**30:.2f} GiB of host memory, "
-                                 f"{avail / 2**30:.2f} GiB is available: use fewer dst_blocks")
+        check_capacity(self.dest, need, "destination pool", hint="use fewer dst_blocks")
 
     def _indices(self, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor]:
         """Row ids as int64 tensors on the source device (cached on the plan)."""

@@ -161,17 +161,7 @@ class Transport:
         return {"buffer": 1, "layer": self.layout.layers, "tensor": 2 * self.layout.layers}[self.granularity]
 
     def _check_capacity(self) -> None:
-        need = self.layout.nbytes
-        if self.dest.kind in ("device", "peer"):
-            free, _ = torch.cuda.mem_get_info(self.dest.device) if self.dest.device.type == "cuda" else (None, None)
-            if free is not None and need > free:
-                raise ValueError(f"destination {self.dest.label} needs {need / 2**30:.2f} GiB for the cache, "
-                                 f"but only {free / 2**30:.2f} GiB is free on {self.dest.device}")
-        else:
-            avail = _host_available_bytes()
-            if avail is not None and need > avail:
-                raise ValueError(f"destination {self.dest.label} needs {need / 2**30:.2f} GiB of host memory, "
-                                 f"but only {avail / 2**30:.2f} GiB is available")
+        check_capacity(self.dest, self.layout.nbytes, f"destination {self.dest.label}")
 
     def staging(self) -> KVBuffer:
         """A pinned host buffer the size of the cache, for staged sends to pageable memory (made once)."""
@@ -510,6 +500,24 @@ class _dst_stream:
     def __exit__(self, *exc):
         if self.ctx is not None:
             self.ctx.__exit__(*exc)
+
+
+def check_capacity(dest: Destination, need: int, what: str, hint: str = "") -> None:
+    """Refuse, before allocating, `need` bytes at `dest` that its device (free GPU memory) or the host
+    (MemAvailable) cannot hold. `what` names the buffer in the message; `hint` says what to change."""
+    hint = f": {hint}" if hint else ""
+    if dest.kind in ("device", "peer"):
+        if dest.device.type != "cuda":
+            return
+        free, _ = torch.cuda.mem_get_info(dest.device)
+        if need > free:
+            raise ValueError(f"{what} needs {need / 2**30:.2f} GiB, but only {free / 2**30:.2f} GiB is free "
+                             f"on {dest.device}{hint}")
+    else:
+        avail = _host_available_bytes()
+        if avail is not None and need > avail:
+            raise ValueError(f"{what} needs {need / 2**30:.2f} GiB of host memory, but only "
+                             f"{avail / 2**30:.2f} GiB is available{hint}")
 
 
 def _host_available_bytes() -> int | None:
