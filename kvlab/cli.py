@@ -115,7 +115,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     for cmd in _COMMANDS:
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.func.__doc__ or cmd.help,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-        if only is None or only == cmd.name:
+        # a "module:function" configure imports its module (ceilings: torch), so it runs only for its own
+        # subcommand; the top-level --help lists names and one-line helps and needs none of them
+        if only == cmd.name or (only is None and not isinstance(cmd.configure, str)):
             _configure(cmd, p)
         p.set_defaults(_func=cmd.func)
     return parser
@@ -732,7 +734,7 @@ def _cmd_calc(args) -> int:
             per_token = calculator.kv_bytes_per_token(spec, args.kv_dtype)
             rows.append(("kv_bytes_per_token", _show("bytes", per_token)))
         elif key == "link":
-            rows.append(("link_gbps", _show("gbps", link.gbit_per_s)))
+            rows.append(("link_gbit_per_s", _show("gbps", link.gbit_per_s)))
     rows.append(("note", estimate.shard.note))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

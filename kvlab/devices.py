@@ -27,7 +27,7 @@ _PACKAGES: dict[str, tuple[str, ...]] = {
     "numpy": ("numpy",),
     "pandas": ("pandas",),
     "papermill": ("papermill",),
-    "cuda-python": ("cuda-python",),
+    "cuda-bindings": ("cuda-bindings", "cuda-python"),
     "kvlab": ("kvlab",),
 }
 

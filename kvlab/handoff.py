@@ -36,7 +36,7 @@ import pandas as pd
 import torch
 
 from .hooks import LayerHooks
-from .kvcache import KVBuffer, KVLayout, layout_for
+from .kvcache import KVBuffer, layout_for
 from .timing import EventTimer
 from .transfer import Destination, Transport
 
@@ -139,8 +139,8 @@ def prefill(model, input_ids: torch.Tensor, buffer: KVBuffer) -> torch.Tensor:
 def decode_attention():
     """Attention backends for decode steps: everything but cuDNN.
 
-    Measured on our H200 (torch 2.11): with cuDNN attention allowed, two decodes from the same bytes gave
-    different logits once the caching allocator's state differed (from the 9th step on), so a bit-exact
+    Seen in trial runs on our H200 (torch 2.11): with cuDNN attention allowed, two decodes from the same
+    bytes gave different logits once the caching allocator's state differed, so a bit-exact
     comparison of caches would fail for a reason that has nothing to do with the transfer. Flash, memory-
     efficient and math attention gave identical logits every time. Seed 004 also kept cuDNN off for decode.
     Prefill keeps PyTorch's default (cuDNN on): two prefills of the same prompt gave identical caches.
@@ -340,6 +340,8 @@ def _time_layerwise(model, ids, src, sender, device) -> dict:
     _prefill_or_abort(model, ids, src, sender)
     clock.mark("prefill_end")
     landing = sender.finish()
+    # the copy's end is the last layer's own completion event (recorded on the copy stream right behind
+    # its copy), not an event queued after the host has waited, which would add the host's wake-up time
     if sender.mode == "staged":
         # the last step is a host memcpy, which no CUDA event sees: compare host clocks instead, taking
         # prefill's end as the moment the host saw its event complete
@@ -350,7 +352,7 @@ def _time_layerwise(model, ids, src, sender, device) -> dict:
         exposed = (sender.host_done_ns - prefill_seen_ns) / 1e6
         return {"prefill": p, "exposed": exposed, "wall": p + max(exposed, 0.0)}
     landing.wait()
-    clock.mark("copy_end", stream=sender.t.stream)
+    clock.adopt("copy_end", landing.done_event)
     p = clock.elapsed_ms("start", "prefill_end")
     exposed = clock.elapsed_ms("prefill_end", "copy_end")
     return {"prefill": p, "exposed": exposed, "wall": p + max(exposed, 0.0)}
@@ -374,8 +376,9 @@ def _time_copy(transport, src, device) -> float:
     _sync(device)
     _hold(transport.stream)
     clock.mark("start", stream=transport.stream)
-    transport.send(src).wait()
-    clock.mark("end", stream=transport.stream)
+    landing = transport.send(src)
+    landing.wait()
+    clock.adopt("end", landing.done_event)  # recorded right behind the copy, before the host waited
     return clock.elapsed_ms("start", "end")
 
 

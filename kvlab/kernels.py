@@ -8,9 +8,10 @@ one operation:
     dst[dst_idx[i], :] = src[src_idx[i], :]      for i in 0 … R-1          (copy_rows)
     out[i, :]          = src[src_idx[i], :]      (dst_idx=None: a gather into consecutive rows)
 
-Why one kernel instead of R `copy_` calls: each `copy_` costs ~12 µs of launch and driver work on an
-H200 (../shared/MEASURED.md), so 114,688 blocks take ~1.8 s; one kernel launch reads and writes the same
-bytes in about the time of one contiguous copy.
+Why one kernel instead of R `copy_` calls: each `copy_` costs launch and driver work (11.8 µs for one
+16 KiB copy in ../shared/MEASURED.md; the per-block loop over 114,688 blocks took 1.08 s in run
+20261129-092633-h200); one kernel launch reads and writes the same bytes in close to the time of one
+contiguous copy (94 % of it in run 20261129-093127-h200).
 
 How the kernel reaches the copy ceiling:
 - Rows are reinterpreted as the widest integer word that divides the row (int64 for every real KV

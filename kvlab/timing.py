@@ -340,6 +340,22 @@ class EventTimer:
             self._marked.add(name)
             self._order.append(name)
 
+    def adopt(self, name: str, event) -> None:
+        """Use an event recorded elsewhere as mark ``name`` — e.g. a transport's per-layer completion event,
+        recorded on the copy stream right behind the copy. On a CPU (``event`` None, work synchronous) the
+        mark is taken now."""
+        if self.is_cuda:
+            if event is None:
+                raise ValueError(f"mark {name!r}: a GPU timer needs a recorded CUDA event, got None")
+            self._check_name(name)
+            self._events[name] = event
+        else:
+            self._check_name(name)
+            self._host_ns[name] = time.perf_counter_ns()
+        if name not in self._marked:
+            self._marked.add(name)
+            self._order.append(name)
+
     @property
     def names(self) -> list[str]:
         """Names marked so far, in first-marked order."""

@@ -55,7 +55,7 @@ class Destination:
         if s in ("pinned", "pinned-host", "host-pinned"):
             if not torch.cuda.is_available():
                 raise ValueError("destination 'pinned' needs CUDA (page-locked memory is a CUDA feature); "
-                                 f"on this machine use one of ['same-device', 'pageable']")
+                                 "on this machine use one of ['same-device', 'pageable']")
             return cls("pinned", torch.device("cpu"), "pinned-host")
         if s in ("pageable", "pageable-host", "host", "cpu"):
             return cls("pageable", torch.device("cpu"), "pageable-host")
@@ -252,7 +252,7 @@ class LayerwiseSend:
       "flag"   (GPU destinations and pinned host, when cuda-bindings offers stream memory operations)
                `arm()` queues, before prefill, every layer's copy on the copy stream, each behind a
                cuStreamWaitValue32 on a flag in device memory; the hook for layer i is then a single
-               cuStreamWriteValue32 on the compute stream (about 2 µs of host time). A generation
+               cuStreamWriteValue32 on the compute stream (one driver call). A generation
                counter makes the flag monotonic, so a new request never sees an old request's value.
       "event"  the hook records an event on the compute stream, makes the copy stream wait on it and
                launches the layer's copy (four host calls a layer — seed 004's hook; at 1k tokens the

@@ -157,6 +157,6 @@ def test_gpu_destinations_decode_identically(tiny):
                                     warmup=1, decode_tokens=5, interleave_short=2, short_context=64)
         timings, checks = handoff.run_handoff(model, cfg, device=dev)
         assert checks.tokens_match.all() and checks.logits_equal.all() and (checks.poison_left == 0).all()
-        assert (timings.ms > 0).all()
+        assert (timings[timings.measure != "exposed"].ms > 0).all()  # exposed is signed by design
     finally:
         tiny.to("cpu")

@@ -284,3 +284,15 @@ def test_event_timer_across_streams():
     t.mark("main_done")
     # the side stream did ten matmuls, the main stream nothing after start
     assert t.elapsed_ms("start", "side_done") > t.elapsed_ms("start", "main_done")
+
+
+def test_adopt_takes_a_mark_now_on_a_cpu_and_orders_it():
+    from kvlab.timing import EventTimer
+
+    t = EventTimer("cpu")
+    t.mark("start")
+    t.adopt("copy_end", None)  # CPU: work is synchronous, the mark is now
+    assert t.names == ["start", "copy_end"]
+    assert t.elapsed_ms("start", "copy_end") >= 0
+    with pytest.raises(ValueError, match="non-empty"):
+        t.adopt("", None)
