@@ -47,6 +47,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from . import devices
 from .timing import fmt_ms, resolve_device, time_fn
 
 __all__ = [
@@ -264,18 +265,8 @@ def _spec(name: str, dev: torch.device) -> _PathSpec:
 # free memory
 # --------------------------------------------------------------------------- #
 def _host_available_bytes() -> int:
-    """RAM the kernel says is available (MemAvailable), falling back to free pages."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
-        return 1 << 62  # unknown: do not refuse
+    avail = devices.host_available_bytes()
+    return avail if avail is not None else 1 << 62  # unknown: do not refuse
 
 
 def _free_bytes(location: str) -> int:
@@ -413,11 +404,6 @@ def _device_name(dev: torch.device) -> str:
     return "cpu"
 
 
-def _p2p(dev: torch.device) -> list[list[bool | None]]:
-    n = _gpu_count(dev)
-    return [[None if i == j else bool(torch.cuda.can_device_access_peer(i, j)) for j in range(n)] for i in range(n)]
-
-
 def measure(
     paths: None | str | Iterable[str] = None,
     sizes: None | str | int | Iterable[int | str] = None,
@@ -499,7 +485,7 @@ def measure(
     finally:
         bar.close()
     df = pd.DataFrame(rows, columns=["path", "mechanism", "size_bytes", "copies_per_sample", "repeat", "ms", "gbps"])
-    df.attrs.update(device=_device_name(dev), p2p=_p2p(dev), n=n, warmup=warmup)
+    df.attrs.update(device=_device_name(dev), p2p=devices.p2p_matrix() if dev.type == "cuda" else [], n=n, warmup=warmup)
     return df
 
 

@@ -153,6 +153,22 @@ def _memory_bytes() -> int | None:
         return None
 
 
+def host_available_bytes() -> int | None:
+    """RAM the kernel says is available now (MemAvailable), falling back to free pages; None when
+    unknown. What capacity checks compare a host buffer's size with before allocating it."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def host() -> dict:
     """The host: ``hostname``, ``os`` (platform string), ``cpu_model``, ``cpu_count`` (logical CPUs
     in the machine), ``cpu_usable`` (logical CPUs this process may run on), ``memory_bytes`` (total

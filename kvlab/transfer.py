@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import devices
 from .kvcache import KVBuffer, KVLayout
 
 __all__ = ["Destination", "Landing", "Transport", "LayerwiseSend", "GRANULARITIES", "DESTINATIONS"]
@@ -514,19 +515,9 @@ def check_capacity(dest: Destination, need: int, what: str, hint: str = "") -> N
             raise ValueError(f"{what} needs {need / 2**30:.2f} GiB, but only {free / 2**30:.2f} GiB is free "
                              f"on {dest.device}{hint}")
     else:
-        avail = _host_available_bytes()
+        avail = devices.host_available_bytes()
         if avail is not None and need > avail:
             raise ValueError(f"{what} needs {need / 2**30:.2f} GiB of host memory, but only "
                              f"{avail / 2**30:.2f} GiB is available{hint}")
 
-
-def _host_available_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
