@@ -28,7 +28,6 @@ decode bit for bit.
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -37,7 +36,7 @@ import torch
 
 from .hooks import LayerHooks
 from .kvcache import KVBuffer, layout_for
-from .timing import EventTimer
+from .timing import EventTimer, free_device as _free, sync_device as _sync
 from .transfer import Destination, Transport
 
 __all__ = ["HandoffConfig", "run_handoff", "check_request", "prefill", "decode", "make_prompt",
@@ -313,11 +312,6 @@ def run_handoff(model, cfg: HandoffConfig, device=None, progress=None) -> tuple[
     return pd.DataFrame(rows), pd.DataFrame(checks)
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _time_prefill(model, ids, src, device) -> float:
     clock = EventTimer(device)
     _sync(device)
@@ -404,12 +398,6 @@ def _time_decode_step(model, buffer, first, device) -> float:
         model(input_ids=first.view(1, 1), **{cache_kw(model): cache}, use_cache=True)
     clock.mark("end")
     return clock.elapsed_ms("start", "end")
-
-
-def _free(device):
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------------------------

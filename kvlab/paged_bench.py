@@ -24,7 +24,6 @@ moved, one per layer side), bytes, ms, gbps (decimal GB/s), verified, status, no
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import time
@@ -37,6 +36,7 @@ import torch
 
 from . import paged, timing
 from .paged import BlockAllocator, BlockPool, PoolSpec, verify_transfer
+from .timing import free_device as _free, sync_device as _sync
 from .transfer import Destination, Landing
 
 __all__ = ["BenchLayout", "LAYOUTS", "METHODS", "GPU_CONTEXTS", "CPU_CONTEXTS", "BLOCK_SIZES", "COLUMNS",
@@ -189,19 +189,6 @@ class _Contiguous:
 
 # ---------------------------------------------------------------------------------------------------
 # measurement
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _free(device: torch.device) -> None:
-    # GPU: return pools to the driver between configurations (a 32k pool pair is ~7.5 GB); a full
-    # gc pass costs ~0.2 s, which only pays off when there is device memory to give back
-    if device.type == "cuda":
-        gc.collect()
-        torch.cuda.empty_cache()
 
 
 def _check_list(name: str, values, valid=None, positive_int=False) -> list:
