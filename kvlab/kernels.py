@@ -65,15 +65,22 @@ class KernelConfig:
 
     block: words (elements of the word dtype, usually int64) per program along a row; a power of two.
         0 = the whole row rounded up to a power of two, capped at 4096 words (32 KiB of int64).
-    rows_per_program: rows per program (power of two); >1 amortises the index load over more bytes.
+    rows_per_program: rows per tile (power of two); >1 amortises the index load over more bytes.
     num_warps: warps per program (4 or 8 are the useful values for a pure copy).
     streaming: evict-first loads and streaming (.cs) stores; the bytes are touched once.
+    persistent: 0 = one program per tile (the hardware schedules ~R × row/block programs); n > 0 = a
+        persistent grid of n programs per SM, each looping over tiles with a grid stride, so no program
+        is ever scheduled twice and the index load of the next tile can overlap the current one's copy.
+    stages: software-pipelining depth of the persistent loop (Triton's `tl.range(num_stages=…)`);
+        1 = no pipelining. Ignored when persistent is 0.
     """
 
     block: int = 1024
     rows_per_program: int = 2
     num_warps: int = 4
     streaming: bool = True
+    persistent: int = 0
+    stages: int = 1
 
     def __post_init__(self):
         for name in ("block", "rows_per_program"):
@@ -84,6 +91,11 @@ class KernelConfig:
             raise ValueError(f"KernelConfig.rows_per_program must be ≥ 1, got {self.rows_per_program}")
         if self.num_warps not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"KernelConfig.num_warps must be a power of two in 1…32, got {self.num_warps!r}")
+        if not isinstance(self.persistent, int) or not 0 <= self.persistent <= 64:
+            raise ValueError(f"KernelConfig.persistent must be an int in 0…64 (programs per SM; 0 = one per "
+                             f"tile), got {self.persistent!r}")
+        if not isinstance(self.stages, int) or not 1 <= self.stages <= 8:
+            raise ValueError(f"KernelConfig.stages must be an int in 1…8, got {self.stages!r}")
 
     def resolved_block(self, row_words: int) -> int:
         """The block actually used for rows of `row_words` words: never wider than the row needs."""
@@ -155,34 +167,45 @@ def _decorate():
     import triton.language as tl
 
     @triton.jit
-    def _copy_rows_kernel(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, n_rows,
+    def _copy_rows_kernel(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, n_rows, n_col_tiles, n_tiles,
                           ROW: tl.constexpr, BLOCK: tl.constexpr, RPP: tl.constexpr,
-                          EVEN: tl.constexpr, DST_CONTIG: tl.constexpr, STREAMING: tl.constexpr):
-        # program (i, j): rows i*RPP … i*RPP+RPP-1 of the index lists, words j*BLOCK … j*BLOCK+BLOCK-1
-        pid_r = tl.program_id(0)
-        pid_c = tl.program_id(1)
-        r = pid_r * RPP + tl.arange(0, RPP)
-        rmask = r < n_rows
-        # row ids are int64 in memory; keep them int64 so row * ROW cannot overflow past 2^31 words
-        s = tl.load(src_idx_ptr + r, mask=rmask, other=0).to(tl.int64)
-        if DST_CONTIG:
-            d = r.to(tl.int64)
+                          EVEN: tl.constexpr, DST_CONTIG: tl.constexpr, STREAMING: tl.constexpr,
+                          PERSISTENT: tl.constexpr, STAGES: tl.constexpr):
+        # tile t covers rows (t // n_col_tiles)*RPP … +RPP-1 of the index lists and words
+        # (t % n_col_tiles)*BLOCK … +BLOCK-1 of each row. One tile per program, or (persistent) a fixed
+        # grid where consecutive programs take consecutive tiles and all step by the grid size.
+        pid = tl.program_id(0)
+        if PERSISTENT:
+            step = tl.num_programs(0)
+            end = n_tiles
         else:
-            d = tl.load(dst_idx_ptr + r, mask=rmask, other=0).to(tl.int64)
-        cols = pid_c * BLOCK + tl.arange(0, BLOCK)
-        src_off = s[:, None] * ROW + cols[None, :]
-        dst_off = d[:, None] * ROW + cols[None, :]
-        if EVEN:
-            # the row mask is constant along a row, so it does not stop 16-byte vectorisation
-            mask = rmask[:, None]
-        else:
-            mask = rmask[:, None] & (cols < ROW)[None, :]
-        if STREAMING:
-            x = tl.load(src_ptr + src_off, mask=mask, eviction_policy="evict_first")
-            tl.store(dst_ptr + dst_off, x, mask=mask, cache_modifier=".cs")
-        else:
-            x = tl.load(src_ptr + src_off, mask=mask)
-            tl.store(dst_ptr + dst_off, x, mask=mask)
+            step = 1
+            end = pid + 1
+        for t in tl.range(pid, end, step, num_stages=STAGES):
+            pid_r = t // n_col_tiles
+            pid_c = t % n_col_tiles
+            r = pid_r * RPP + tl.arange(0, RPP)
+            rmask = r < n_rows
+            # row ids are int64 in memory; keep them int64 so row * ROW cannot overflow past 2^31 words
+            s = tl.load(src_idx_ptr + r, mask=rmask, other=0).to(tl.int64)
+            if DST_CONTIG:
+                d = r.to(tl.int64)
+            else:
+                d = tl.load(dst_idx_ptr + r, mask=rmask, other=0).to(tl.int64)
+            cols = pid_c * BLOCK + tl.arange(0, BLOCK)
+            src_off = s[:, None] * ROW + cols[None, :]
+            dst_off = d[:, None] * ROW + cols[None, :]
+            if EVEN:
+                # the row mask is constant along a row, so it does not stop 16-byte vectorisation
+                mask = rmask[:, None]
+            else:
+                mask = rmask[:, None] & (cols < ROW)[None, :]
+            if STREAMING:
+                x = tl.load(src_ptr + src_off, mask=mask, eviction_policy="evict_first")
+                tl.store(dst_ptr + dst_off, x, mask=mask, cache_modifier=".cs")
+            else:
+                x = tl.load(src_ptr + src_off, mask=mask)
+                tl.store(dst_ptr + dst_off, x, mask=mask)
 
     return _copy_rows_kernel
 
@@ -330,12 +353,32 @@ def launch_rows(src, src_idx, dst, dst_idx, config: KernelConfig) -> None:
     # clamp the tile so a thread never holds more than _MAX_WORDS_PER_THREAD words
     while rpp > 1 and rpp * block > _MAX_WORDS_PER_THREAD * 32 * config.num_warps:
         rpp //= 2
-    grid = ((n + rpp - 1) // rpp, (row_words + block - 1) // block)
+    n_col = (row_words + block - 1) // block
+    n_tiles = ((n + rpp - 1) // rpp) * n_col
     interpret = src.device.type == "cpu" and dst.device.type == "cpu"
+    if config.persistent:
+        programs = min(n_tiles, config.persistent * _sm_count(_kernel_device(src, dst)))
+    else:
+        programs = n_tiles
     kernel = _kernel(interpret)
-    kernel[grid](s, d, src_idx, src_idx if dst_idx is None else dst_idx, n,
-                 ROW=row_words, BLOCK=block, RPP=rpp, EVEN=row_words % block == 0,
-                 DST_CONTIG=dst_idx is None, STREAMING=config.streaming, num_warps=config.num_warps)
+    kernel[(programs,)](s, d, src_idx, src_idx if dst_idx is None else dst_idx, n, n_col, n_tiles,
+                        ROW=row_words, BLOCK=block, RPP=rpp, EVEN=row_words % block == 0,
+                        DST_CONTIG=dst_idx is None, STREAMING=config.streaming,
+                        PERSISTENT=bool(config.persistent), STAGES=config.stages if config.persistent else 1,
+                        num_warps=config.num_warps)
+
+
+_SMS: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (a persistent grid's unit); 4 on a CPU (the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SMS:
+        _SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
+    return _SMS[key]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -338,6 +338,9 @@ class Decomposition:
     totals: wall_co_ns, wall_lw_ns, wall_source ("measured": walls passed in, e.g. CUDA events around
         the traced region; "trace": first compute op → last compute op or copy end), delta_wall_ns,
         kernel_inside_ns, kernel_outside_ns (Σ Δdur of ops that did / did not overlap a copy),
+        copy_cost_ns (kernel_inside_ns less the run-wide drift: drift_rate = kernel_outside_ns / the
+        colocated time of the ops outside windows, applied to kernel_time_inside_ns, the colocated time of
+        the ops inside) — what the copies cost the kernels they overlapped,
         idle_ns (Δ Σ gap), tail_ns (Δ exposed tail), lead_ns (Δ lead-in: region start → first compute
         op; measured walls and kvlab/region ranges only, else 0), explained_ns, remainder_ns,
         explained_frac (1 − |remainder| / |Δwall|), plus counts and median stretches.
@@ -429,6 +432,12 @@ def decompose(colocated: pd.DataFrame, layerwise: pd.DataFrame, *, ceiling_gbps:
     remainder = delta - explained
     frac = 1 - abs(remainder) / abs(delta) if delta != 0 else (1.0 if remainder == 0 else 0.0)
 
+    # the copies' own cost: kernels inside copy windows also carry whatever slowed the whole run (clocks
+    # drift by several ms at 16k between runs), so take off the stretch rate seen outside the windows
+    dur_in = int(kern.dur_co_ns[kern.inside_copy].sum())
+    dur_out = int(kern.dur_co_ns[~kern.inside_copy].sum())
+    drift_rate = outside / dur_out if dur_out else 0.0
+    copy_cost = inside - drift_rate * dur_in
     stretch_in = kern.stretch[kern.inside_copy].median() if kern.inside_copy.any() else np.nan
     stretch_out = kern.stretch[~kern.inside_copy].median() if (~kern.inside_copy).any() else np.nan
     totals = {
@@ -438,6 +447,7 @@ def decompose(colocated: pd.DataFrame, layerwise: pd.DataFrame, *, ceiling_gbps:
         "tail_ns": tail, "lead_ns": lead, "lead_co_ns": lead_co, "lead_lw_ns": lead_lw,
         "explained_ns": explained, "remainder_ns": remainder, "explained_frac": frac,
         "ops": len(kern), "ops_inside": int(kern.inside_copy.sum()),
+        "kernel_time_inside_ns": dur_in, "drift_rate": float(drift_rate), "copy_cost_ns": float(copy_cost),
         "stretch_inside": float(stretch_in), "stretch_outside": float(stretch_out),
         "idle_co_ns": int(kern.gap_co_ns.sum()), "idle_lw_ns": int(kern.gap_lw_ns.sum()),
         "copies": len(cp_lw), "copy_bytes": int(cp_lw.bytes.sum()) if cp_lw.bytes.notna().any() else 0,
@@ -623,6 +633,7 @@ def findings(decomp: Decomposition, backlog: pd.DataFrame | None = None) -> list
     ranked = causes(decomp)
     ranked = ranked[ranked.cause != "unexplained remainder"]
     shown = 0
+    cost_said = False
     for r in ranked.itertuples():
         if shown >= 3 or (abs(r.ms) < 1e-3 and shown > 0):
             break
@@ -633,6 +644,11 @@ def findings(decomp: Decomposition, backlog: pd.DataFrame | None = None) -> list
         if r.cause.startswith("kernels stretched inside"):
             text += (f"; {t['ops_inside']} of {t['ops']} compute ops overlapped a copy, median "
                      f"{t['stretch_inside']:.2f}× their colocated time (outside: {t['stretch_outside']:.2f}×)")
+        if r.cause.startswith("kernels stretched") and "copy_cost_ns" in t and not cost_said:
+            cost_said = True
+            text += (f"; taking off the run-wide drift ({100 * t['drift_rate']:+.2f} % on every kernel, from the "
+                     f"ops outside copy windows), the copies cost the kernels they overlapped "
+                     f"{_ms(abs(t['copy_cost_ns']))}{'' if t['copy_cost_ns'] >= 0 else ' less than nothing (noise)'}")
         elif r.cause.startswith("GPU idle"):
             text += (f"; the compute stream sat idle {_ms(t['idle_lw_ns'])} in total against "
                      f"{_ms(t['idle_co_ns'])} colocated")

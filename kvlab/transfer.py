@@ -30,7 +30,8 @@ import torch
 from . import devices
 from .kvcache import KVBuffer, KVLayout
 
-__all__ = ["Destination", "Landing", "Transport", "LayerwiseSend", "GRANULARITIES", "DESTINATIONS"]
+__all__ = ["Destination", "Landing", "Transport", "LayerwiseSend", "GRANULARITIES", "DESTINATIONS", "WAKE_PLANS",
+           "wake_groups", "HookCostProbe"]
 
 GRANULARITIES = ("buffer", "layer", "tensor")
 DESTINATIONS = ("same-gpu", "cuda:N", "pinned", "pageable")
@@ -219,11 +220,11 @@ class Transport:
                     self.buffer.data[i, 1].copy_(src.data[i, 1])
 
     # -- layer-wise -------------------------------------------------------------------------------
-    def layerwise(self, src: KVBuffer, mode: str = "auto") -> "LayerwiseSend":
+    def layerwise(self, src: KVBuffer, mode: str = "auto", wakes: str = "halving") -> "LayerwiseSend":
         """A per-layer sender for forward hooks (see kvlab.hooks): call `on_layer(i)` when layer i's K and V
-        are final; `finish()` returns the Landing. mode: see LayerwiseSend."""
+        are final; `finish()` returns the Landing. mode, wakes: see LayerwiseSend."""
         self._check_src(src)
-        return LayerwiseSend(self, src, mode)
+        return LayerwiseSend(self, src, mode, wakes)
 
     # -- receiving --------------------------------------------------------------------------------
     def receive(self, landing: Landing, device: torch.device | str | None = None) -> KVBuffer:
@@ -259,9 +260,15 @@ class LayerwiseSend:
                launches the layer's copy (four host calls a layer — seed 004's hook; at 1k tokens the
                GPU then waits for the host, see notebook 03 with send_mode="event").
       "staged" (pageable host, with stream memory operations) the flag mode into a pinned staging
-               buffer, and a worker thread that waits for each layer's event and copies it from the
-               staging buffer into the pageable destination with a plain host memcpy. The driver never sees
-               pageable memory, so nothing it does for that copy can stall prefill's kernel launches.
+               buffer, and a worker thread (started by `arm()`, before the request) that waits for the
+               staging copies and moves them into the pageable destination with a plain host memcpy. The
+               driver never sees pageable memory, so nothing it does for that copy can stall prefill's
+               kernel launches. Each time the worker wakes it needs the GIL, which the host thread
+               launching prefill's kernels then waits for; `wakes` says how often it wakes:
+               "halving" (default) wakes after layers L/2, 3L/4, 7L/8, … and then after each of the
+               last layers — six wakes for 28 layers, and the last layer still moves alone, so
+               nothing more is left after prefill than with per-layer wakes; "layer" wakes once per
+               layer (28 wakes for Qwen2.5-7B).
       "thread" (pageable host, fallback) the driver blocks the calling thread for a copy to pageable
                memory, so the hook records an event and hands the layer to a worker thread that issues the
                copy; the driver's pageable copy then runs while prefill launches kernels, which "staged"
@@ -270,10 +277,14 @@ class LayerwiseSend:
     Everything (events, views, the destination buffer) is prepared before prefill starts.
     """
 
-    def __init__(self, transport: Transport, src: KVBuffer, mode: str = "auto"):
+    def __init__(self, transport: Transport, src: KVBuffer, mode: str = "auto", wakes: str = "halving"):
         self.t = transport
         L = transport.layout.layers
         self.layers = L
+        if wakes not in WAKE_PLANS:
+            raise ValueError(f"unknown wake plan {wakes!r}; valid: {list(WAKE_PLANS)}")
+        self.wakes = wakes
+        self.groups = wake_groups(L, wakes)
         self._src = [src.data[i] for i in range(L)]
         self._dst = [transport.buffer.data[i] for i in range(L)]
         self.cuda = transport.cuda
@@ -349,6 +360,8 @@ class LayerwiseSend:
                 target.copy_(self._src[i], non_blocking=True)
                 self._done[i].record(stream)
         self._armed = True
+        if self.mode == "staged":
+            self._start_worker()
         # Insurance against a deadlock: anything that synchronises the whole device between arm() and the
         # last hook (a cudaFree when the caching allocator runs short, a stray torch.cuda.synchronize) would
         # wait for copies that wait for flags the stalled host never writes. After watchdog_s the flag is
@@ -391,13 +404,16 @@ class LayerwiseSend:
                 self._saved_dst_stream = torch.cuda.current_stream(self.t.dest.device)
                 torch.cuda.set_stream(self.t.dst_stream)
                 torch.cuda.set_stream(self._compute)
-        if self.mode in ("thread", "staged"):
-            self._queue = queue.SimpleQueue()
-            target = self._drain_staged if self.mode == "staged" else self._drain
-            self._worker = threading.Thread(target=target, name="kvlab-pageable-send", daemon=True)
-            self._landing = Landing(self.layers, list(self._done), worker=self._worker)
-            self._worker.start()
+        if self.mode == "thread":
+            self._start_worker()
         return self
+
+    def _start_worker(self) -> None:
+        self._queue = queue.SimpleQueue()
+        target = self._drain_staged if self.mode == "staged" else self._drain
+        self._worker = threading.Thread(target=target, name="kvlab-pageable-send", daemon=True)
+        self._landing = Landing(self.layers, list(self._done), worker=self._worker)
+        self._worker.start()
 
     def on_layer(self, i: int) -> None:
         """Layer i's K and V are final on the compute stream: send them."""
@@ -438,12 +454,13 @@ class LayerwiseSend:
                 self._landing.landed_layers = i + 1
 
     def _drain_staged(self) -> None:
-        for i in range(self.layers):
-            self._done[i].synchronize()  # the layer is in pinned staging memory (GIL released while waiting)
+        dst, stage = self.t.buffer.data, self._staging.data
+        for first, last in self.groups:
+            self._done[last].synchronize()  # layers first…last are in pinned staging (GIL released while waiting)
             if not self._queue.empty() and self._queue.get() < 0:  # aborted
                 return
-            self._dst[i].copy_(self._stage[i])  # host memcpy, GIL released
-            self._landing.landed_layers = i + 1
+            dst[first:last + 1].copy_(stage[first:last + 1])  # one host memcpy, GIL released
+            self._landing.landed_layers = last + 1
         self.host_done_ns = time.perf_counter_ns()
 
     def abort(self) -> None:
@@ -473,6 +490,54 @@ class LayerwiseSend:
         if self.mode == "cpu":
             return Landing(self.layers)
         return Landing(self.layers, list(self._done))
+
+
+class HookCostProbe:
+    """The host side of a flag-mode send without the send: per layer, the same driver call
+    (cuStreamWriteValue32 on the compute stream) to a flag that nothing waits on, and no copies.
+
+    Prefill with these hooks minus plain prefill is the price of the hooks themselves; layer-wise minus
+    this is the price of the copies (kvlab.handoff.attribute_extra). GPU with cuda-bindings only.
+    """
+
+    def __init__(self, device):
+        from cuda.bindings import driver as cu
+
+        self._cu = cu
+        self.device = torch.device(device)
+        self._flag = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._ptr = cu.CUdeviceptr(self._flag.data_ptr())
+        self._value = 0
+        self._stream = None
+
+    def begin(self) -> "HookCostProbe":
+        self._stream = self._cu.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        return self
+
+    def on_layer(self, i: int) -> None:
+        self._value = (self._value + 1) & 0x3FFFFFFF
+        (err,) = self._cu.cuStreamWriteValue32(self._stream, self._ptr, self._value, 0)
+        if err != self._cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuStreamWriteValue32 failed for layer {i}: {err}")
+
+
+WAKE_PLANS = ("halving", "layer")
+
+
+def wake_groups(layers: int, plan: str = "halving") -> list[tuple[int, int]]:
+    """When a staged send's worker wakes: a list of (first, last) layer ranges, in order, covering every
+    layer once. "layer": one range per layer. "halving": ranges ending at ⌈L/2⌉, ⌈3L/4⌉, … until one
+    layer is left per range, e.g. 28 layers → (0–13) (14–20) (21–23) (24–25) (26) (27): six wakes."""
+    if plan == "layer":
+        return [(i, i) for i in range(layers)]
+    if plan != "halving":
+        raise ValueError(f"unknown wake plan {plan!r}; valid: {list(WAKE_PLANS)}")
+    out, first = [], 0
+    while first < layers:
+        size = max(1, (layers - first) // 2)
+        out.append((first, first + size - 1))
+        first += size
+    return out
 
 
 def stream_memops_available(device) -> bool:

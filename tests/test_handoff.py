@@ -1,6 +1,8 @@
 """The handoff path on the CPU: contiguous buffer, transports, hooks, decode check, bad input."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from kvlab import handoff
@@ -112,7 +114,7 @@ def test_layerwise_finish_refuses_missing_layers(tiny):
 
 def test_run_handoff_tidy_tables(tiny):
     cfg = handoff.HandoffConfig(contexts=[8, 16], destinations=["same-gpu", "pageable"], repeats=2, warmup=0,
-                                decode_tokens=3, interleave_short=3, short_context=8)
+                                decode_tokens=3, interleave_short=3, interleave=2, short_context=8)
     timings, checks = handoff.run_handoff(tiny, cfg, device="cpu")
     assert set(timings.columns) == {"context", "kv_bytes", "destination", "method", "measure", "repeat", "ms"}
     assert checks.tokens_match.all() and checks.logits_equal.all() and (checks.poison_left == 0).all()
@@ -124,8 +126,48 @@ def test_run_handoff_tidy_tables(tiny):
     row = summary.iloc[0]
     assert row.copy_gbps == pytest.approx(row.kv_mib * 2**20 / (row.copy_ms / 1e3) / 1e9)
     assert row.copy_pct_ceiling == pytest.approx(100 * row.copy_gbps / 10.0)
+    assert (summary.extra_ci_lo_ms <= summary.layerwise_extra_ms).all()
+    assert (summary.layerwise_extra_ms <= summary.extra_ci_hi_ms).all()
     g = handoff.goals(summary)
     assert set(g.goal) >= {"hook host time ≤ 0.5 ms", "bulk ≥ 95 % of ceiling"}
+
+
+def test_ab_rounds_alternate_their_order(tiny, monkeypatch):
+    calls = []
+    monkeypatch.setattr(handoff, "_time_prefill", lambda *a: calls.append("A") or 1.0)
+    monkeypatch.setattr(handoff, "_time_layerwise_round",
+                        lambda *a: calls.append("B") or {"wall": 1.0, "prefill": 1.0, "exposed": 0.0})
+    cfg = handoff.HandoffConfig(contexts=[8], destinations=["same-gpu"], repeats=1, warmup=1, decode_tokens=2,
+                                interleave_short=4, short_context=8)
+    timings, _ = handoff.run_handoff(tiny, cfg, device="cpu")
+    ab = "".join(calls)[-10:]  # the A/B rounds come last: 1 warm-up + 4 timed rounds
+    assert ab == "ABBAABBAAB"
+    assert len(timings[(timings.method == "layerwise") & (timings.measure == "wall")]) == 4
+
+
+def _summary_row(**kw):
+    row = dict(context=16384, kv_mib=896.0, destination="same-gpu", ceiling_path="d2d_same", prefill_ms=500.0,
+               copy_ms=0.5, copy_pct_ceiling=96.0, exposed_ms=-12.0, copy_layer_ms=0.02, hook_host_ms=0.3,
+               layerwise_extra_ms=0.2, extra_ci_lo_ms=-1.0, extra_ci_hi_ms=2.0, rounds=15)
+    row.update(kw)
+    return row
+
+
+@pytest.mark.parametrize("lo,hi,want", [(-1.0, 0.4, True), (0.6, 3.0, False), (-1.0, 2.0, None)])
+def test_never_worse_than_bulk_is_decided_by_the_interval(lo, hi, want):
+    import pandas as pd
+
+    summary = pd.DataFrame([_summary_row(extra_ci_lo_ms=lo, extra_ci_hi_ms=hi), _summary_row(context=1024)])
+    g = handoff.goals(summary)
+    row = g[g.goal == "layer-wise never worse than bulk"].iloc[0]
+    assert handoff.goal_state(row.met) is want
+    lines = handoff.findings(pd.DataFrame([_summary_row(extra_ci_lo_ms=lo, extra_ci_hi_ms=hi, copy_min_ms=0.5,
+                                                        copy_max_ms=0.6, copy_gbps=1.0, ceiling_gbps=2.0,
+                                                        copy_pct_prefill=0.1, copy_tensor_ms=0.6,
+                                                        extra_min_ms=-2, extra_max_ms=3)]), g)
+    text = " ".join(lines)
+    assert ("Not resolved" in text) == (want is None)
+    assert ("Not met: layer-wise never worse" in text) == (want is False)
 
 
 def test_bad_requests_are_refused_before_allocating(tiny):
@@ -158,5 +200,63 @@ def test_gpu_destinations_decode_identically(tiny):
         timings, checks = handoff.run_handoff(model, cfg, device=dev)
         assert checks.tokens_match.all() and checks.logits_equal.all() and (checks.poison_left == 0).all()
         assert (timings[timings.measure != "exposed"].ms > 0).all()  # exposed is signed by design
+    finally:
+        tiny.to("cpu")
+
+
+def test_attribution_on_cpu_is_tidy_and_explained(tiny):
+    rows = handoff.attribute_extra(tiny, 8, ["same-gpu", "pageable"], rounds=3, warmup=0, device="cpu")
+    assert set(rows.variant) == {"colocated", "layer-wise"}  # no stream memory operations on a CPU
+    assert len(rows) == 2 * 2 * 3 and (rows.ms > 0).all()
+    summary = handoff.attribution_summary(rows)
+    assert list(summary.variant) == ["layer-wise", "layer-wise"]
+    assert (summary.rounds == 3).all()
+    assert (summary.extra_ci_lo_ms <= summary.extra_ms).all() and (summary.extra_ms <= summary.extra_ci_hi_ms).all()
+    lines = handoff.attribution_findings(summary)
+    assert len(lines) == 2 and "the real send (cpu)" in lines[0]
+    fig = handoff.plot_attribution(summary)
+    assert fig.axes[0].get_xlabel().startswith("extra prefill time")
+
+
+def test_attribution_refuses_bad_input(tiny):
+    with pytest.raises(ValueError, match="rounds"):
+        handoff.attribute_extra(tiny, 8, ["same-gpu"], rounds=0, device="cpu")
+    with pytest.raises(ValueError, match="unknown destination"):
+        handoff.attribute_extra(tiny, 8, ["nvme"], device="cpu")
+
+
+@settings(max_examples=60, deadline=None)
+@given(layers=st.integers(1, 200), plan=st.sampled_from(["halving", "layer"]))
+def test_wake_groups_cover_every_layer_once_and_end_alone(layers, plan):
+    from kvlab.transfer import wake_groups
+
+    g = wake_groups(layers, plan)
+    covered = [i for a, b in g for i in range(a, b + 1)]
+    assert covered == list(range(layers))
+    assert g[-1] == (layers - 1, layers - 1)  # the last layer always moves by itself
+    if plan == "halving":
+        assert len(g) <= 2 * max(1, layers).bit_length()
+
+
+def test_wake_plan_is_validated():
+    from kvlab.transfer import wake_groups
+
+    with pytest.raises(ValueError, match="wake plan 'sometimes'"):
+        wake_groups(4, "sometimes")
+    lay = KVLayout(2, 1, 1, 4, 8)
+    with pytest.raises(ValueError, match="wake plan"):
+        Transport(lay, "pageable", "cpu").layerwise(KVBuffer(lay), wakes="never")
+
+
+@pytest.mark.gpu
+def test_gpu_attribution_has_every_variant(tiny):
+    dev = torch.device("cuda")
+    model = tiny.to(dev)
+    try:
+        rows = handoff.attribute_extra(model, 64, ["same-gpu", "pageable"], rounds=2, warmup=1, device=dev)
+        got = rows.groupby("destination").variant.unique().map(set).to_dict()
+        assert got["same-gpu"] == {"colocated", "hooks only", "layer-wise"}
+        assert got["pageable-host"] == {"colocated", "hooks only", "layer-wise", "layer-wise, per-layer wakes"}
+        assert (rows.ms > 0).all()
     finally:
         tiny.to("cpu")

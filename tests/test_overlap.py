@@ -97,6 +97,9 @@ def test_decomposition_matches_the_constructed_answer(pair):
     assert (t["kernel_inside_ns"], t["kernel_outside_ns"], t["idle_ns"], t["tail_ns"]) == (5 * US, 1 * US, 3 * US, 12 * US)
     assert t["remainder_ns"] == 0 and t["explained_frac"] == 1.0
     assert (t["ops"], t["ops_inside"]) == (8, 4)  # mlp0, qkv1, mlp1, head overlapped a copy
+    # drift from the ops outside copy windows: +1 µs on 40 µs; the 60 µs inside would carry 1.5 µs of it
+    assert t["kernel_time_inside_ns"] == 60 * US and t["drift_rate"] == pytest.approx(1 / 40)
+    assert t["copy_cost_ns"] == pytest.approx(3.5 * US)
     assert t["engines"] == ["copy engine"] and t["copy_kinds"] == ["DtoH"]
     seg = d.segments.set_index("segment")
     assert list(seg.index) == ["lead-in", "pre", "layer 0", "layer 1", "post", "tail"]

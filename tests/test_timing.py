@@ -296,3 +296,24 @@ def test_adopt_takes_a_mark_now_on_a_cpu_and_orders_it():
     assert t.elapsed_ms("start", "copy_end") >= 0
     with pytest.raises(ValueError, match="non-empty"):
         t.adopt("", None)
+
+
+def test_median_ci_brackets_the_median_and_narrows_with_more_rounds():
+    rng = np.random.default_rng(1)
+    few = rng.normal(3.0, 5.0, 9)
+    many = rng.normal(3.0, 5.0, 400)
+    lo9, hi9 = timing.median_ci(few)
+    lo, hi = timing.median_ci(many)
+    assert lo9 <= np.median(few) <= hi9 and lo <= np.median(many) <= hi
+    assert hi - lo < hi9 - lo9
+    assert lo < 3.0 < hi  # the true median, with 400 samples
+    assert timing.median_ci(few) == (lo9, hi9)  # deterministic
+    assert timing.median_ci([2.5]) == (2.5, 2.5)
+
+
+@pytest.mark.parametrize("bad", [[], [1.0, float("nan")]])
+def test_median_ci_rejects_bad_samples(bad):
+    with pytest.raises(ValueError):
+        timing.median_ci(bad)
+    with pytest.raises(ValueError, match="level"):
+        timing.median_ci([1.0, 2.0], level=1.5)
