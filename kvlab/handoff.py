@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 import pandas as pd
 import torch
 
-from .hooks import LayerHooks
+from .hooks import POINTS, LayerHooks
 from .kvcache import KVBuffer, layout_for
 from .timing import EventTimer, free_device as _free, median_ci, sync_device as _sync
 from .transfer import Destination, HookCostProbe, Transport, stream_memops_available
@@ -66,6 +66,7 @@ class HandoffConfig:
     short_context: int = 1024
     seed: int = 0
     ranges: bool = False            # trace ranges in the hooks (off for timing)
+    point: str = "cache"            # where layer i is signalled: "cache" (kvlab's KV arena) or "attention" (module hook)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -130,9 +131,12 @@ def cache_kw(model) -> str:
 
 
 @torch.inference_mode()
-def prefill(model, input_ids: torch.Tensor, buffer: KVBuffer) -> torch.Tensor:
-    """Run prefill writing K and V straight into `buffer`; returns the last position's logits [1, vocab]."""
-    cache = buffer.as_hf_cache(filled=False)
+def prefill(model, input_ids: torch.Tensor, buffer: KVBuffer, hooks: LayerHooks | None = None) -> torch.Tensor:
+    """Run prefill writing K and V straight into `buffer`; returns the last position's logits [1, vocab].
+
+    hooks: installed LayerHooks with point="cache" get their per-layer signal from the buffer's cache
+    (other hooks work through their module hooks and need nothing here)."""
+    cache = buffer.as_hf_cache(filled=False, on_write=hooks.cache_callback if hooks is not None else None)
     out = model(input_ids=input_ids, **{cache_kw(model): cache}, use_cache=True, logits_to_keep=1)
     return out.logits[:, -1]
 
@@ -172,9 +176,9 @@ def decode(model, buffer: KVBuffer, first_token: torch.Tensor, steps: int):
     return torch.cat(toks), torch.cat(logits)
 
 
-def _prefill_or_abort(model, ids, src, sender):
+def _prefill_or_abort(model, ids, src, sender, hooks=None):
     try:
-        return prefill(model, ids, src)
+        return prefill(model, ids, src, hooks)
     except BaseException:
         sender.abort()  # an armed copy stream must not wait forever for flags that never come
         raise
@@ -212,6 +216,8 @@ def run_handoff(model, cfg: HandoffConfig, device=None, progress=None) -> tuple[
     progress: optional callable(str) for status lines (the notebook passes a tqdm write).
     """
     device = torch.device(device if device is not None else next(model.parameters()).device)
+    if cfg.point not in POINTS:
+        raise ValueError(f"HandoffConfig.point {cfg.point!r} is not valid; use one of {list(POINTS)}")
     dests = check_request(model, cfg.contexts, cfg.destinations, device)
     if cfg.repeats < 1:
         raise ValueError(f"repeats must be ≥ 1 (≥ 9 for published numbers), got {cfg.repeats}")
@@ -276,12 +282,13 @@ def run_handoff(model, cfg: HandoffConfig, device=None, progress=None) -> tuple[
 
             # -- layer-wise: correctness, then A/B interleaved with colocated prefill
             sender = t_buf.layerwise(src)
-            hooks = LayerHooks(model, sender.on_layer, ranges=cfg.ranges, bytes_per_layer=layout.bytes_per_layer)
+            hooks = LayerHooks(model, sender.on_layer, ranges=cfg.ranges, bytes_per_layer=layout.bytes_per_layer,
+                               point=cfg.point)
             t_buf.poison()
             src.poison()
             with hooks:
                 sender.begin()
-                _prefill_or_abort(model, ids, src, sender)
+                _prefill_or_abort(model, ids, src, sender, hooks)
                 landing = sender.finish()
             got = t_buf.receive(landing, device)
             checks.append(dict(context=context, destination=label, method="layerwise",
@@ -320,7 +327,8 @@ def run_handoff(model, cfg: HandoffConfig, device=None, progress=None) -> tuple[
 # where the layer-wise cost comes from at a short context
 
 
-ATTRIBUTION_VARIANTS = ("colocated", "hooks only", "layer-wise", "layer-wise, per-layer wakes")
+ATTRIBUTION_VARIANTS = ("colocated", "signal only", "layer-wise", "layer-wise, attention hooks",
+                        "layer-wise, per-layer wakes")
 
 
 def attribute_extra(model, context: int, destinations, rounds: int = 30, warmup: int = 2, device=None,
@@ -331,14 +339,19 @@ def attribute_extra(model, context: int, destinations, rounds: int = 30, warmup:
     host shows. Per destination, every round times, in rotated order so that no variant always follows
     the same neighbour:
         colocated                     prefill alone
-        hooks only                    the hooks installed, each making the flag send's one driver call to
-                                      a flag nothing waits on (kvlab.transfer.HookCostProbe): host cost only
-        layer-wise                    the real send (flag, or staged for pageable host)
+        signal only                   the per-layer signal from the KV arena making the flag send's one
+                                      driver call to a flag nothing waits on (kvlab.transfer.HookCostProbe):
+                                      the host cost of signalling, nothing sent
+        layer-wise                    the real send (flag, or staged for pageable host), signalled from
+                                      the KV arena (the default point)
+        layer-wise, attention hooks   the same send signalled from forward hooks on the attention
+                                      modules (the classic hook point, seed 004's)
         layer-wise, per-layer wakes   pageable host only: the staged worker woken after every layer
                                       instead of the default halving plan (GIL hand-offs)
-    Then (hooks only − colocated) is the hooks' price, (layer-wise − hooks only) the copies' price, and
-    (per-layer wakes − layer-wise) what the wake plan saves. "hooks only" needs cuda-bindings' stream
-    memory operations and is left out without them (and on a CPU).
+    Then (signal only − colocated) is the signal's price, (layer-wise − signal only) the copies' price,
+    (attention hooks − layer-wise) what PyTorch's module-hook path adds, and (per-layer wakes −
+    layer-wise) what the wake plan saves. "signal only" needs cuda-bindings' stream memory operations and
+    is left out without them (and on a CPU).
 
     Returns tidy rows: context, destination, variant, round, ms (prefill: start → logits on the compute
     stream), wall_ms (layer-wise: until the last layer landed), hook_host_ms, mode.
@@ -359,9 +372,11 @@ def attribute_extra(model, context: int, destinations, rounds: int = 30, warmup:
         variants = {"colocated": None}
         if probe_ok:
             probe = HookCostProbe(device)
-            variants["hooks only"] = (probe, LayerHooks(model, probe.on_layer, ranges=False))
+            variants["signal only"] = (probe, LayerHooks(model, probe.on_layer, ranges=False))
         sender = t.layerwise(src)
         variants["layer-wise"] = (sender, LayerHooks(model, sender.on_layer, ranges=False))
+        variants["layer-wise, attention hooks"] = (sender, LayerHooks(model, sender.on_layer, ranges=False,
+                                                                      point="attention"))
         if sender.mode == "staged":
             per_layer = t.layerwise(src, wakes="layer")
             variants["layer-wise, per-layer wakes"] = (per_layer, LayerHooks(model, per_layer.on_layer, ranges=False))
@@ -378,13 +393,14 @@ def attribute_extra(model, context: int, destinations, rounds: int = 30, warmup:
                     probe, hooks = v
                     hooks.reset_counters()
                     with hooks:
-                        row["ms"] = _time_prefill(model, ids, src, device, begin=probe.begin)
+                        row["ms"] = _time_prefill(model, ids, src, device, begin=probe.begin, hooks=hooks)
                     row["hook_host_ms"] = hooks.host_ns / 1e6
                 else:
                     snd, hooks = v
                     b = _time_layerwise_round(model, ids, src, snd, hooks, device)
                     row.update(ms=b["prefill"], wall_ms=b["wall"], hook_host_ms=hooks.host_ns / 1e6,
-                               mode=f"{snd.mode}" + (f", wakes={snd.wakes}" if snd.mode == "staged" else ""))
+                               mode=f"{snd.mode}, {hooks.point}"
+                                    + (f", wakes={snd.wakes}" if snd.mode == "staged" else ""))
                 if r >= warmup:
                     rows.append(row)
         say(f"{context} tokens → {dest.label}: attribution timed ({rounds} rounds × {len(names)} variants)")
@@ -400,8 +416,9 @@ def attribution_summary(rows: pd.DataFrame) -> pd.DataFrame:
     (same round) with its 95 % bootstrap interval; `part` names what that difference prices.
     Columns: context, destination, variant, mode, rounds, prefill_ms, extra_ms, extra_ci_lo_ms,
     extra_ci_hi_ms, wall_extra_ms (layer-wise variants: until the last layer landed), hook_host_ms, part."""
-    parts = {"hooks only": "the hooks' host work (driver call per layer, nothing sent)",
-             "layer-wise": "hooks + copies (the real send)",
+    parts = {"signal only": "the per-layer signal's host work (one driver call a layer, nothing sent)",
+             "layer-wise": "signal + copies (the real send)",
+             "layer-wise, attention hooks": "the real send, signalled from attention-module forward hooks",
              "layer-wise, per-layer wakes": "the real send with the worker woken after every layer"}
     out = []
     for (context, dest), g in rows.groupby(["context", "destination"], sort=False):
@@ -433,13 +450,16 @@ def attribution_findings(summary: pd.DataFrame) -> list[str]:
 
         text = f"At {context:,} tokens → {dest}: "
         bits = []
-        if "hooks only" in by.index:
-            bits.append(f"the hooks alone cost {part('hooks only')} over plain prefill")
+        if "signal only" in by.index:
+            bits.append(f"the per-layer signal alone costs {part('signal only')} over plain prefill")
         if "layer-wise" in by.index:
             bits.append(f"the real send ({by.loc['layer-wise', 'mode']}) {part('layer-wise')}")
-        if "hooks only" in by.index and "layer-wise" in by.index:
+        if "signal only" in by.index and "layer-wise" in by.index:
             bits.append(f"so the copies themselves account for about "
-                        f"{by.loc['layer-wise', 'extra_ms'] - by.loc['hooks only', 'extra_ms']:+.2f} ms")
+                        f"{by.loc['layer-wise', 'extra_ms'] - by.loc['signal only', 'extra_ms']:+.2f} ms")
+        if "layer-wise, attention hooks" in by.index:
+            bits.append(f"signalled from attention-module hooks instead, the send costs "
+                        f"{part('layer-wise, attention hooks')}")
         if "layer-wise, per-layer wakes" in by.index:
             bits.append(f"waking the pageable worker after every layer instead costs {part('layer-wise, per-layer wakes')}")
         out.append(text + "; ".join(bits) + ".")
@@ -457,8 +477,9 @@ def plot_attribution(summary: pd.DataFrame, title: str = ""):
     fig, ax = plt.subplots(figsize=(7.0, 0.45 * len(summary) + 1.6))
     labels = [f"{r.destination} · {r.variant}" for r in summary.itertuples()]
     y = range(len(summary))
-    colors = [plots.BLUE if v == "hooks only" else plots.VERMILLION if v == "layer-wise" else plots.ORANGE
-              for v in summary.variant]
+    palette = {"signal only": plots.BLUE, "layer-wise": plots.VERMILLION, "layer-wise, attention hooks": plots.PURPLE,
+               "layer-wise, per-layer wakes": plots.ORANGE}
+    colors = [palette.get(v, plots.GREEN) for v in summary.variant]
     ax.barh(list(y), summary.extra_ms, color=colors,
             xerr=[summary.extra_ms - summary.extra_ci_lo_ms, summary.extra_ci_hi_ms - summary.extra_ms],
             error_kw=dict(lw=0.8, capsize=2))
@@ -474,13 +495,13 @@ def plot_attribution(summary: pd.DataFrame, title: str = ""):
     return fig
 
 
-def _time_prefill(model, ids, src, device, begin=None) -> float:
+def _time_prefill(model, ids, src, device, begin=None, hooks=None) -> float:
     clock = EventTimer(device)
     _sync(device)
     clock.mark("start")
     if begin is not None:
         begin()
-    prefill(model, ids, src)
+    prefill(model, ids, src, hooks)
     clock.mark("end")
     return clock.elapsed_ms("start", "end")
 
@@ -493,10 +514,10 @@ def _time_layerwise_round(model, ids, src, sender, hooks, device) -> dict:
     _sync(device)  # the last device sync before the request: never between arm() and prefill
     sender.arm()
     with hooks:
-        return _time_layerwise(model, ids, src, sender, device)
+        return _time_layerwise(model, ids, src, sender, device, hooks)
 
 
-def _time_layerwise(model, ids, src, sender, device) -> dict:
+def _time_layerwise(model, ids, src, sender, device, hooks=None) -> dict:
     """One layer-wise request. The end mark goes on the copy stream after the send has been handed over,
     so it follows every layer's copy (armed, hooked or issued by the worker).
 
@@ -506,7 +527,7 @@ def _time_layerwise(model, ids, src, sender, device) -> dict:
     clock = EventTimer(device)
     clock.mark("start")
     sender.begin()
-    _prefill_or_abort(model, ids, src, sender)
+    _prefill_or_abort(model, ids, src, sender, hooks)
     clock.mark("prefill_end")
     landing = sender.finish()
     # the copy's end is the last layer's own completion event (recorded on the copy stream right behind

@@ -1,9 +1,16 @@
-"""Per-layer forward hooks: the points where a layer's K and V become final, with trace ranges.
+"""Per-layer signals: the points where a layer's K and V become final, with trace ranges.
 
-`LayerHooks(model, on_kv_ready)` calls `on_kv_ready(i)` as soon as decoder layer i's attention has
-returned — its cache update (the K and V write) is queued by then, so a copy queued behind an event
-recorded at that point reads final bytes. That is half a layer earlier than a hook on the whole
-decoder layer: the MLP of layer i runs while layer i's K and V are already on the wire.
+`LayerHooks(model, on_kv_ready, point=...)` calls `on_kv_ready(i)` as soon as layer i's K and V writes
+are queued on the compute stream, so a copy queued behind that point reads final bytes. Two points:
+
+  "cache"      (default) from kvlab's KV arena itself: the prefill cache (KVBuffer.as_hf_cache) calls
+               back right after it has queued layer i's K and V writes — before layer i's attention
+               kernel even runs — and no module hook is installed. Pass `hooks.cache_callback` to the
+               prefill (kvlab.handoff.prefill(..., hooks=hooks) does it).
+  "attention"  a forward hook on layer i's attention module (any cache): half a layer later, and every
+               hooked module then takes PyTorch's slower hook-dispatch path, which costs host time at
+               short contexts (kvlab.handoff.attribute_extra prices it).
+Either way the MLP of layer i runs while layer i's K and V are already on the wire.
 
 Ranges: with `ranges=True` every decoder layer is wrapped in a range named `kvlab/layer{i}` and every
 send in `kvlab/send{i}` (torch.profiler record_function and, on a GPU, NVTX), carrying the layer index
@@ -22,7 +29,9 @@ import time
 
 import torch
 
-__all__ = ["LayerHooks", "decoder_layers", "ranges_wanted"]
+__all__ = ["LayerHooks", "decoder_layers", "ranges_wanted", "POINTS"]
+
+POINTS = ("cache", "attention")
 
 
 def decoder_layers(model) -> list:
@@ -67,41 +76,66 @@ class _Range:
 class LayerHooks:
     """Install hooks on every decoder layer; use as a context manager.
 
-    on_kv_ready(i) is called when layer i's K and V are final (after its attention module returns).
+    on_kv_ready(i) is called when layer i's K and V are final (see the module docstring for `point`).
     bytes_per_layer: recorded in the send ranges' args.
+    cache_callback: with point="cache" and a callback, the callable the prefill cache must call with the
+    layer index once that layer's K and V writes are queued (None otherwise).
     """
 
-    def __init__(self, model, on_kv_ready=None, ranges: bool | str = "auto", bytes_per_layer: int = 0):
+    def __init__(self, model, on_kv_ready=None, ranges: bool | str = "auto", bytes_per_layer: int = 0,
+                 point: str = "cache"):
+        if point not in POINTS:
+            raise ValueError(f"unknown hook point {point!r}; valid: {list(POINTS)}")
         self.model = model
         self.layers = decoder_layers(model)
         self.on_kv_ready = on_kv_ready
+        self.point = point
         self.ranges = ranges_wanted() if ranges == "auto" else bool(ranges)
         self.bytes_per_layer = bytes_per_layer
         self.host_ns = 0
         self.calls = 0
         self._handles = []
-
-    def install(self) -> "LayerHooks":
-        if self._handles:
-            return self
-        n = len(self.layers)
+        self._signals = None
         if self.ranges:
+            n = len(self.layers)
             self._layer_ranges = [_Range(f"kvlab/layer{i}", f"layer={i}") for i in range(n)]
             self._send_ranges = [_Range(f"kvlab/send{i}", f"layer={i} bytes={self.bytes_per_layer}")
                                  for i in range(n)]
+        if on_kv_ready is not None:
+            self._signals = [self._signal(i) for i in range(len(self.layers))]
+        self._installed = False
+
+    @property
+    def cache_callback(self):
+        """For point="cache": call with layer i when its K and V writes are queued (None when there is
+        nothing to signal, or when the point is "attention"). Counts only while installed."""
+        if self.point != "cache" or self._signals is None:
+            return None
+        return self._cache_signal
+
+    def _cache_signal(self, i: int) -> None:
+        if self._installed:
+            self._signals[i]()
+
+    def install(self) -> "LayerHooks":
+        if self._installed:
+            return self
         for i, layer in enumerate(self.layers):
             attn = getattr(layer, "self_attn", None) or getattr(layer, "attention", None) or layer
             if self.ranges:
                 self._handles.append(layer.register_forward_pre_hook(self._layer_begin(i)))
                 self._handles.append(layer.register_forward_hook(self._layer_end(i)))
-            if self.on_kv_ready is not None:
-                self._handles.append(attn.register_forward_hook(self._kv_ready(i)))
+            if self._signals is not None and self.point == "attention":
+                sig = self._signals[i]
+                self._handles.append(attn.register_forward_hook(lambda module, args, output, sig=sig: sig()))
+        self._installed = True
         return self
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._installed = False
 
     def reset_counters(self) -> None:
         self.host_ns = 0
@@ -133,12 +167,13 @@ class LayerHooks:
 
         return post
 
-    def _kv_ready(self, i):
+    def _signal(self, i):
+        """Layer i's signal: the callback, its host time counted, inside a send range when ranges are on."""
         cb = self.on_kv_ready
         if self.ranges:
             r = self._send_ranges[i]
 
-            def hook(module, args, output):
+            def signal():
                 t0 = time.perf_counter_ns()
                 r.begin()
                 cb(i)
@@ -146,10 +181,10 @@ class LayerHooks:
                 self.calls += 1
                 self.host_ns += time.perf_counter_ns() - t0
         else:
-            def hook(module, args, output):
+            def signal():
                 t0 = time.perf_counter_ns()
                 cb(i)
                 self.calls += 1
                 self.host_ns += time.perf_counter_ns() - t0
 
-        return hook
+        return signal

@@ -156,13 +156,16 @@ class KVBuffer:
         """How many elements are still NaN (0 after a complete transfer of finite values)."""
         return int(torch.isnan(self.data).sum().item())
 
-    def as_hf_cache(self, filled: bool = True):
+    def as_hf_cache(self, filled: bool = True, on_write=None):
         """A transformers DynamicCache whose layers are views into this buffer.
 
         filled=False: an empty cache for prefill; each layer's first update writes its K and V into the
         buffer (the prompt must have exactly `layout.tokens` tokens). filled=True: a cache that already
         holds the buffer's tokens, for decode. Decode steps append by concatenation into new tensors, so
         the buffer itself is never modified after prefill.
+        on_write: optional callable(i), called once layer i's prefill K and V writes are queued on the
+        current stream (kvlab.hooks.LayerHooks(point="cache").cache_callback): the earliest moment a copy
+        queued behind it on that stream reads final bytes.
         """
         from transformers import DynamicCache
 
@@ -170,7 +173,7 @@ class KVBuffer:
         cache.layers.clear()
         for i in range(self.layout.layers):
             k, v = self.layer(i)
-            cache.layers.append(ArenaLayer(k, v, filled=filled))
+            cache.layers.append(ArenaLayer(k, v, filled=filled, on_write=on_write, index=i))
         return cache
 
 
@@ -180,9 +183,10 @@ def _arena_layer_class():
     class _ArenaLayer(DynamicLayer):
         """A DynamicLayer whose first (prefill) update lands in preallocated views."""
 
-        def __init__(self, k_view: torch.Tensor, v_view: torch.Tensor, filled: bool):
+        def __init__(self, k_view: torch.Tensor, v_view: torch.Tensor, filled: bool, on_write=None, index=0):
             super().__init__()
             self._k_view, self._v_view = k_view, v_view
+            self._on_write, self._index = on_write, index
             if filled:
                 self.device = k_view.device
                 self.keys, self.values = k_view, v_view
@@ -198,6 +202,8 @@ def _arena_layer_class():
                     f"{tuple(self._k_view.shape)}: allocate the buffer for exactly the prompt length")
             self._k_view.copy_(key_states)
             self._v_view.copy_(value_states)
+            if self._on_write is not None:
+                self._on_write(self._index)
             self.device = key_states.device
             self.keys, self.values = self._k_view, self._v_view
             self.is_initialized = True
@@ -209,10 +215,10 @@ def _arena_layer_class():
 _ARENA_LAYER = None
 
 
-def ArenaLayer(k_view: torch.Tensor, v_view: torch.Tensor, filled: bool = True):
+def ArenaLayer(k_view: torch.Tensor, v_view: torch.Tensor, filled: bool = True, on_write=None, index: int = 0):
     """Build an arena-backed cache layer (class created lazily so importing kvlab stays light)."""
     global _ARENA_LAYER
     if _ARENA_LAYER is None:
         _ARENA_LAYER = _arena_layer_class()
-    return _ARENA_LAYER(k_view, v_view, filled)
+    return _ARENA_LAYER(k_view, v_view, filled, on_write, index)
 

@@ -458,7 +458,7 @@ _PAGED_LAYER = None
 def paged_prefill_cache(pool: BlockPool, table: BlockTable):
     """An empty DynamicCache whose prefill writes each layer's K and V into `table`'s blocks of `pool`
     (the prompt must have exactly table.tokens tokens). Layer i's blocks are final when its attention
-    returns, which is when kvlab.hooks.LayerHooks calls on_kv_ready(i)."""
+    returns, which is when kvlab.hooks.LayerHooks(point="attention") calls on_kv_ready(i)."""
     global _PAGED_LAYER
     from transformers import DynamicCache
 
@@ -899,11 +899,11 @@ def _kernel_config(transport: PagedTransport, key: tuple, tune_args) -> kernels.
     if not tune or not transport.cuda:
         transport.config["kernel"] = kernels.DEFAULT_CONFIG.as_dict()
         return kernels.DEFAULT_CONFIG
-    cfg = _TUNED.get(key)
-    if cfg is None:
-        cfg, table = kernels.tune(*tune_args, repeats=transport.opts.get("tune_repeats", 5))
-        _TUNED[key] = cfg
-        transport.config["tuning"] = table
+    hit = _TUNED.get(key)
+    if hit is None:
+        hit = _TUNED[key] = kernels.tune(*tune_args, repeats=transport.opts.get("tune_repeats", 5))
+    cfg, table = hit
+    transport.config["tuning"] = table
     transport._note(f"kernel tuned on this GPU: {cfg.as_dict()}")
     transport.config["kernel"] = cfg.as_dict()
     return cfg
@@ -915,18 +915,50 @@ def _kernel_config(transport: PagedTransport, key: tuple, tune_args) -> kernels.
 _TUNE_ROWS = 16384
 
 
+# a bulk send may move its rows in any order (destination rows are distinct); the order decides which
+# addresses the GPU's concurrently running programs read and write, and so how evenly the memory
+# channels are loaded
+BULK_ORDERS = ("layer", "interleaved", "src")
+
+# tune a device-to-device plan on all of its rows up to this many bytes (a prefix would miss how the
+# whole pattern loads the memory, and 2 GiB takes ~1 ms a launch on an H200)
+_TUNE_FULL_BYTES = 2 << 30
+
+
+def bulk_order(plan: "_Plan", order: str) -> np.ndarray:
+    """A permutation of a plan's rows for a bulk send.
+
+    "layer": the plan's own order — layer, K/V side, then destination block (writes ascend through each
+        layer side's pool, reads jump);
+    "interleaved": block-major — the first block of every layer side, then the second, … (the programs
+        running at any moment spread over all 2·layers pools at once);
+    "src": layer, side, then source block (reads ascend, writes jump).
+    """
+    n = plan.rows
+    rpl = plan.n_blocks  # rows per layer side
+    side = np.arange(n) // rpl
+    if order == "layer":
+        return np.arange(n)
+    if order == "interleaved":
+        return np.lexsort((side, np.arange(n) % rpl))
+    if order == "src":
+        return np.lexsort((plan.src_rows, side))
+    raise ValueError(f"unknown bulk order {order!r}; valid: {list(BULK_ORDERS)}")
+
+
 class TritonCopy(PagedTransport):
     """One Triton kernel launch gathers the source rows and scatters them to their destination rows in one
     pass (no staging), on the same GPU or into a peer GPU's pool (stores over NVLink/PCIe P2P).
 
     Options: config (KernelConfig or dict; default: tuned on the GPU at the first prepare),
-    tune (bool; default True on a GPU), tune_repeats. On a CPU without TRITON_INTERPRET=1 the torch
-    path runs instead and `backend`/`notes` say so.
+    order (a BULK_ORDERS name for bulk sends; default: tuned with the config on a GPU, else "layer"),
+    tune (bool; default True on a GPU), tune_repeats. Layer-wise sends keep the plan's per-layer order.
+    On a CPU without TRITON_INTERPRET=1 the torch path runs instead and `backend`/`notes` say so.
     """
 
     name = "triton"
     kinds = ("device", "peer")
-    options = {"config": None, "tune": None, "tune_repeats": 5}
+    options = {"config": None, "order": None, "tune": None, "tune_repeats": 5}
 
     def _setup(self):
         ok, why = kernels.triton_status(self.src_device)
@@ -934,19 +966,52 @@ class TritonCopy(PagedTransport):
         self.backend = "triton" if ok else "torch fallback"
         if not ok:
             self._note(f"fallback to torch index_select/index_copy_: {why}")
+        order = self.opts.get("order")
+        if order is not None and order not in BULK_ORDERS:
+            raise ValueError(f"unknown bulk order {order!r}; valid: {list(BULK_ORDERS)}")
 
     def _prepare(self, plan):
         sidx, didx = self._indices(plan)
         if self.dest.kind == "peer" and not self.use_triton:
             plan.extra["didx_dst"] = didx.to(self.dest.device)
-        if self.use_triton:
-            n = min(plan.rows, _TUNE_ROWS)
-            key = (self.name, self.spec.block_bytes, self.dest.kind, str(self.src_device), n)
-            plan.extra["cfg"] = _kernel_config(
-                self, key, (plan.src_pool.rows, sidx[:n], self.pool.rows, didx[:n]))
+        if not self.use_triton:
+            return
+        given = self.opts.get("order")
+        tune = self.opts.get("tune")
+        tune = self.cuda if tune is None else bool(tune) and self.cuda
+        orders = [given] if given is not None else (list(BULK_ORDERS) if tune and self.opts.get("config") is None
+                                                    else ["layer"])
+        full = plan.rows * self.spec.block_bytes <= _TUNE_FULL_BYTES and self.dest.kind in ("device", "peer")
+        n = plan.rows if full else min(plan.rows, _TUNE_ROWS)
+        best = None
+        tables = []
+        for order in orders:
+            perm = torch.from_numpy(bulk_order(plan, order)).to(sidx.device)
+            s, d = self._on_stream(sidx[perm].contiguous()), self._on_stream(didx[perm].contiguous())
+            key = (self.name, self.spec.block_bytes, self.dest.kind, str(self.src_device), n, order, plan.rows)
+            cfg = _kernel_config(self, key, (plan.src_pool.rows, s[:n], self.pool.rows, d[:n]))
+            table = self.config.pop("tuning", None) or []
+            tables += [{**row, "order": order} for row in table]
+            ms = min((row["ms"] for row in table if row.get("ms") is not None), default=None)
+            if best is None or (ms is not None and (best[0] is None or ms < best[0])):
+                best = (ms, order, cfg, s, d)
+        _, order, cfg, s, d = best
+        plan.extra["cfg"] = cfg
+        plan.extra["bulk"] = (s, d)
+        self.config["order"] = order
+        self.config["kernel"] = cfg.as_dict()
+        if tables:
+            self.config["tuning"] = tables
+            self.config["tuned_rows"] = n
+        self.notes = [x for x in self.notes if not x.startswith("kernel tuned on this GPU")]
+        if tune:
+            self._note(f"kernel tuned on this GPU ({n:,} rows, {len(orders)} orders): {cfg.as_dict()}, order={order}")
 
     def _copy(self, plan, lo, hi):
-        sidx, didx = self._indices(plan)
+        if (lo, hi) == (0, plan.rows) and "bulk" in plan.extra:
+            sidx, didx = plan.extra["bulk"]
+        else:
+            sidx, didx = self._indices(plan)
         if self.use_triton:
             kernels.launch_rows(plan.src_pool.rows, sidx[lo:hi], self.pool.rows, didx[lo:hi], plan.extra["cfg"])
         else:
@@ -1292,7 +1357,8 @@ class PagedLayerwiseSend:
 
     Built by `transport.layerwise(src_pool, src_table, dst_table)`: the plan (index tensors, kernel
     config) is prepared here, before prefill, so a hook costs an event record, a stream wait and one
-    kernel launch (triton) per layer. Use with kvlab.hooks.LayerHooks(model, on_kv_ready=send.on_layer)
+    kernel launch (triton) per layer. Use with kvlab.hooks.LayerHooks(model, on_kv_ready=send.on_layer,
+    point="attention")
     and a prefill that writes into the source pool (paged_prefill_cache / prefill_into_pages).
     """
 

@@ -41,7 +41,8 @@ from .transfer import Destination, Landing
 
 __all__ = ["BenchLayout", "LAYOUTS", "METHODS", "GPU_CONTEXTS", "CPU_CONTEXTS", "BLOCK_SIZES", "COLUMNS",
            "default_destinations", "resolve", "measure", "merge", "summary", "pct_table", "goals", "finding",
-           "plot_gbps_vs_block_size", "decode_check", "run_nixl_only"]
+           "plot_gbps_vs_block_size", "decode_check", "run_nixl_only", "PATTERNS", "access_patterns",
+           "pattern_summary", "plot_patterns", "tuning_table"]
 
 
 @dataclass(frozen=True)
@@ -642,7 +643,8 @@ def decode_check(model, methods=METHODS, destinations=None, tokens: int = 64, bl
                     lw_pool = BlockPool(spec, 2 * n, device=device).poison()
                     sender = t.layerwise(lw_pool, src_table, dst_table)
                     t.poison()
-                    with LayerHooks(model, on_kv_ready=sender.on_layer, ranges=False):
+                    # the paged prefill writes through its own cache, so the signal is the attention hook
+                    with LayerHooks(model, on_kv_ready=sender.on_layer, ranges=False, point="attention"):
                         sender.begin()
                         paged.prefill_into_pages(model, ids, lw_pool, src_table)
                         landing = sender.finish()
@@ -658,27 +660,169 @@ def decode_check(model, methods=METHODS, destinations=None, tokens: int = 64, bl
 
 
 # ---------------------------------------------------------------------------------------------------
+# what the access pattern costs (GPU): one Triton launch, the same bytes, rows in different orders
+
+
+PATTERNS = (
+    ("contiguous copy_", "one copy of the same bytes between contiguous buffers (the ceiling)"),
+    ("kernel: rows in place", "the row-copy kernel with source row i → destination row i (no scatter)"),
+    ("kernel: gather → packed", "the sequence's scattered source blocks → consecutive destination rows"),
+    ("kernel: paged → paged, layer order", "scattered → scattered; layer, side, destination block (the plan)"),
+    ("kernel: paged → paged, interleaved", "scattered → scattered; block-major across all layer sides"),
+    ("kernel: paged → paged, source order", "scattered → scattered; layer, side, source block"),
+    ("kernel: paged → paged, random order", "scattered → scattered; rows in a random order"),
+)
+
+
+def access_patterns(context: int = 32768, block_size: int = 16, device=None, layout="auto", repeats: int = 9,
+                    warmup: int = 2, seed: int = 0, progress=None) -> pd.DataFrame:
+    """What the access pattern costs the row-copy kernel (GPU only; an empty table elsewhere).
+
+    The same rows — one sequence of `context` tokens in `block_size`-token blocks, every layer's K and V,
+    scattered over a pool twice the size as in measure() — moved by one Triton launch with the source and
+    destination rows in different orders (PATTERNS), beside one contiguous copy of the same bytes. Each
+    kernel pattern is tuned on its own rows (kvlab.kernels.tune over candidate_configs) and then timed
+    `repeats` times with CUDA events. Every pattern's result is checked on a sample of rows.
+
+    Rows: pattern, description, repeat, ms, gbps, bytes, rows, config (the tuned kernel).
+    """
+    dev = timing.resolve_device(device)
+    if dev.type != "cuda":
+        return pd.DataFrame(columns=["pattern", "description", "repeat", "ms", "gbps", "bytes", "rows", "config"])
+    from . import kernels
+
+    say = progress or (lambda s: None)
+    lay = _layout("qwen2.5-7b" if layout == "auto" else layout)
+    spec = lay.spec(block_size)
+    n = spec.blocks_for(context)
+    src_pool = BlockPool(spec, 2 * n, device=dev).fill_random(seed)
+    src_table = BlockAllocator(2 * n, block_size, seed=seed).allocate(context)
+    dst_table = BlockAllocator(2 * n, block_size, seed=seed + 1).allocate(context)
+    t = paged.make_transport("triton", spec, "same-gpu", 2 * n, dev, tune=False, order="layer")
+    plan = t.prepare(src_pool, src_table, dst_table)
+    src, dst = src_pool.rows, t.pool.rows
+    R = plan.rows
+    packed = torch.empty((R, src.shape[1]), dtype=src.dtype, device=dev)
+    nbytes = R * spec.block_bytes
+    on = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)  # noqa: E731
+    ident = torch.arange(R, device=dev)
+    s_plan, d_plan = on(plan.src_rows), on(plan.dst_rows)
+    rng = np.random.default_rng(seed)
+    cases = {
+        "kernel: rows in place": (ident, ident, dst),
+        "kernel: gather → packed": (s_plan, None, packed),
+    }
+    for name, order in (("layer order", "layer"), ("interleaved", "interleaved"), ("source order", "src")):
+        perm = paged.bulk_order(plan, order)
+        cases[f"kernel: paged → paged, {name}"] = (on(plan.src_rows[perm]), on(plan.dst_rows[perm]), dst)
+    perm = rng.permutation(R)
+    cases["kernel: paged → paged, random order"] = (on(plan.src_rows[perm]), on(plan.dst_rows[perm]), dst)
+    desc = dict(PATTERNS)
+    rows = []
+
+    def add(name, times, config=""):
+        for r, ms in enumerate(times):
+            rows.append(dict(pattern=name, description=desc[name], repeat=r, ms=ms, gbps=nbytes / ms / 1e6,
+                             bytes=nbytes, rows=R, config=config))
+
+    flat_src = src.view(-1)[: R * src.shape[1]]
+    flat_dst = packed.view(-1)
+    say("contiguous copy")
+    add("contiguous copy_", timing.time_fn(lambda: flat_dst.copy_(flat_src), n=repeats, warmup=warmup, device=dev))
+    for name, (s, d, out) in cases.items():
+        say(name)
+        cfg, _ = kernels.tune(src, s, out, d, repeats=5)
+        times = timing.time_fn(lambda: kernels.launch_rows(src, s, out, d, cfg), n=repeats, warmup=warmup, device=dev)
+        k = torch.randint(0, R, (512,), device=dev)
+        got = out[k if d is None else d[k]]
+        if not torch.equal(got.view(torch.int16), src[s[k]].view(torch.int16)):
+            raise RuntimeError(f"access pattern {name!r}: the kernel moved the wrong bytes")
+        add(name, times, json.dumps(cfg.as_dict()))
+    del src_pool, t, packed
+    _free(dev)
+    return pd.DataFrame(rows)
+
+
+def tuning_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The kernel tunings behind measure()'s Triton rows, tidy: one row per (configuration, destination,
+    method, tuned candidate) with its median ms, from df.attrs["transports"]. Empty when nothing was tuned."""
+    rows = []
+    for rec in df.attrs.get("transports", []):
+        cfg = rec.get("config") or {}
+        for cand in cfg.get("tuning") or []:
+            rows.append({"context": rec.get("context"), "block_size": rec.get("block_size"),
+                         "destination": rec.get("destination"), "method": rec.get("method"),
+                         "tuned_rows": cfg.get("tuned_rows"), "chosen_order": cfg.get("order"), **cand})
+    return pd.DataFrame(rows)
+
+
+def pattern_summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Median (min–max) per pattern and its share of the contiguous copy's GB/s."""
+    if df.empty:
+        return df
+    ceil = df[df.pattern == "contiguous copy_"].ms.median()
+    out = []
+    for name, g in df.groupby("pattern", sort=False):
+        med = g.ms.median()
+        out.append(dict(pattern=name, time=f"{timing.fmt_ms(med)} ({timing.fmt_ms(g.ms.min())}–{timing.fmt_ms(g.ms.max())})",
+                        ms=med, gbps=float(g.bytes.iloc[0] / med / 1e6), pct_of_contiguous=100 * ceil / med,
+                        repeats=len(g), config=g.config.iloc[0], description=g.description.iloc[0]))
+    return pd.DataFrame(out)
+
+
+def plot_patterns(summary: pd.DataFrame, title: str = ""):
+    """Bars: GB/s per access pattern, the contiguous copy as the ceiling line."""
+    import matplotlib.pyplot as plt
+
+    from . import plots
+
+    fig, ax = plt.subplots(figsize=(7.0, 0.42 * len(summary) + 1.5))
+    kern = summary[summary.pattern != "contiguous copy_"]
+    ceil = summary[summary.pattern == "contiguous copy_"].gbps
+    y = np.arange(len(kern))
+    ax.barh(y, kern.gbps, color=plots.BLUE)
+    for yi, (g, p) in enumerate(zip(kern.gbps, kern.pct_of_contiguous)):
+        ax.text(g, yi, f" {p:.1f} %", va="center", fontsize=8)
+    if len(ceil):
+        ax.axvline(float(ceil.iloc[0]), color=plots.GREY, ls="--", lw=1)
+        ax.text(float(ceil.iloc[0]), -0.7, "contiguous copy_ ", ha="right", fontsize=7, color=plots.GREY)
+    ax.set_yticks(y, [p.removeprefix("kernel: ") for p in kern.pattern], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("GB/s (decimal), median; label: % of the contiguous copy")
+    ax.set_xlim(0, max(float(ceil.max()) if len(ceil) else 0, float(kern.gbps.max())) * 1.15)
+    ax.set_title(title or "The same bytes, rows in different orders")
+    fig.tight_layout()
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------------
 # NIXL in a call of its own (it is installed separately from the notebook environment)
 
 
 def run_nixl_only(out_dir, contexts=GPU_CONTEXTS, block_sizes=(16,), destinations=None, repeats: int = 9,
                   warmup: int = 2, device=None, layout=None, pool_layout: str = "nhd", seed: int = 0,
-                  max_call_s: float = 120.0) -> pd.DataFrame:
+                  max_call_s: float = 120.0, slow_call_s: float = 1.0) -> pd.DataFrame:
     """Measure NIXL (and the contiguous ceiling beside it) and write the results to `out_dir`:
     `nixl_results.csv` (the same columns as measure()) and `nixl_config.json` (NIXL version, backend,
     descriptor counts per configuration, UCX_* environment, the device). Returns the results.
 
     The notebook can merge the CSV (its `nixl_csv` parameter) so NIXL appears beside the other methods.
+    slow_call_s: a send slower than this is timed once (measure()'s rule); raise it to time NIXL's
+    multi-second sends `repeats` times.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     why = paged.unavailable("nixl", timing.resolve_device(device), "same-gpu")
+    t0 = time.time()
     df = measure(contexts, block_sizes, ["contiguous", "nixl"], destinations, repeats, warmup, device, layout,
-                 pool_layout, seed, max_call_s=max_call_s)
+                 pool_layout, seed, max_call_s=max_call_s, slow_call_s=slow_call_s)
     df.to_csv(out / "nixl_results.csv", index=False)
-    from . import devices
+    from . import devices, results
 
     record = {
+        "git": results.git_state(), "seconds": round(time.time() - t0, 1),
+        "parameters": {"contexts": list(contexts), "block_sizes": list(block_sizes), "destinations": destinations,
+                       "repeats": repeats, "warmup": warmup, "slow_call_s": slow_call_s, "max_call_s": max_call_s},
         "nixl_available": why is None, "nixl_unavailable_reason": why,
         "nixl_version": paged._nixl_version(),
         "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},

@@ -880,8 +880,8 @@ def trace_handoff(model, context: int, destination: str, transport: str = "copy"
             ms = (t1 - t0) / 1e6
         return {"wall_ms": ms, "prefill_ms": ms, "exposed_ms": 0.0}
 
-    def prefill_or_abort():
-        _prefill_or_abort(model, ids, src, sender)  # an armed copy stream must not wait forever
+    def prefill_or_abort(hooks):
+        _prefill_or_abort(model, ids, src, sender, hooks)  # an armed copy stream must not wait forever
 
     def run_layerwise(traced: bool) -> dict:
         hooks = send_hooks[traced]
@@ -894,7 +894,7 @@ def trace_handoff(model, context: int, destination: str, transport: str = "copy"
                 # arms the copies in "flag"/"staged" mode: inside the traced region, where the timeline shows
                 # it as lead-in (kvlab.handoff arms before its clock starts and reports the arm time apart)
                 sender.begin()
-                prefill_or_abort()
+                prefill_or_abort(hooks)
                 b.record(stream)
                 landing = sender.finish()
                 if sender.mode == "staged":
@@ -906,7 +906,7 @@ def trace_handoff(model, context: int, destination: str, transport: str = "copy"
             else:
                 t0 = time.perf_counter_ns()
                 sender.begin()
-                prefill_or_abort()
+                prefill_or_abort(hooks)
                 t1 = time.perf_counter_ns()
                 sender.finish().wait()
                 t2 = time.perf_counter_ns()

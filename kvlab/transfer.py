@@ -20,6 +20,7 @@ decode never starts on a partly written cache (`receive` waits for every layer).
 
 from __future__ import annotations
 
+import ctypes
 import queue
 import threading
 import time
@@ -31,7 +32,7 @@ from . import devices
 from .kvcache import KVBuffer, KVLayout
 
 __all__ = ["Destination", "Landing", "Transport", "LayerwiseSend", "GRANULARITIES", "DESTINATIONS", "WAKE_PLANS",
-           "wake_groups", "HookCostProbe"]
+           "wake_groups", "HookCostProbe", "FlagWriter", "signal_costs"]
 
 GRANULARITIES = ("buffer", "layer", "tensor")
 DESTINATIONS = ("same-gpu", "cuda:N", "pinned", "pageable")
@@ -302,6 +303,7 @@ class LayerwiseSend:
             self._cu = cu
             self._flag = torch.zeros(1, dtype=torch.int32, device=transport.src_device)
             self._ptr = cu.CUdeviceptr(self._flag.data_ptr())
+            self._write = FlagWriter(self._flag)
             self._gen = 0
             # a stream of its own for releasing the flag from the watchdog thread
             self._release_stream = torch.cuda.Stream(device=transport.src_device)
@@ -399,7 +401,7 @@ class LayerwiseSend:
             self._compute = torch.cuda.current_stream(self.t.src_device)
             if self.mode in ("flag", "staged"):
                 self.arm()
-                self._hcompute = self._cu.CUstream(self._compute.cuda_stream)
+                self._write.bind(self._compute)
             if self.t.dst_stream is not None and self.mode not in ("flag", "staged"):
                 self._saved_dst_stream = torch.cuda.current_stream(self.t.dest.device)
                 torch.cuda.set_stream(self.t.dst_stream)
@@ -420,8 +422,8 @@ class LayerwiseSend:
         self.sent += 1
         mode = self.mode
         if mode == "flag" or mode == "staged":
-            (err,) = self._cu.cuStreamWriteValue32(self._hcompute, self._ptr, self._base + i + 1, 0)
-            if err != self._cu.CUresult.CUDA_SUCCESS:
+            err = self._write(self._base + i + 1)
+            if err:
                 self._release()
                 raise RuntimeError(f"cuStreamWriteValue32 failed for layer {i}: {err}")
             return
@@ -474,8 +476,9 @@ class LayerwiseSend:
         """After prefill returns: the Landing of this send (layers not yet landed are still in flight)."""
         if self.sent != self.layers:
             self.abort()
-            raise RuntimeError(f"layer-wise send saw {self.sent} of {self.layers} layers: "
-                               "were the hooks installed on every decoder layer?")
+            raise RuntimeError(f"layer-wise send saw {self.sent} of {self.layers} layers: were the hooks "
+                               "installed, and — for LayerHooks(point='cache') — passed to the prefill "
+                               "(kvlab.handoff.prefill(..., hooks=hooks)) so the KV arena can signal?")
         self._armed = False
         self._cancel_watchdog()
         if self.timed_out:
@@ -492,33 +495,129 @@ class LayerwiseSend:
         return Landing(self.layers, list(self._done))
 
 
+_LIBCUDA_WRITE = []  # [function or None], resolved once
+
+
+def _libcuda_write32():
+    """libcuda's cuStreamWriteValue32_v2 through ctypes, or None where it cannot be had (no Linux libcuda,
+    an old driver). A ctypes call with fixed argument types costs about a microsecond; the cuda-bindings
+    call converts its arguments into wrapper objects first (kvlab.transfer.signal_costs measures both)."""
+    if not _LIBCUDA_WRITE:
+        fn = None
+        try:
+            fn = ctypes.CDLL("libcuda.so.1").cuStreamWriteValue32_v2
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            fn = None
+        _LIBCUDA_WRITE.append(fn)
+    return _LIBCUDA_WRITE[0]
+
+
+class FlagWriter:
+    """Write a value into a 32-bit device flag in stream order: cuStreamWriteValue32 on a bound stream,
+    through ctypes when libcuda exports it ("ctypes"), else through cuda-bindings ("cuda-bindings").
+    Calling it returns the CUresult as an int (0 = success). The hot path of a flag-mode send."""
+
+    def __init__(self, flag: torch.Tensor, api: str = "auto"):
+        if api not in ("auto", "ctypes", "cuda-bindings"):
+            raise ValueError(f"unknown flag-write api {api!r}; valid: ['auto', 'ctypes', 'cuda-bindings']")
+        self._addr = flag.data_ptr()
+        fn = _libcuda_write32() if api in ("auto", "ctypes") else None
+        if api == "ctypes" and fn is None:
+            raise ValueError("api='ctypes' needs libcuda.so.1 with cuStreamWriteValue32_v2; use 'cuda-bindings'")
+        self.api = "ctypes" if fn is not None else "cuda-bindings"
+        self._fn = fn
+        if fn is None:
+            from cuda.bindings import driver as cu
+
+            self._cu = cu
+            self._ptr = cu.CUdeviceptr(self._addr)
+        self._stream = None
+
+    def bind(self, stream) -> "FlagWriter":
+        """The stream the writes go to (a torch.cuda.Stream)."""
+        if self._fn is not None:
+            self._stream = stream.cuda_stream
+        else:
+            self._stream = self._cu.CUstream(stream.cuda_stream)
+        return self
+
+    def __call__(self, value: int) -> int:
+        if self._fn is not None:
+            return self._fn(self._stream, self._addr, value, 0)
+        (err,) = self._cu.cuStreamWriteValue32(self._stream, self._ptr, value, 0)
+        return int(err)
+
+
 class HookCostProbe:
     """The host side of a flag-mode send without the send: per layer, the same driver call
-    (cuStreamWriteValue32 on the compute stream) to a flag that nothing waits on, and no copies.
+    (cuStreamWriteValue32 on the compute stream, through the same FlagWriter) to a flag that nothing
+    waits on, and no copies.
 
-    Prefill with these hooks minus plain prefill is the price of the hooks themselves; layer-wise minus
-    this is the price of the copies (kvlab.handoff.attribute_extra). GPU with cuda-bindings only.
+    Prefill with this signal minus plain prefill is the price of signalling; layer-wise minus this is
+    the price of the copies (kvlab.handoff.attribute_extra). GPU with stream memory operations only.
     """
 
     def __init__(self, device):
-        from cuda.bindings import driver as cu
-
-        self._cu = cu
         self.device = torch.device(device)
         self._flag = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._ptr = cu.CUdeviceptr(self._flag.data_ptr())
+        self._write = FlagWriter(self._flag)
         self._value = 0
-        self._stream = None
 
     def begin(self) -> "HookCostProbe":
-        self._stream = self._cu.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        self._write.bind(torch.cuda.current_stream(self.device))
         return self
 
     def on_layer(self, i: int) -> None:
         self._value = (self._value + 1) & 0x3FFFFFFF
-        (err,) = self._cu.cuStreamWriteValue32(self._stream, self._ptr, self._value, 0)
-        if err != self._cu.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cuStreamWriteValue32 failed for layer {i}: {err}")
+        err = self._write(self._value)
+        if err:
+            raise RuntimeError(f"cuStreamWriteValue32 failed for layer {i}: CUresult {err}")
+
+
+def _counting(write):
+    value = [0]
+
+    def call():
+        value[0] = (value[0] + 1) & 0x3FFFFFFF
+        return write(value[0])
+
+    return call
+
+
+def signal_costs(device=None, calls: int = 2000) -> dict:
+    """Host µs per call of the per-layer signals a layer-wise send could use, on `device` (GPU only):
+    cuStreamWriteValue32 through ctypes and through cuda-bindings, torch.cuda.Event.record, and a
+    one-element fill_ kernel launch. Medians of `calls` calls each, timed with perf_counter_ns.
+    Nothing waits on the flag; the stream is synchronised between the kinds."""
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    flag = torch.zeros(1, dtype=torch.int32, device=dev)
+    stream = torch.cuda.current_stream(dev)
+    ev = torch.cuda.Event()
+    kinds = {}
+    for api in ("ctypes", "cuda-bindings"):
+        try:
+            w = FlagWriter(flag, api).bind(stream)
+        except (ValueError, ImportError):
+            continue
+        kinds[f"cuStreamWriteValue32 ({api})"] = _counting(w)
+    kinds["torch.cuda.Event.record"] = lambda: ev.record(stream)
+    kinds["fill_ kernel"] = lambda: flag.fill_(1)
+    out = {}
+    for name, fn in kinds.items():
+        torch.cuda.synchronize(dev)
+        for _ in range(50):
+            fn()
+        t = []
+        for _ in range(calls):
+            t0 = time.perf_counter_ns()
+            fn()
+            t.append(time.perf_counter_ns() - t0)
+        torch.cuda.synchronize(dev)
+        t.sort()
+        out[name] = t[len(t) // 2] / 1e3
+    return out
 
 
 WAKE_PLANS = ("halving", "layer")

@@ -74,16 +74,54 @@ def test_bulk_and_layerwise_decode_identically(tiny, granularity, dest):
 
     t.poison()
     src.poison()
-    sender = t.layerwise(src)
-    with LayerHooks(tiny, sender.on_layer, ranges=True) as hooks:
+    for point in ("cache", "attention"):
+        t.poison()
+        src.poison()
+        sender = t.layerwise(src)
+        with LayerHooks(tiny, sender.on_layer, ranges=True, point=point) as hooks:
+            sender.begin()
+            handoff.prefill(tiny, ids, src, hooks)
+            landing = sender.finish()
+        assert hooks.calls == 3 and hooks.host_ns > 0
+        assert landing.all_landed()
+        got = t.receive(landing, "cpu")
+        toks, lg = handoff.decode(tiny, got, first, 6)
+        assert torch.equal(toks, ref_t) and torch.equal(lg, ref_l), point
+
+
+def test_cache_point_signals_after_the_layer_is_written_and_installs_no_module_hooks(tiny):
+    lay = layout_for(tiny, 16, dtype=torch.float32)
+    src = KVBuffer(lay).poison()
+    ids = handoff.make_prompt(256, 16, "cpu")
+    seen = []
+
+    def on_kv_ready(i):  # at the signal, layer i is written and layer i+1 is not yet
+        k, v = src.layer(i)
+        later = src.layer(i + 1)[0] if i + 1 < lay.layers else None
+        seen.append((i, bool(torch.isnan(k).any() or torch.isnan(v).any()),
+                     None if later is None else bool(torch.isnan(later).all())))
+
+    hooks = LayerHooks(tiny, on_kv_ready, ranges=False)
+    with hooks:
+        assert not any(m._forward_hooks or m._forward_pre_hooks for m in tiny.modules())
+        handoff.prefill(tiny, ids, src, hooks)
+    assert seen == [(0, False, True), (1, False, True), (2, False, None)]
+    handoff.prefill(tiny, ids, src, hooks)  # not installed: no signal
+    assert len(seen) == 3
+    with pytest.raises(ValueError, match="hook point 'mlp'"):
+        LayerHooks(tiny, on_kv_ready, point="mlp")
+
+
+def test_a_cache_point_send_without_the_cache_callback_fails_loudly(tiny):
+    lay = layout_for(tiny, 16, dtype=torch.float32)
+    src = KVBuffer(lay)
+    sender = Transport(lay, "same-gpu", "cpu").layerwise(src)
+    ids = handoff.make_prompt(256, 16, "cpu")
+    with LayerHooks(tiny, sender.on_layer, ranges=False):
         sender.begin()
-        handoff.prefill(tiny, ids, src)
-        landing = sender.finish()
-    assert hooks.calls == 3 and hooks.host_ns > 0
-    assert landing.all_landed()
-    got = t.receive(landing, "cpu")
-    toks, lg = handoff.decode(tiny, got, first, 6)
-    assert torch.equal(toks, ref_t) and torch.equal(lg, ref_l)
+        handoff.prefill(tiny, ids, src)  # hooks not passed: the arena never signals
+        with pytest.raises(RuntimeError, match="saw 0 of 3 layers"):
+            sender.finish()
 
 
 def test_poison_shows_an_unwritten_layer(tiny):
@@ -206,14 +244,15 @@ def test_gpu_destinations_decode_identically(tiny):
 
 def test_attribution_on_cpu_is_tidy_and_explained(tiny):
     rows = handoff.attribute_extra(tiny, 8, ["same-gpu", "pageable"], rounds=3, warmup=0, device="cpu")
-    assert set(rows.variant) == {"colocated", "layer-wise"}  # no stream memory operations on a CPU
-    assert len(rows) == 2 * 2 * 3 and (rows.ms > 0).all()
+    # no stream memory operations on a CPU: no "signal only"
+    assert set(rows.variant) == {"colocated", "layer-wise", "layer-wise, attention hooks"}
+    assert len(rows) == 2 * 3 * 3 and (rows.ms > 0).all()
     summary = handoff.attribution_summary(rows)
-    assert list(summary.variant) == ["layer-wise", "layer-wise"]
+    assert list(summary.variant) == ["layer-wise", "layer-wise, attention hooks"] * 2
     assert (summary.rounds == 3).all()
     assert (summary.extra_ci_lo_ms <= summary.extra_ms).all() and (summary.extra_ms <= summary.extra_ci_hi_ms).all()
     lines = handoff.attribution_findings(summary)
-    assert len(lines) == 2 and "the real send (cpu)" in lines[0]
+    assert len(lines) == 2 and "the real send (cpu, cache)" in lines[0] and "attention-module hooks" in lines[0]
     fig = handoff.plot_attribution(summary)
     assert fig.axes[0].get_xlabel().startswith("extra prefill time")
 
@@ -255,8 +294,31 @@ def test_gpu_attribution_has_every_variant(tiny):
     try:
         rows = handoff.attribute_extra(model, 64, ["same-gpu", "pageable"], rounds=2, warmup=1, device=dev)
         got = rows.groupby("destination").variant.unique().map(set).to_dict()
-        assert got["same-gpu"] == {"colocated", "hooks only", "layer-wise"}
-        assert got["pageable-host"] == {"colocated", "hooks only", "layer-wise", "layer-wise, per-layer wakes"}
+        assert got["same-gpu"] == {"colocated", "signal only", "layer-wise", "layer-wise, attention hooks"}
+        assert got["pageable-host"] == {"colocated", "signal only", "layer-wise", "layer-wise, attention hooks",
+                                        "layer-wise, per-layer wakes"}
         assert (rows.ms > 0).all()
     finally:
         tiny.to("cpu")
+
+
+def test_flag_writer_validates_its_api():
+    from kvlab.transfer import FlagWriter
+
+    with pytest.raises(ValueError, match="flag-write api 'nvml'"):
+        FlagWriter(torch.zeros(1, dtype=torch.int32), "nvml")
+
+
+@pytest.mark.gpu
+def test_flag_writer_apis_write_in_stream_order():
+    from kvlab.transfer import FlagWriter, signal_costs
+
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for api in ("ctypes", "cuda-bindings"):
+        w = FlagWriter(flag, api).bind(torch.cuda.current_stream())
+        torch.cuda._sleep(1_000_000)  # the write queues behind this
+        assert w(7 if api == "ctypes" else 9) == 0
+        torch.cuda.synchronize()
+        assert int(flag.item()) == (7 if api == "ctypes" else 9)
+    costs = signal_costs(calls=200)
+    assert set(costs) >= {"cuStreamWriteValue32 (ctypes)", "torch.cuda.Event.record"} and min(costs.values()) > 0

@@ -55,7 +55,10 @@ def test_interpreter_is_what_runs_here():
                                          (torch.uint8, 7)])
 @pytest.mark.parametrize("config", [KernelConfig(block=1024, rows_per_program=2, num_warps=4),
                                     KernelConfig(block=4, rows_per_program=1, num_warps=1, streaming=False),
-                                    KernelConfig(block=0, rows_per_program=4, num_warps=2)])
+                                    KernelConfig(block=0, rows_per_program=4, num_warps=2),
+                                    # persistent: 4 "SMs" on a CPU × 1 program each, so programs loop over tiles
+                                    KernelConfig(block=4, rows_per_program=1, num_warps=1, persistent=1),
+                                    KernelConfig(block=2, rows_per_program=2, num_warps=1, persistent=1, stages=3)])
 def test_scatter_matches_reference(dtype, elems, config):
     src = _rows(9, elems, dtype)
     sidx = torch.tensor([4, 0, 8, 3, 7], dtype=torch.int64)
@@ -177,7 +180,8 @@ def test_bad_input_raises_before_writing(case):
     assert torch.isnan(dst).all()
 
 
-@pytest.mark.parametrize("kw", [dict(block=3), dict(rows_per_program=0), dict(num_warps=3), dict(block=-2)])
+@pytest.mark.parametrize("kw", [dict(block=3), dict(rows_per_program=0), dict(num_warps=3), dict(block=-2),
+                                dict(persistent=-1), dict(persistent=65), dict(stages=0)])
 def test_kernel_config_validates(kw):
     with pytest.raises(ValueError):
         KernelConfig(**kw)

@@ -271,7 +271,7 @@ def test_layerwise_send_from_the_hooks(tiny_model):
     t = make_transport("triton", spec, "same-gpu", 10, "cpu")
     sender = t.layerwise(src, table, dst_table)
     t.poison()
-    with LayerHooks(tiny_model, on_kv_ready=sender.on_layer, ranges=False):
+    with LayerHooks(tiny_model, on_kv_ready=sender.on_layer, ranges=False, point="attention"):
         sender.begin()
         paged.prefill_into_pages(tiny_model, ids, src, table)
         landing = sender.finish()
@@ -549,3 +549,71 @@ def test_gpu_measure_smoke(monkeypatch):
     df = paged_bench.measure([1024], [16], repeats=3, warmup=1, layout="qwen2.5-7b")
     assert not (df.status == "failed").any(), df[df.status == "failed"][["method", "destination", "note"]].to_string()
     assert df[df.status == "ok"].verified.all()
+
+
+def test_bulk_orders_are_permutations_of_the_plan():
+    spec = PoolSpec(layers=3, kv_heads=1, head_dim=4, block_size=4, dtype=torch.float32)
+    table = BlockAllocator(12, 4, seed=1).allocate(20)
+    dst_table = BlockAllocator(12, 4, seed=2).allocate(20)
+    src = BlockPool(spec, 12).fill_random(0)
+    t = make_transport("triton", spec, "same-gpu", 12, "cpu", tune=False)
+    plan = t.prepare(src, table, dst_table)
+    n, rpl = plan.rows, plan.n_blocks
+    for order in paged.BULK_ORDERS:
+        perm = paged.bulk_order(plan, order)
+        assert sorted(perm.tolist()) == list(range(n)), order
+    assert paged.bulk_order(plan, "layer").tolist() == list(range(n))
+    inter = paged.bulk_order(plan, "interleaved")
+    assert (inter[: 2 * spec.layers] % rpl == 0).all()  # block 0 of every layer side first
+    src_sorted = plan.src_rows[paged.bulk_order(plan, "src")]
+    for side in range(2 * spec.layers):
+        part = src_sorted[side * rpl:(side + 1) * rpl]
+        assert (np.diff(part) > 0).all()
+    with pytest.raises(ValueError, match="bulk order 'zigzag'"):
+        paged.bulk_order(plan, "zigzag")
+    with pytest.raises(ValueError, match="bulk order 'zigzag'"):
+        make_transport("triton", spec, "same-gpu", 12, "cpu", order="zigzag")
+
+
+@pytest.mark.parametrize("order", ["layer", "interleaved", "src"])
+def test_triton_bulk_in_every_order_is_byte_exact(order):
+    spec = PoolSpec(layers=2, kv_heads=1, head_dim=4, block_size=4, dtype=torch.bfloat16)
+    table = BlockAllocator(10, 4, seed=3).allocate(18)
+    dst_table = BlockAllocator(12, 4, seed=4).allocate(18)
+    src = BlockPool(spec, 10).fill_random(1)
+    t = make_transport("triton", spec, "same-gpu", 12, "cpu", order=order)
+    t.prepare(src, table, dst_table)
+    t.poison()
+    t.send(src, table, dst_table).wait()
+    assert t.backend == "triton"
+    assert verify_transfer(src, table, t.pool, dst_table)["ok"]
+    assert t.config["order"] == order
+
+
+def test_access_patterns_need_a_gpu_and_say_nothing_on_a_cpu():
+    df = paged_bench.access_patterns(64, 16, device="cpu", layout="tiny")
+    assert df.empty and {"pattern", "ms", "gbps"} <= set(df.columns)
+    assert paged_bench.pattern_summary(df).empty
+
+
+@pytest.mark.gpu
+def test_access_patterns_on_a_gpu(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    df = paged_bench.access_patterns(256, 16, device="cuda", layout="tiny", repeats=3, warmup=1)
+    names = [p for p, _ in paged_bench.PATTERNS]
+    assert list(dict.fromkeys(df.pattern)) == names and (df.ms > 0).all()
+    s = paged_bench.pattern_summary(df)
+    assert s.set_index("pattern").pct_of_contiguous["contiguous copy_"] == pytest.approx(100)
+    paged_bench.plot_patterns(s)
+
+
+def test_tuning_table_flattens_the_transport_records():
+    df = pd.DataFrame()
+    df.attrs["transports"] = [{"context": 32, "block_size": 16, "destination": "same-gpu", "method": "triton",
+                               "config": {"order": "layer", "tuned_rows": 8,
+                                          "tuning": [{"block": 256, "ms": 0.5, "order": "layer"},
+                                                     {"block": 512, "ms": 0.4, "order": "src"}]}},
+                              {"context": 32, "block_size": 16, "destination": "pinned", "method": "mapped-pinned"}]
+    t = paged_bench.tuning_table(df)
+    assert len(t) == 2 and list(t.chosen_order) == ["layer", "layer"] and list(t.order) == ["layer", "src"]
+    assert paged_bench.tuning_table(pd.DataFrame()).empty
