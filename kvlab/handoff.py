@@ -292,7 +292,8 @@ def run_handoff(model, cfg: HandoffConfig, device=None, progress=None) -> tuple[
                 landing = sender.finish()
             got = t_buf.receive(landing, device)
             checks.append(dict(context=context, destination=label, method="layerwise",
-                               mode=sender.mode,
+                               mode=sender.mode, signal=cfg.point + (f", {sender._write.api}"
+                                                                     if hasattr(sender, "_write") else ""),
                                **_check_moved(model, src, got, first, ref_tokens, cfg.decode_tokens)))
             del got
 

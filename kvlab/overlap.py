@@ -672,7 +672,9 @@ def findings(decomp: Decomposition, backlog: pd.DataFrame | None = None) -> list
                 text += f", {100 * rate / decomp.ceiling_gbps:.0f} % of the {decomp.ceiling_gbps:.1f} GB/s ceiling"
         lag = lay.start_lag_ns.dropna()
         if len(lag):
-            text += f"; a copy started a median {_ms(float(lag.median()))} after its layer's attention finished"
+            med = float(lag.median())
+            when = "after" if med >= 0 else "before"
+            text += f"; a copy started a median {_ms(abs(med))} {when} its layer's attention finished"
         out.append(text + ".")
     if backlog is not None and len(backlog):
         first, last = backlog.measured_backlog_ms.iloc[0], backlog.measured_backlog_ms.iloc[-1]

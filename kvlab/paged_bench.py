@@ -405,7 +405,9 @@ def merge(df: pd.DataFrame, extra: pd.DataFrame) -> pd.DataFrame:
     key = ["context", "block_size", "method", "destination"]
     have = df.set_index(key).index
     drop = have.isin(extra.set_index(key).index)
-    return pd.concat([df[~drop], extra[COLUMNS]], ignore_index=True)
+    out = pd.concat([df[~drop], extra[COLUMNS]], ignore_index=True)
+    out.attrs = dict(df.attrs)  # the transports' configurations (tuning tables) stay with the results
+    return out
 
 
 def _pick(df: pd.DataFrame, context=None, block_size=None) -> tuple[int, int]:

@@ -241,11 +241,14 @@ def git_state(root: str | os.PathLike | None = None) -> dict:
     ``dirty_paths`` lists at most 20 changed paths, enough to see what was uncommitted.
     """
     state = _git_state(root)
-    # A copy of the tree without a usable .git (a GPU node that got a working-tree copy) cannot name its
-    # commit; whoever sent the tree can, through KVLAB_GIT_COMMIT. Recorded as such, never guessed.
+    # A copy of the tree sent to a GPU node may have no usable .git, or a stale one (the node's copy kept
+    # the .git of an older commit and sees the sent changes as dirt): only the sender can name the commit
+    # the tree is, through KVLAB_GIT_COMMIT. It then wins, and what the local git saw is kept beside it.
     sent = os.environ.get("KVLAB_GIT_COMMIT", "").strip()
-    if state["commit"] is None and sent:
-        state = dict(state, commit=sent, commit_source="KVLAB_GIT_COMMIT")
+    if sent and state["commit"] != sent:
+        local = {"commit": state["commit"], "dirty": state["dirty"], "dirty_paths": state["dirty_paths"]}
+        state = {"commit": sent, "dirty": None, "dirty_paths": [], "commit_source": "KVLAB_GIT_COMMIT",
+                 "local_git": local}
     return state
 
 

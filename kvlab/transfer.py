@@ -500,8 +500,7 @@ _LIBCUDA_WRITE = []  # [function or None], resolved once
 
 def _libcuda_write32():
     """libcuda's cuStreamWriteValue32_v2 through ctypes, or None where it cannot be had (no Linux libcuda,
-    an old driver). A ctypes call with fixed argument types costs about a microsecond; the cuda-bindings
-    call converts its arguments into wrapper objects first (kvlab.transfer.signal_costs measures both)."""
+    an old driver): the fallback for machines without cuda-bindings."""
     if not _LIBCUDA_WRITE:
         fn = None
         try:
@@ -514,19 +513,34 @@ def _libcuda_write32():
     return _LIBCUDA_WRITE[0]
 
 
+def _have_cuda_bindings() -> bool:
+    try:
+        from cuda.bindings import driver  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
 class FlagWriter:
-    """Write a value into a 32-bit device flag in stream order: cuStreamWriteValue32 on a bound stream,
-    through ctypes when libcuda exports it ("ctypes"), else through cuda-bindings ("cuda-bindings").
-    Calling it returns the CUresult as an int (0 = success). The hot path of a flag-mode send."""
+    """Write a value into a 32-bit device flag in stream order: cuStreamWriteValue32 on a bound stream.
+    Calling it returns the CUresult as an int (0 = success). The hot path of a flag-mode send.
+
+    api: "cuda-bindings" (NVIDIA's Python bindings), "ctypes" (libcuda directly), or "auto" — cuda-bindings
+    when installed, else ctypes. On our H200 one call cost 1.6 µs of host time through cuda-bindings and
+    2.1 µs through ctypes (kvlab.transfer.signal_costs; data/signal_costs/20261129-102536-h200), so the
+    bindings are the default and ctypes only stands in where they are missing.
+    """
 
     def __init__(self, flag: torch.Tensor, api: str = "auto"):
         if api not in ("auto", "ctypes", "cuda-bindings"):
             raise ValueError(f"unknown flag-write api {api!r}; valid: ['auto', 'ctypes', 'cuda-bindings']")
         self._addr = flag.data_ptr()
-        fn = _libcuda_write32() if api in ("auto", "ctypes") else None
+        if api == "auto":
+            api = "cuda-bindings" if _have_cuda_bindings() else "ctypes"
+        fn = _libcuda_write32() if api == "ctypes" else None
         if api == "ctypes" and fn is None:
             raise ValueError("api='ctypes' needs libcuda.so.1 with cuStreamWriteValue32_v2; use 'cuda-bindings'")
-        self.api = "ctypes" if fn is not None else "cuda-bindings"
+        self.api = api
         self._fn = fn
         if fn is None:
             from cuda.bindings import driver as cu

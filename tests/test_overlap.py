@@ -198,6 +198,8 @@ def test_findings_rank_the_causes_from_the_numbers(tmp_path, pair):
     text = " ".join(f)
     assert "copy engine (DtoH)" in text and "50 % of the 200.0 GB/s ceiling" in text
     assert "started a median 0.5 µs after its layer's attention" in text
+    d.layers["start_lag_ns"] = -13_100_000  # signalled from the cache: copies start while attention runs
+    assert "started a median 13.10 ms before its layer's attention finished" in " ".join(overlap.findings(d))
     assert "from 6.0 µs at layer 0 to 22 µs at layer 1 (it rises by less than one layer copy" in text
     assert f[-1] == ("The decomposition explains 100 % of Δwall (walls taken from the trace, so the remainder only "
                      "shows what the matching missed); 0.0 µs is unexplained.")

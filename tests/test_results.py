@@ -464,3 +464,16 @@ def test_show_table_prints_without_index(capsys):
     assert out[2].split() == ["a", "524,288", "12.3"]
     with pytest.raises(TypeError, match="DataFrame"):
         nbtools.show_table([1, 2])
+
+
+def test_a_sent_commit_wins_over_a_stale_local_git(repo, monkeypatch):
+    git(repo, "add", "code.py")
+    git(repo, "commit", "-qm", "first")
+    head = git(repo, "rev-parse", "HEAD")
+    (repo / "code.py").write_text("x = 2\n")  # the tree that was sent differs from the local HEAD
+    monkeypatch.setenv("KVLAB_GIT_COMMIT", "f" * 40)
+    state = results.git_state()
+    assert state["commit"] == "f" * 40 and state["commit_source"] == "KVLAB_GIT_COMMIT"
+    assert state["local_git"] == {"commit": head, "dirty": True, "dirty_paths": ["code.py"]}
+    monkeypatch.setenv("KVLAB_GIT_COMMIT", head)  # the same commit: the local state stands
+    assert results.git_state() == {"commit": head, "dirty": True, "dirty_paths": ["code.py"]}
