@@ -491,7 +491,10 @@ def plot_attribution(summary: pd.DataFrame, title: str = ""):
     ax.text(0.5, -0.6, " 0.5 ms budget", fontsize=7, va="bottom")
     ax.set_xlabel("extra prefill time over colocated, ms (median of paired rounds, 95 % interval)")
     ctx = ", ".join(f"{c:,}" for c in summary.context.unique())
-    ax.set_title(title or f"Where layer-wise sending's cost goes at {ctx} tokens")
+    import textwrap
+
+    ax.set_title("\n".join(textwrap.wrap(title or f"Where layer-wise sending's cost goes at {ctx} tokens", 62)),
+                 fontsize=10)
     fig.tight_layout()
     return fig
 

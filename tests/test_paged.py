@@ -617,3 +617,16 @@ def test_tuning_table_flattens_the_transport_records():
     t = paged_bench.tuning_table(df)
     assert len(t) == 2 and list(t.chosen_order) == ["layer", "layer"] and list(t.order) == ["layer", "src"]
     assert paged_bench.tuning_table(pd.DataFrame()).empty
+
+
+def test_pattern_summary_and_plot_from_a_table():
+    rows = []
+    for name, ms in (("contiguous copy_", 1.0), ("kernel: rows in place", 1.0), ("kernel: gather → packed", 1.025)):
+        for r, jitter in enumerate((0.0, 0.01, -0.005)):
+            rows.append(dict(pattern=name, description=dict(paged_bench.PATTERNS)[name], repeat=r, ms=ms + jitter,
+                             gbps=1e9 / (ms + jitter) / 1e6, bytes=10**9, rows=10, config="{}"))
+    s = paged_bench.pattern_summary(pd.DataFrame(rows))
+    assert list(s.pattern) == ["contiguous copy_", "kernel: rows in place", "kernel: gather → packed"]
+    assert s.pct_of_contiguous.iloc[2] == pytest.approx(100 / 1.025)
+    fig = paged_bench.plot_patterns(s, title="t")
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["rows in place", "gather → packed"]
