@@ -401,7 +401,7 @@ def candidate_configs(row_words: int) -> list[KernelConfig]:
                 out.append(KernelConfig(block=block, rows_per_program=rpp, num_warps=warps, streaming=False))
     extra = [KernelConfig(block=1024, rows_per_program=2, num_warps=4, streaming=True),
              KernelConfig(block=512, rows_per_program=1, num_warps=4, streaming=False, persistent=4)]
-    out += [c for c in extra if c.resolved_block(row_words) == c.block or row_words >= c.block]
+    out += [c for c in extra if c.block <= 2 * max(row_words, 1)]  # the same rule as the tiles above
     return out or [DEFAULT_CONFIG]
 
 
