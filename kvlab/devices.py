@@ -56,7 +56,8 @@ def gpus() -> list[dict]:
 
     Keys: ``index`` (int), ``name`` (str, as the driver reports it), ``memory_bytes`` (int, total
     device memory in bytes), ``compute_capability`` (str, "major.minor", e.g. "9.0"),
-    ``sm_count`` (int, streaming multiprocessors). Empty list on a machine without CUDA.
+    ``sm_count`` (int, streaming multiprocessors), ``numa_node`` (int or None). Empty list on a machine
+    without CUDA.
     """
     if not has_cuda():
         return []
@@ -72,9 +73,22 @@ def gpus() -> list[dict]:
                 "memory_bytes": int(props.total_memory),
                 "compute_capability": f"{props.major}.{props.minor}",
                 "sm_count": int(props.multi_processor_count),
+                "numa_node": _gpu_numa_node(props),
             }
         )
     return found
+
+
+def _gpu_numa_node(props) -> int | None:
+    """The NUMA node the GPU's PCI device hangs off (Linux sysfs), None when unknown: host memory on
+    another node crosses the socket interconnect on its way to this GPU."""
+    try:
+        path = (f"/sys/bus/pci/devices/{int(props.pci_domain_id):04x}:{int(props.pci_bus_id):02x}:"
+                f"{int(props.pci_device_id):02x}.0/numa_node")
+        node = int(open(path, encoding="ascii").read().strip())
+    except (AttributeError, OSError, ValueError, TypeError):
+        return None
+    return node if node >= 0 else None
 
 
 def p2p_matrix() -> list[list[bool | None]]:
@@ -185,6 +199,75 @@ def host() -> dict:
         "cpu_usable": usable,
         "memory_bytes": _memory_bytes(),
     }
+
+
+_CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def host_state() -> dict:
+    """What the host is doing now, for run.json at a run's start and end (every value None when the
+    system does not say): ``loadavg`` (1, 5, 15 min), ``cpu_ticks`` (the machine's summed CPU time by
+    kind since boot, in clock ticks, from /proc/stat: user, nice, system, idle, iowait, irq, softirq,
+    steal — steal is time a hypervisor gave this VM's CPUs to someone else), ``cpu_mhz`` (median of the
+    current clocks /proc/cpuinfo reports), ``thp`` (transparent huge pages mode), ``numa_nodes``.
+
+    Why: at 1k tokens prefill waits for the host, and one run's host was 20 % slower and unsteady
+    (run 20261129-100815-h200); two runs of the same code can only be told apart by what their host did.
+    """
+    out = {"loadavg": None, "cpu_ticks": None, "cpu_mhz": None, "thp": None, "numa_nodes": None}
+    text = _read("/proc/loadavg")
+    if text:
+        try:
+            out["loadavg"] = [float(x) for x in text.split()[:3]]
+        except ValueError:
+            pass
+    text = _read("/proc/stat")
+    if text:
+        for line in text.splitlines():
+            if line.startswith("cpu "):
+                values = line.split()[1:1 + len(_CPU_FIELDS)]
+                try:
+                    out["cpu_ticks"] = dict(zip(_CPU_FIELDS, (int(v) for v in values)))
+                except ValueError:
+                    pass
+                break
+    text = _read("/proc/cpuinfo")
+    if text:
+        mhz = sorted(float(line.split(":", 1)[1]) for line in text.splitlines()
+                     if line.lower().startswith("cpu mhz") and ":" in line)
+        if mhz:
+            out["cpu_mhz"] = mhz[len(mhz) // 2]
+    text = _read("/sys/kernel/mm/transparent_hugepage/enabled")
+    if text and "[" in text:
+        out["thp"] = text[text.index("[") + 1:text.index("]")]
+    try:
+        out["numa_nodes"] = len([d for d in os.listdir("/sys/devices/system/node") if d.startswith("node")]) or None
+    except OSError:
+        pass
+    return out
+
+
+def host_usage(start: dict, end: dict) -> dict | None:
+    """Shares of the machine's CPU time between two host_state() readings, in %: busy (everything but
+    idle, iowait and steal), iowait, steal; and the ticks elapsed. None when either reading lacks them."""
+    a, b = (start or {}).get("cpu_ticks"), (end or {}).get("cpu_ticks")
+    if not a or not b:
+        return None
+    delta = {k: b.get(k, 0) - a.get(k, 0) for k in _CPU_FIELDS}
+    total = sum(delta.values())
+    if total <= 0:
+        return None
+    busy = total - delta["idle"] - delta["iowait"] - delta["steal"]
+    return {"busy_pct": round(100 * busy / total, 2), "iowait_pct": round(100 * delta["iowait"] / total, 2),
+            "steal_pct": round(100 * delta["steal"] / total, 2), "ticks": total}
 
 
 def _dist_version(names: tuple[str, ...]) -> str | None:

@@ -49,7 +49,8 @@ _PROTECTED = frozenset(
     {
         "schema", "run_id", "study", "status", "started_utc", "finished_utc", "duration_s", "git",
         "kvlab_version", "device_kind", "device_tag", "host", "devices", "p2p", "driver_version",
-        "cuda_runtime", "versions", "parameters", "argv", "invocation", "tables",
+        "cuda_runtime", "versions", "parameters", "argv", "invocation", "tables", "host_state_start",
+        "host_state_end", "host_usage",
     }
 )
 
@@ -382,9 +383,15 @@ class Run:
     def finish(self) -> None:
         """Mark the run finished (UTC time, duration in seconds) and write run.json. Only finished
         runs are found by ``latest()``; calling it again re-stamps the finish time."""
+        from kvlab import devices
+
         self._record["status"] = "finished"
         self._record["finished_utc"] = _iso(_utc_now())
         self._record["duration_s"] = round(time.monotonic() - self._t0, 3)
+        end = devices.host_state()
+        self._record["host_state_end"] = end
+        # what the whole machine's CPUs did during the run: a busy or stolen-from host shows here
+        self._record["host_usage"] = devices.host_usage(self._record.get("host_state_start"), end)
         self._write()
 
     def __repr__(self) -> str:
@@ -401,7 +408,8 @@ def start(study: str, params: Mapping, run_dir: str | os.PathLike = "") -> Run:
     run.json holds: schema, run_id, study, status ("running" until ``finish()``), started_utc,
     finished_utc, duration_s, git (commit, dirty flag, dirty paths), kvlab_version, device_kind
     ("cuda" | "cpu"), device_tag, host, devices (GPUs), p2p, driver_version, cuda_runtime,
-    versions, parameters, argv, invocation.
+    versions, parameters, argv, invocation, host_state_start (devices.host_state()); ``finish()`` adds
+    host_state_end and host_usage (busy / iowait / steal % of the machine's CPU time during the run).
     """
     check_study(study)
     if not isinstance(params, Mapping):
@@ -440,6 +448,7 @@ def start(study: str, params: Mapping, run_dir: str | os.PathLike = "") -> Run:
         "parameters": parameters,
         "argv": argv,
         "invocation": invocation,
+        "host_state_start": devices.host_state(),
     }
     run = Run(path, record)
     run._write()

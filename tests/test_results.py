@@ -84,6 +84,12 @@ def test_start_writes_run_json_at_once_with_every_field(kvlab_dirs):
     assert done["status"] == "finished" and UTC_STAMP.match(done["finished_utc"])
     assert done["duration_s"] >= 0
     assert done["started_utc"] == record["started_utc"]
+    # what the host did: a reading at each end, and the shares between them
+    assert set(done["host_state_start"]) == set(done["host_state_end"]) == {
+        "loadavg", "cpu_ticks", "cpu_mhz", "thp", "numa_nodes"}
+    usage = done["host_usage"]
+    assert usage is None or (set(usage) == {"busy_pct", "iowait_pct", "steal_pct", "ticks"}
+                             and 0 <= usage["steal_pct"] <= 100)
 
 
 def test_cpu_run_is_tagged_cpu(kvlab_dirs, monkeypatch):
@@ -477,3 +483,20 @@ def test_a_sent_commit_wins_over_a_stale_local_git(repo, monkeypatch):
     assert state["local_git"] == {"commit": head, "dirty": True, "dirty_paths": ["code.py"]}
     monkeypatch.setenv("KVLAB_GIT_COMMIT", head)  # the same commit: the local state stands
     assert results.git_state() == {"commit": head, "dirty": True, "dirty_paths": ["code.py"]}
+
+
+def test_host_usage_shares_from_two_readings():
+    a = {"cpu_ticks": dict(user=100, nice=0, system=50, idle=800, iowait=10, irq=0, softirq=0, steal=40)}
+    b = {"cpu_ticks": dict(user=160, nice=0, system=70, idle=880, iowait=20, irq=0, softirq=0, steal=70)}
+    # deltas: user 60, system 20, idle 80, iowait 10, steal 30 → 200 ticks, busy 80
+    assert devices.host_usage(a, b) == {"busy_pct": 40.0, "iowait_pct": 5.0, "steal_pct": 15.0, "ticks": 200}
+    assert devices.host_usage(a, {"cpu_ticks": None}) is None
+    assert devices.host_usage(a, a) is None  # no time passed
+    state = devices.host_state()
+    assert set(state) == {"loadavg", "cpu_ticks", "cpu_mhz", "thp", "numa_nodes"}
+
+
+def test_host_state_cannot_be_overwritten(kvlab_dirs):
+    run = results.start("toy", {})
+    with pytest.raises(ValueError, match="cannot be updated"):
+        run.update(host_usage={"busy_pct": 0})
