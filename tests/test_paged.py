@@ -630,3 +630,18 @@ def test_pattern_summary_and_plot_from_a_table():
     assert s.pct_of_contiguous.iloc[2] == pytest.approx(100 / 1.025)
     fig = paged_bench.plot_patterns(s, title="t")
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["rows in place", "gather → packed"]
+
+
+def test_finalists_are_the_fastest_timed_candidates():
+    table = [{"block": 256, "ms": 0.95}, {"block": 512, "ms": None, "error": "no"}, {"block": 1024, "ms": 0.92},
+             {"block": 2048, "ms": 0.99}]
+    assert [r["block"] for r in paged.finalists(table, 2)] == [1024, 256]
+    assert paged.finalists([{"ms": None}]) == []
+
+
+def test_a_cpu_triton_transport_times_no_finalists():
+    spec = PoolSpec(layers=2, kv_heads=1, head_dim=4, block_size=4, dtype=torch.bfloat16)
+    table = BlockAllocator(10, 4, seed=3).allocate(18)
+    t = make_transport("triton", spec, "same-gpu", 12, "cpu")
+    t.prepare(BlockPool(spec, 10).fill_random(1), table, BlockAllocator(12, 4, seed=4).allocate(18))
+    assert "tuning" not in t.config and t.config["order"] == "layer"
