@@ -80,10 +80,11 @@ class LayerHooks:
     bytes_per_layer: recorded in the send ranges' args.
     cache_callback: with point="cache" and a callback, the callable the prefill cache must call with the
     layer index once that layer's K and V writes are queued (None otherwise).
+    clock: record a timing event (GPU) and the host clock at every signal (`kv_events`, `kv_host_ns`).
     """
 
     def __init__(self, model, on_kv_ready=None, ranges: bool | str = "auto", bytes_per_layer: int = 0,
-                 point: str = "cache"):
+                 point: str = "cache", clock: bool = False):
         if point not in POINTS:
             raise ValueError(f"unknown hook point {point!r}; valid: {list(POINTS)}")
         self.model = model
@@ -96,6 +97,13 @@ class LayerHooks:
         self.calls = 0
         self._handles = []
         self._signals = None
+        # clock=True: a timing event on the compute stream at every signal (GPU; about a microsecond of
+        # host time each), and the host clock beside it, for kvlab.trace.event_timeline
+        self.clock = bool(clock)
+        self.kv_events = None
+        self.kv_host_ns = [0] * len(self.layers)
+        if self.clock and torch.cuda.is_available():
+            self.kv_events = [torch.cuda.Event(enable_timing=True) for _ in self.layers]
         if self.ranges:
             n = len(self.layers)
             self._layer_ranges = [_Range(f"kvlab/layer{i}", f"layer={i}") for i in range(n)]
@@ -170,6 +178,16 @@ class LayerHooks:
     def _signal(self, i):
         """Layer i's signal: the callback, its host time counted, inside a send range when ranges are on."""
         cb = self.on_kv_ready
+        if self.clock:
+            inner = cb
+            ev = self.kv_events[i] if self.kv_events is not None else None
+            host = self.kv_host_ns
+
+            def cb(i):
+                if ev is not None:
+                    ev.record()
+                host[i] = time.perf_counter_ns()
+                inner(i)
         if self.ranges:
             r = self._send_ranges[i]
 

@@ -47,7 +47,7 @@ __all__ = [
     "NO_GPU_MESSAGE", "NoGPUActivity", "has_gpu_activity", "compute_stream", "copies", "compute_ops",
     "layer_table", "match_kernels", "Decomposition", "decompose", "predicted_backlog",
     "backlog_comparison", "host_backlog_comparison", "findings", "host_findings", "causes", "gantt",
-    "gantt_pair", "decomposition_chart", "host_chart", "backlog_chart",
+    "gantt_pair", "decomposition_chart", "host_chart", "backlog_chart", "event_gantt",
 ]
 
 NO_GPU_MESSAGE = "no GPU activity in this trace; run on a GPU for the timeline"
@@ -936,3 +936,31 @@ def backlog_chart(table: pd.DataFrame, ax=None, title: str | None = None):
     if title:
         ax.set_title(title)
     return ax
+
+
+def event_gantt(layers: pd.DataFrame, prefill_end_ms: float, ax=None, title: str | None = None):
+    """Two lanes from kvlab.trace.event_table: prefill between consecutive layer signals (alternating
+    shades, layer labels) and each layer's copy; a line at prefill's end. No profiler was running."""
+    import matplotlib.pyplot as plt
+
+    from . import plots
+
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(9.0, 2.4))
+    else:
+        fig = ax.figure
+    even, odd = plots.BLUE, plots.SKY_BLUE
+    starts = np.concatenate(([0.0], layers.kv_ready_ms.to_numpy()[:-1]))
+    for i, (a, w) in enumerate(zip(starts, layers.compute_ms)):
+        ax.broken_barh([(a, w)], (1.1, 0.8), color=even if i % 2 == 0 else odd)
+        if w > 0.03 * float(prefill_end_ms or 1):
+            ax.text(a + w / 2, 1.5, str(i), ha="center", va="center", fontsize=6, color="white")
+    ax.broken_barh(list(zip(layers.copy_start_ms, layers.copy_ms)), (0.1, 0.8), color=plots.VERMILLION)
+    ax.axvline(float(prefill_end_ms), color="black", lw=0.8, ls="--")
+    ax.set_yticks([0.5, 1.5], ["copies", "prefill (layer i ends at its signal)"], fontsize=8)
+    ax.set_xlabel("ms since the request started (CUDA events, no profiler)")
+    end = max(float(prefill_end_ms), float(layers.copy_end_ms.max()))
+    ax.set_xlim(0, end * 1.02)
+    ax.set_title(title or "Per-layer timeline from CUDA events", fontsize=10)
+    fig.tight_layout()
+    return fig

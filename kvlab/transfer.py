@@ -221,11 +221,12 @@ class Transport:
                     self.buffer.data[i, 1].copy_(src.data[i, 1])
 
     # -- layer-wise -------------------------------------------------------------------------------
-    def layerwise(self, src: KVBuffer, mode: str = "auto", wakes: str = "halving") -> "LayerwiseSend":
+    def layerwise(self, src: KVBuffer, mode: str = "auto", wakes: str = "halving",
+                  timeline: bool = False) -> "LayerwiseSend":
         """A per-layer sender for forward hooks (see kvlab.hooks): call `on_layer(i)` when layer i's K and V
-        are final; `finish()` returns the Landing. mode, wakes: see LayerwiseSend."""
+        are final; `finish()` returns the Landing. mode, wakes, timeline: see LayerwiseSend."""
         self._check_src(src)
-        return LayerwiseSend(self, src, mode, wakes)
+        return LayerwiseSend(self, src, mode, wakes, timeline)
 
     # -- receiving --------------------------------------------------------------------------------
     def receive(self, landing: Landing, device: torch.device | str | None = None) -> KVBuffer:
@@ -276,9 +277,15 @@ class LayerwiseSend:
                avoids.
       "cpu"    a CPU-only machine: synchronous copies.
     Everything (events, views, the destination buffer) is prepared before prefill starts.
+
+    timeline=True (GPU; flag, staged and event modes): a timing event is recorded on the copy stream right
+    before each layer's copy (`copy_start[i]`; its end is the transport's completion event), so
+    kvlab.trace.event_timeline can place every copy without the profiler. In flag and staged modes the
+    events are queued by arm(), so they cost prefill no host time at all.
     """
 
-    def __init__(self, transport: Transport, src: KVBuffer, mode: str = "auto", wakes: str = "halving"):
+    def __init__(self, transport: Transport, src: KVBuffer, mode: str = "auto", wakes: str = "halving",
+                 timeline: bool = False):
         self.t = transport
         L = transport.layout.layers
         self.layers = L
@@ -297,6 +304,10 @@ class LayerwiseSend:
         if self.cuda:
             self._ready = [torch.cuda.Event() for _ in range(L)]
             self._done = transport._events
+        if timeline and self.mode not in ("flag", "staged", "event"):
+            raise ValueError(f"timeline=True needs a GPU send in flag, staged or event mode; this one is "
+                             f"{self.mode!r}")
+        self.copy_start = [torch.cuda.Event(enable_timing=True) for _ in range(L)] if timeline else None
         if self.mode in ("flag", "staged"):
             from cuda.bindings import driver as cu
 
@@ -358,6 +369,8 @@ class LayerwiseSend:
                 (err,) = cu.cuStreamWaitValue32(handle, self._ptr, self._base + i + 1, geq)
                 if err != cu.CUresult.CUDA_SUCCESS:
                     raise RuntimeError(f"cuStreamWaitValue32 failed: {err}")
+                if self.copy_start is not None:
+                    self.copy_start[i].record(stream)
                 target = self._stage[i] if self.mode == "staged" else self._dst[i]
                 target.copy_(self._src[i], non_blocking=True)
                 self._done[i].record(stream)
@@ -437,6 +450,8 @@ class LayerwiseSend:
             return
         stream = self.t.stream
         stream.wait_event(ready)
+        if self.copy_start is not None:
+            self.copy_start[i].record(stream)
         torch.cuda.set_stream(stream)
         self._dst[i].copy_(self._src[i], non_blocking=True)
         torch.cuda.set_stream(self._compute)

@@ -462,3 +462,44 @@ def test_trace_handoff_on_cpu_with_the_tiny_model(tmp_path, one_thread):
         trace.trace_handoff(model, 10**6, "same-gpu", device="cpu")
     with pytest.raises(ValueError, match="pinned"):
         trace.trace_handoff(model, 16, "pinned", device="cpu", out_dir=tmp_path / "x", repeats=1, warmup=0)
+
+
+def test_event_table_places_every_layer_from_event_times():
+    from kvlab import overlap
+
+    # 3 layers: signals at 10, 20, 30 ms; copies of 2 MB take 1 ms, the last lands after prefill's end (31 ms)
+    t = trace.event_table([10, 20, 30], [10.5, 20.2, 30.6], [11.5, 21.2, 31.6], 31.0, 2_000_000)
+    assert list(t.compute_ms) == [10, 10, 10]
+    assert list(t.lag_ms.round(3)) == [0.5, 0.2, 0.6]
+    assert list(t.gbps.round(1)) == [2.0, 2.0, 2.0]
+    assert list(t.backlog_ms.round(3)) == [-8.5, -8.8, 0.6]  # the last row is the exposed tail
+    fig = overlap.event_gantt(t, 31.0)
+    assert fig.axes[0].get_xlabel().startswith("ms since the request started")
+    with pytest.raises(ValueError, match="one time per layer"):
+        trace.event_table([1, 2], [1], [2], 3.0, 10)
+
+
+@pytest.fixture
+def tiny_model():
+    from kvlab import models
+
+    return models.build("kvlab-tiny", device="cpu", dtype=torch.float32)
+
+
+def test_event_handoff_is_gpu_only_and_refuses_bad_input(tiny_model):
+    et = trace.event_handoff(tiny_model, 16, "same-gpu", rounds=2, warmup=0, device="cpu")
+    assert et.rounds.empty and et.layers.empty
+    with pytest.raises(ValueError, match="rounds"):
+        trace.event_handoff(tiny_model, 16, "same-gpu", rounds=0, device="cpu")
+    with pytest.raises(ValueError, match="unknown destination"):
+        trace.event_handoff(tiny_model, 16, "nvme", device="cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_event_handoff_measures_its_own_overhead(tiny_model):
+    model = tiny_model.to(device="cuda", dtype=torch.bfloat16)
+    et = trace.event_handoff(model, 64, "pinned", rounds=3, warmup=1, device="cuda")
+    assert set(et.rounds.variant) == {"layer-wise", "layer-wise + events"} and len(et.rounds) == 6
+    assert len(et.layers) == model.config.num_hidden_layers
+    assert (et.layers.copy_ms > 0).all() and (et.layers.copy_start_ms >= 0).all()
+    assert et.overhead.rounds.iloc[0] == 3
