@@ -327,11 +327,19 @@ def test_the_notebooks_gpu_branch_runs_on_a_synthetic_gpu_trace(tmp_path, pair):
                             extra={"send_mode": "flag"})
     fake_trace = SimpleNamespace(**{k: getattr(trace, k) for k in dir(trace) if not k.startswith("__")})
     fake_trace.trace_handoff = lambda *a, **k: ht
+    layers = trace.event_table([0.05, 0.09], [0.051, 0.091], [0.081, 0.121], 0.12, 3_000_000)
+    ev_rounds = pd.DataFrame([dict(variant=v, round=0, prefill_ms=p, wall_ms=p)
+                              for v, p in (("layer-wise", 0.118), ("layer-wise + events", 0.119))])
+    overhead = pd.DataFrame([dict(untimed_ms=0.118, evented_ms=0.119, extra_ms=0.001, extra_ci_lo_ms=0.001,
+                                  extra_ci_hi_ms=0.001, overhead_pct=0.85, rounds=1)])
+    fake_trace.event_handoff = lambda *a, **k: trace.EventTimeline(ev_rounds, layers, overhead, 0.12,
+                                                                   "flag, signal from the cache", 3_000_000)
     run = results.start("overlap_timeline", {"model": "synthetic"}, run_dir=str(tmp_path / "run"))
     path = Path(__file__).resolve().parent.parent / "notebooks" / "03_overlap_timeline.ipynb"
     code = [c.source for c in nbformat.read(str(path), as_version=4).cells if c.cell_type == "code"]
     ns = dict(trace=fake_trace, overlap=overlap, plots=plots, nbtools=nbtools, results=results, run=run,
               lm=None, n_tokens=1024, dest="pinned", transport="copy", send_mode="auto", repeats=1, device="cuda",
+              events="auto", event_rounds=1, on_gpu=True,
               model_name="synthetic", Markdown=lambda s: s, display=lambda *a, **k: None)
     for source in code[2:]:  # after the parameters and the set-up cell (which builds a model)
         exec(compile(source, str(path), "exec"), ns)
@@ -340,11 +348,13 @@ def test_the_notebooks_gpu_branch_runs_on_a_synthetic_gpu_trace(tmp_path, pair):
     assert record["findings"][1].startswith("The largest cause: exposed tail")
     written = {p.name for p in (tmp_path / "run").glob("*.csv")}
     assert {"decomposition.csv", "segments.csv", "layers.csv", "causes.csv", "copies.csv", "backlog.csv",
-            "goals.csv", "timeline.csv"} <= written
+            "goals.csv", "timeline.csv", "event_rounds.csv", "event_layers.csv", "event_overhead.csv"} <= written
     assert {p.name for p in (tmp_path / "run" / "figures").glob("*.png")} == {
-        "timeline.png", "decomposition.png", "backlog.png"}
+        "timeline.png", "decomposition.png", "backlog.png", "event_timeline.png"}
     goals = pd.read_csv(tmp_path / "run" / "goals.csv")
-    assert goals.met.tolist() == [True, True]  # 2.0 % tracing overhead; 100 % explained
+    # 2.0 % tracing overhead; 100 % explained; the events' 0.85 %
+    assert goals.met.tolist() == [True, True, True]
+    assert any("per-layer CUDA events added +0.001 ms (+0.85 %" in line for line in record["findings"])
     import matplotlib.pyplot as plt
 
     plt.close("all")
