@@ -98,7 +98,7 @@ class LayerHooks:
         self._handles = []
         self._signals = None
         # clock=True: a timing event on the compute stream at every signal (GPU; about a microsecond of
-        # host time each), and the host clock beside it, for kvlab.trace.event_timeline
+        # host time each), and the host clock beside it, for kvlab.trace.event_handoff
         self.clock = bool(clock)
         self.kv_events = None
         self.kv_host_ns = [0] * len(self.layers)

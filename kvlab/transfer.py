@@ -280,7 +280,7 @@ class LayerwiseSend:
 
     timeline=True (GPU; flag, staged and event modes): a timing event is recorded on the copy stream right
     before each layer's copy (`copy_start[i]`; its end is the transport's completion event), so
-    kvlab.trace.event_timeline can place every copy without the profiler. In flag and staged modes the
+    kvlab.trace.event_handoff can place every copy without the profiler. In flag and staged modes the
     events are queued by arm(), so they cost prefill no host time at all.
     """
 
