@@ -769,6 +769,10 @@ def format_info(info: Mapping) -> str:
         for i, row in enumerate(info.get("p2p") or []):
             marks = ["  -" if v is None else ("  Y" if v else "  .") for v in row]
             lines.append(f"  {i:>3} " + " ".join(marks))
+        topo = info.get("topology") or {}
+        for title, key in (("topology (nvidia-smi topo -m)", "matrix"), ("NVLink (nvidia-smi nvlink -s)", "nvlink")):
+            if topo.get(key):
+                lines += ["", title, topo[key]]
     else:
         lines.append("no CUDA device (CPU-only: notebooks use the tiny model and small sizes)")
     lines += ["", "versions"]

@@ -108,6 +108,26 @@ def p2p_matrix() -> list[list[bool | None]]:
     ]
 
 
+def topology(gpu_count: int | None = None) -> dict | None:
+    """How the GPUs are wired, as nvidia-smi reports it: ``{"matrix": <nvidia-smi topo -m>, "nvlink":
+    <nvidia-smi nvlink -s>}`` (text; a value is None when that command fails). None with fewer than two
+    GPUs (nothing to connect) or without nvidia-smi. Recorded in run.json so a peer bandwidth can be read
+    beside the link it crossed (NV18 vs PIX vs SYS)."""
+    count = gpu_count if gpu_count is not None else len(gpus())
+    smi = shutil.which("nvidia-smi")
+    if count < 2 or smi is None:
+        return None
+
+    def text(*args) -> str | None:
+        try:
+            out = subprocess.run([smi, *args], capture_output=True, text=True, timeout=15, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.rstrip() if out.returncode == 0 and out.stdout.strip() else None
+
+    return {"matrix": text("topo", "-m"), "nvlink": text("nvlink", "-s")}
+
+
 def driver_version() -> str | None:
     """The NVIDIA driver version (e.g. "580.159.04"), from nvidia-smi, else pynvml, else None."""
     smi = shutil.which("nvidia-smi")
@@ -321,7 +341,8 @@ def describe() -> dict:
     """Everything above in one JSON-serialisable dict (the hardware part of run.json).
 
     Keys: ``device_kind`` ("cuda" or "cpu"), ``device_tag``, ``host``, ``devices`` (``gpus()``),
-    ``p2p`` (``p2p_matrix()``), ``driver_version``, ``cuda_runtime``, ``versions``.
+    ``p2p`` (``p2p_matrix()``), ``topology`` (``topology()``: nvidia-smi's matrix and NVLink status with two
+    or more GPUs, else None), ``driver_version``, ``cuda_runtime``, ``versions``.
     """
     found = gpus()
     return {
@@ -330,6 +351,7 @@ def describe() -> dict:
         "host": host(),
         "devices": found,
         "p2p": p2p_matrix(),
+        "topology": topology(len(found)),
         "driver_version": driver_version(),
         "cuda_runtime": cuda_runtime(),
         "versions": versions(),

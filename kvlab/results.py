@@ -48,7 +48,7 @@ _MAX_ARRAY_PARAM = 10_000
 _PROTECTED = frozenset(
     {
         "schema", "run_id", "study", "status", "started_utc", "finished_utc", "duration_s", "git",
-        "kvlab_version", "device_kind", "device_tag", "host", "devices", "p2p", "driver_version",
+        "kvlab_version", "device_kind", "device_tag", "host", "devices", "p2p", "topology", "driver_version",
         "cuda_runtime", "versions", "parameters", "argv", "invocation", "tables", "host_state_start",
         "host_state_end", "host_usage",
     }

@@ -384,6 +384,23 @@ def test_info_prints_the_p2p_matrix():
     assert "    0   1" in text
     assert "    0   -   Y" in text and "    1   .   -" in text
     assert "80 GiB" in text
+    assert "topology" not in text  # none recorded
+    fake["topology"] = {"matrix": "\tGPU0\tGPU1\nGPU0\t X \tNV18", "nvlink": None}
+    text = cli.format_info(fake)
+    assert "topology (nvidia-smi topo -m)" in text and "NV18" in text and "NVLink (" not in text
+
+
+def test_topology_asks_nvidia_smi_only_with_two_gpus(tmp_path, monkeypatch):
+    from kvlab import devices
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nif [ \"$1\" = topo ]; then printf 'GPU0 X NV18\\n'; else exit 3; fi\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert devices.topology(1) is None
+    assert devices.topology(2) == {"matrix": "GPU0 X NV18", "nvlink": None}
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    assert devices.topology(2) is None
 
 
 # -------------------------------------------------------------------------------- packaging
