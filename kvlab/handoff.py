@@ -748,8 +748,9 @@ def plot_bars(summary: pd.DataFrame, preds: pd.DataFrame | None = None, title: s
     """Seed 004's figure: per context, each cost as a percentage of prefill (log scale).
 
     Measured bars: the bulk copy alone and the layer-wise extra (paired A/B median, floored at 0.001 %
-    so a zero or negative cost still shows as "nothing") per destination. Predicted bars (hatched,
-    dashed edge): the calculator's network links.
+    so a zero or negative cost still shows as "nothing") per destination; a whisker on each layer-wise bar
+    spans its 95 % interval where the summary has one (the part below 0.001 % is cut by the log axis).
+    Predicted bars (hatched, dashed edge): the calculator's network links.
     """
     import matplotlib.pyplot as plt
     import numpy as np
@@ -773,8 +774,16 @@ def plot_bars(summary: pd.DataFrame, preds: pd.DataFrame | None = None, title: s
         vals = [float(summary[(summary.context == c) & (summary.destination == d)][col].iloc[0]) for c in contexts]
         colour = plots.color(d)
         hatch = None if label.startswith("bulk") else "//"
-        ax.bar(x + (k - n / 2 + 0.5) * width, [max(v, floor) for v in vals], width, label=label, color=colour,
+        pos = x + (k - n / 2 + 0.5) * width
+        ax.bar(pos, [max(v, floor) for v in vals], width, label=label, color=colour,
                alpha=1.0 if hatch is None else 0.55, hatch=hatch, edgecolor=colour)
+        if col == "layerwise_extra_pct" and {"extra_ci_lo_ms", "extra_ci_hi_ms"} <= set(summary.columns):
+            for xi, c in zip(pos, contexts):
+                r = summary[(summary.context == c) & (summary.destination == d)].iloc[0]
+                hi = 100 * r.extra_ci_hi_ms / r.prefill_ms
+                if hi > floor:
+                    lo = max(100 * r.extra_ci_lo_ms / r.prefill_ms, floor)
+                    ax.plot([xi, xi], [lo, hi], color="0.2", lw=0.8)
         k += 1
     for name in net:
         vals = [float(preds[(preds.context == c) & (preds.model == name)].pct_prefill.iloc[0]) for c in contexts]
@@ -787,7 +796,10 @@ def plot_bars(summary: pd.DataFrame, preds: pd.DataFrame | None = None, title: s
     ax.set_xticks(x, [f"{c // 1024}k" if c >= 1024 else str(c) for c in contexts])
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("% of prefill time (log)")
-    ax.set_title(title or "Cost of moving the KV cache, as a share of prefill")
+    import textwrap
+
+    ax.set_title("\n".join(textwrap.wrap(title or "Cost of moving the KV cache, as a share of prefill", 80)),
+                 fontsize=11)
     ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.18), frameon=False)
     fig.tight_layout()
     return fig
