@@ -108,40 +108,36 @@ def p2p_matrix() -> list[list[bool | None]]:
     ]
 
 
+def _nvidia_smi(*args: str) -> str | None:
+    """nvidia-smi's output for `args` (trailing whitespace stripped), or None: no nvidia-smi, an error, a
+    timeout, or nothing printed."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, *args], capture_output=True, text=True, timeout=15, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.rstrip() if out.returncode == 0 and out.stdout.strip() else None
+
+
 def topology(gpu_count: int | None = None) -> dict | None:
     """How the GPUs are wired, as nvidia-smi reports it: ``{"matrix": <nvidia-smi topo -m>, "nvlink":
     <nvidia-smi nvlink -s>}`` (text; a value is None when that command fails). None with fewer than two
     GPUs (nothing to connect) or without nvidia-smi. Recorded in run.json so a peer bandwidth can be read
     beside the link it crossed (NV18 vs PIX vs SYS)."""
     count = gpu_count if gpu_count is not None else len(gpus())
-    smi = shutil.which("nvidia-smi")
-    if count < 2 or smi is None:
+    if count < 2 or shutil.which("nvidia-smi") is None:
         return None
-
-    def text(*args) -> str | None:
-        try:
-            out = subprocess.run([smi, *args], capture_output=True, text=True, timeout=15, check=False)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return out.stdout.rstrip() if out.returncode == 0 and out.stdout.strip() else None
-
-    return {"matrix": text("topo", "-m"), "nvlink": text("nvlink", "-s")}
+    return {"matrix": _nvidia_smi("topo", "-m"), "nvlink": _nvidia_smi("nvlink", "-s")}
 
 
 def driver_version() -> str | None:
     """The NVIDIA driver version (e.g. "580.159.04"), from nvidia-smi, else pynvml, else None."""
-    smi = shutil.which("nvidia-smi")
-    if smi:
-        try:
-            out = subprocess.run(
-                [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=15, check=False,
-            )
-        except (OSError, subprocess.TimeoutExpired):
-            out = None
-        if out is not None and out.returncode == 0 and out.stdout.strip():
-            # One line per GPU, all the same driver: the first is the answer.
-            return out.stdout.strip().splitlines()[0].strip()
+    out = _nvidia_smi("--query-gpu=driver_version", "--format=csv,noheader")
+    if out:
+        # One line per GPU, all the same driver: the first is the answer.
+        return out.strip().splitlines()[0].strip()
     try:
         import pynvml
     except ImportError:
