@@ -40,7 +40,7 @@ from .timing import EventTimer, free_device as _free, median_ci, sync_device as 
 from .transfer import Destination, HookCostProbe, Transport, stream_memops_available
 
 __all__ = ["HandoffConfig", "run_handoff", "attribute_extra", "attribution_summary", "attribution_findings",
-           "plot_attribution", "check_request", "prefill", "decode", "make_prompt",
+           "plot_attribution", "check_request", "prefill", "warm_prefill", "decode", "make_prompt",
            "correctness_check", "summarize", "goals", "ceiling_path"]
 
 def ceiling_path(dest: Destination, src_device) -> str:
@@ -139,6 +139,20 @@ def prefill(model, input_ids: torch.Tensor, buffer: KVBuffer, hooks: LayerHooks 
     cache = buffer.as_hf_cache(filled=False, on_write=hooks.cache_callback if hooks is not None else None)
     out = model(input_ids=input_ids, **{cache_kw(model): cache}, use_cache=True, logits_to_keep=1)
     return out.logits[:, -1]
+
+
+def warm_prefill(model, input_ids: torch.Tensor, buffer: KVBuffer) -> None:
+    """One prefill with no send armed, before the first armed (flag-mode) request of a process.
+
+    CUDA loads a kernel's module at its first launch by default (lazy loading), and loading may
+    synchronise the context. An armed copy stream waits on flags that only the running prefill writes, so
+    a context synchronisation in that prefill never returns: the send stalls until its watchdog releases
+    it (60 s) and then fails. This happened to kvlab.trace.event_handoff's first GPU test, whose tiny model
+    had not run in bf16 before its first armed round. After one unarmed prefill of the same model, shapes
+    and dtype every kernel it launches is loaded."""
+    prefill(model, input_ids, buffer)
+    if input_ids.device.type == "cuda":
+        torch.cuda.synchronize(input_ids.device)
 
 
 def decode_attention():

@@ -1035,7 +1035,7 @@ def event_handoff(model, context: int, destination: str = "pinned", rounds: int 
     """
     import torch
 
-    from .handoff import _prefill_or_abort, _time_layerwise_round, check_request, make_prompt
+    from .handoff import _prefill_or_abort, _time_layerwise_round, check_request, make_prompt, warm_prefill
     from .hooks import LayerHooks
     from .kvcache import KVBuffer, layout_for
     from .timing import median_ci, sync_device
@@ -1059,6 +1059,10 @@ def event_handoff(model, context: int, destination: str = "pinned", rounds: int 
     timed = t.layerwise(src, timeline=True)
     hooks_plain = LayerHooks(model, plain.on_layer, ranges=False)
     hooks_timed = LayerHooks(model, timed.on_layer, ranges=False, clock=True)
+    # one prefill with nothing armed first: with CUDA's lazy module loading (the default) the first launch
+    # of a kernel may synchronise the context, and an armed copy stream waits for flags that only the
+    # stalled prefill would write — the send then hangs until its watchdog releases it (60 s)
+    warm_prefill(model, ids, src)
 
     def run_timed() -> dict:
         hooks_timed.reset_counters()
