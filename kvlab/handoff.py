@@ -142,14 +142,15 @@ def prefill(model, input_ids: torch.Tensor, buffer: KVBuffer, hooks: LayerHooks 
 
 
 def warm_prefill(model, input_ids: torch.Tensor, buffer: KVBuffer) -> None:
-    """One prefill with no send armed, before the first armed (flag-mode) request of a process.
+    """One prefill with no send armed, before the first armed (flag or staged mode) request of a process.
 
-    CUDA loads a kernel's module at its first launch by default (lazy loading), and loading may
-    synchronise the context. An armed copy stream waits on flags that only the running prefill writes, so
-    a context synchronisation in that prefill never returns: the send stalls until its watchdog releases
-    it (60 s) and then fails. This happened to kvlab.trace.event_handoff's first GPU test, whose tiny model
-    had not run in bf16 before its first armed round. After one unarmed prefill of the same model, shapes
-    and dtype every kernel it launches is loaded."""
+    An armed copy stream waits on flags that only the running prefill writes, so anything in that prefill
+    that waits for the whole device never returns. On our H200, kvlab.trace.event_handoff's first GPU test
+    hung that way: a tiny model's first bf16 prefill, behind an armed copy stream, did not finish in 40 s,
+    with lazy or eager kernel loading alike, and with no synchronisation torch's sync-debug mode reports;
+    after one unarmed prefill the same test ran in 1 s (data/probes/armed_first_prefill). Whatever the
+    first prefill initialises, it is initialised after this call.
+    """
     prefill(model, input_ids, buffer)
     if input_ids.device.type == "cuda":
         torch.cuda.synchronize(input_ids.device)

@@ -1059,9 +1059,8 @@ def event_handoff(model, context: int, destination: str = "pinned", rounds: int 
     timed = t.layerwise(src, timeline=True)
     hooks_plain = LayerHooks(model, plain.on_layer, ranges=False)
     hooks_timed = LayerHooks(model, timed.on_layer, ranges=False, clock=True)
-    # one prefill with nothing armed first: with CUDA's lazy module loading (the default) the first launch
-    # of a kernel may synchronise the context, and an armed copy stream waits for flags that only the
-    # stalled prefill would write — the send then hangs until its watchdog releases it (60 s)
+    # one prefill with nothing armed first: a model's first prefill behind an armed copy stream can hang
+    # (see handoff.warm_prefill; it did in this function's first GPU test)
     warm_prefill(model, ids, src)
 
     def run_timed() -> dict:

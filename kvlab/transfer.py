@@ -282,6 +282,12 @@ class LayerwiseSend:
     before each layer's copy (`copy_start[i]`; its end is the transport's completion event), so
     kvlab.trace.event_handoff can place every copy without the profiler. In flag and staged modes the
     events are queued by arm(), so they cost prefill no host time at all.
+
+    Flag and staged modes: run the model once with nothing armed before the first armed request of a
+    process (kvlab.handoff.warm_prefill). On our H200 a tiny model's first bf16 prefill behind an armed
+    copy stream never returned — with CUDA_MODULE_LOADING=EAGER as well, so not lazy kernel loading, and
+    with no synchronisation torch's sync-debug mode reports; the watchdog below did not release it either
+    (data/probes/armed_first_prefill). After one unarmed prefill the same request took 1 s.
     """
 
     def __init__(self, transport: Transport, src: KVBuffer, mode: str = "auto", wakes: str = "halving",
