@@ -705,10 +705,15 @@ def summarize(timings: pd.DataFrame, ceilings: dict | None = None, paths: dict |
     return pd.DataFrame(out)
 
 
+# the cheap-hooks goal (≤ 0.5 ms) is about the host-bound regime: 1k tokens on our H200
+HOST_BOUND_CONTEXT = 1024
+
+
 def goals(summary: pd.DataFrame) -> pd.DataFrame:
     """Issue 3's goals, checked row by row: bulk ≥ 95 % of ceiling at the longest context; layer-wise
     exposed ≤ one layer's send time and never worse than the bulk copy at ≥ 4k; hook host time and the
-    interleaved extra ≤ 0.5 ms at the shortest.
+    interleaved extra ≤ 0.5 ms at the shortest context, when it is at most HOST_BOUND_CONTEXT tokens (the
+    goal is stated for 1k, where prefill waits for the host; a run of long contexts only has no such row).
 
     `met` is True, False, or None where the A/B rounds cannot decide: "never worse than bulk" is met when
     the 95 % interval of the paired median lies at or below the bulk copy's time, missed when it lies above,
@@ -746,7 +751,7 @@ def goals(summary: pd.DataFrame) -> pd.DataFrame:
             rows.append(dict(goal="layer-wise never worse than bulk", context=r.context, destination=r.destination,
                              value=f"{r.layerwise_extra_ms:+.2f} ({ci}) vs {r.copy_ms:.2f} ms",
                              met=met, how=f"paired A/B rounds ({r.rounds}), counterbalanced order"))
-        if r.context == shortest:
+        if r.context == shortest and r.context <= HOST_BOUND_CONTEXT:
             rows.append(dict(goal="hook host time ≤ 0.5 ms", context=r.context, destination=r.destination,
                              value=f"{r.hook_host_ms:.3f} ms", met=bool(r.hook_host_ms <= 0.5),
                              how="perf_counter around every hook call, summed over layers"))

@@ -202,6 +202,11 @@ def test_bulk_goal_uses_the_paired_same_bytes_copy(pct, want):
     row = g[g.goal == "bulk ≥ 95 % of ceiling"].iloc[0]
     assert row.met is want and f"{pct:.1f} %" in row.value and "80.0 % of the size sweep" in row.value
     assert "paired" in row.how
+    # the 0.5 ms hook goals belong to the host-bound 1k regime: a run of long contexts only has none
+    long_only = handoff.goals(pd.DataFrame([_summary_row(context=32768, copy_pct_ref=pct, copy_pct_ref_lo=pct,
+                                                         copy_pct_ref_hi=pct)]))
+    assert "hook host time ≤ 0.5 ms" not in set(long_only.goal) and "bulk ≥ 95 % of ceiling" in set(long_only.goal)
+    assert "hook host time ≤ 0.5 ms" in set(g.goal)
     # a summary without paired copies (runs before they existed) falls back to the sweep's ceiling
     old = handoff.goals(pd.DataFrame([_summary_row(context=32768, copy_pct_ceiling=96.0), _summary_row(context=1024)]))
     assert old[old.goal == "bulk ≥ 95 % of ceiling"].iloc[0].met is True
