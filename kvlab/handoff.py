@@ -290,7 +290,7 @@ def run_handoff(model, cfg: HandoffConfig, device=None, progress=None) -> tuple[
             ref = KVBuffer(layout, device=dest.device, pin_memory=dest.kind == "pinned").poison()
             for i in range(cfg.repeats + cfg.warmup):
                 pair = (("copy", lambda: _time_copy(t_buf, src, device)),
-                        ("copy_ref", lambda: _time_ref_copy(t_buf.stream, ref, src, dest, device)))
+                        ("copy_ref", lambda: _time_plain_copy(t_buf.stream, ref.data, src.data, dest, device)))
                 for measure, fn in (pair if i % 2 == 0 else pair[::-1]):
                     ms = fn()
                     if i >= cfg.warmup:
@@ -303,7 +303,7 @@ def run_handoff(model, cfg: HandoffConfig, device=None, progress=None) -> tuple[
                     add(label, "bulk", "copy_tensor", i - cfg.warmup, ms)
             del t
             for i in range(cfg.repeats + cfg.warmup):
-                ms = _time_layer_copy(t_buf, src, 0, device)
+                ms = _time_plain_copy(t_buf.stream, t_buf.buffer.data[0], src.data[0], dest, device)
                 if i >= cfg.warmup:
                     add(label, "bulk", "copy_layer", i - cfg.warmup, ms)
             say(f"{context} tokens → {label}: bulk checked and timed")
@@ -604,28 +604,16 @@ def _time_copy(transport, src, device) -> float:
     return clock.elapsed_ms("start", "end")
 
 
-def _time_ref_copy(stream, ref: KVBuffer, src: KVBuffer, dest: Destination, device) -> float:
-    """One plain copy_ of the whole cache into `ref` (a buffer of the destination's kind), timed exactly as
-    _time_copy times a transport's send: on the same copy stream, held while the host queues it."""
+def _time_plain_copy(stream, dst: torch.Tensor, src: torch.Tensor, dest: Destination, device) -> float:
+    """One plain dst.copy_(src), timed as _time_copy times a transport's send: on `stream` (the transport's
+    copy stream), held while the host queues it. Used for one layer alone and for the bulk send's paired
+    reference copy of the same bytes."""
     clock = EventTimer(device)
     _sync(device)
     _hold(stream)
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         clock.mark("start", stream=stream)
-        ref.data.copy_(src.data, non_blocking=dest.kind != "pageable")
-        clock.mark("end", stream=stream)
-    return clock.elapsed_ms("start", "end")
-
-
-def _time_layer_copy(transport, src, layer, device) -> float:
-    clock = EventTimer(device)
-    _sync(device)
-    dst = transport.buffer.data[layer]
-    stream = transport.stream
-    _hold(stream)
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        clock.mark("start", stream=stream)
-        dst.copy_(src.data[layer], non_blocking=transport.dest.kind != "pageable")
+        dst.copy_(src, non_blocking=dest.kind != "pageable")
         clock.mark("end", stream=stream)
     return clock.elapsed_ms("start", "end")
 
