@@ -958,10 +958,13 @@ def trace_handoff(model, context: int, destination: str, transport: str = "copy"
     # the device side of a staged send lands in pinned staging memory, so its copies are held against
     # the pinned path's ceiling (the host memcpy into pageable memory follows on a worker thread)
     ceil_t = Transport(layout, "pinned", dev, granularity="buffer") if getattr(sender, "mode", None) == "staged" else t
-    # the first of each is a warm-up; the copy is not waited for inside the timed region, so the end
-    # event lands when the copy does rather than after a host round trip
-    bulk = [_time_copy(lambda: ceil_t.send(src), ceil_t, dev) for _ in range(max(repeats, 3) + 1)][1:]
-    one = [_time_copy(lambda: _copy_layer(ceil_t, src, 0), ceil_t, dev) for _ in range(max(repeats, 3) + 1)][1:]
+    # the first of each is a warm-up; timed as kvlab.handoff times its copies: the copy stream held while
+    # the host queues the copy, the end event recorded right behind it (not after a host round trip)
+    from .handoff import _time_copy, _time_plain_copy
+
+    n = max(repeats, 3) + 1
+    bulk = [_time_copy(ceil_t, src, dev) for _ in range(n)][1:]
+    one = [_time_plain_copy(ceil_t.stream, ceil_t.buffer.data[0], src.data[0], ceil_t.dest, dev) for _ in range(n)][1:]
     bulk_ms = float(pd.Series(bulk).median())
     layer_ms = float(pd.Series(one).median())
     name = getattr(getattr(model, "config", None), "name_or_path", "") or type(model).__name__
@@ -1112,42 +1115,6 @@ def event_handoff(model, context: int, destination: str = "pinned", rounds: int 
     mode = f"{timed.mode}, signal from the {hooks_timed.point}"
     del plain, timed, t, src
     return EventTimeline(df, layers, overhead, mid["prefill_ms"], mode, layout.bytes_per_layer)
-
-
-def _copy_layer(t, src, i: int) -> None:
-    """Layer i's K and V alone, on the transport's copy stream (as the layer-wise sender issues it)."""
-    import torch
-
-    dst = t.buffer.data[i]
-    if t.cuda:
-        with torch.cuda.stream(t.stream):
-            dst.copy_(src.data[i], non_blocking=t.dest.kind != "pageable")
-    else:
-        dst.copy_(src.data[i])
-
-
-def _time_copy(fn, t, dev) -> float:
-    """ms of fn() on the transport's copy stream (CUDA events), or on the host clock on a CPU.
-
-    The copy stream is held by a short spin while the host queues the copy, so the interval is the
-    copy's own time and not the host's issue latency (which at 1k tokens, a 56 MiB cache copied in
-    ~30 µs, would be most of it); kvlab.handoff times its copies the same way."""
-    import torch
-
-    from .handoff import _hold
-
-    if t.cuda:
-        torch.cuda.synchronize(dev)
-        _hold(t.stream)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(t.stream)
-        fn()
-        b.record(t.stream)
-        b.synchronize()
-        return a.elapsed_time(b)
-    t0 = time.perf_counter_ns()
-    fn()
-    return (time.perf_counter_ns() - t0) / 1e6
 
 
 # ============================================================================== CLI
