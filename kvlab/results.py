@@ -340,8 +340,9 @@ class Run:
     def _write(self) -> None:
         _write_json(self.json_path, self._record)
 
-    def save_table(self, df, name: str = "results") -> Path:
-        """Write ``df`` to ``<run_dir>/<name>.csv`` and list it in run.json; returns the path.
+    def save_table(self, df, name: str = "results", compress: bool = False) -> Path:
+        """Write ``df`` to ``<run_dir>/<name>.csv`` (``.csv.gz`` with compress=True, for big tables) and
+        list it in run.json; returns the path.
 
         Tidy tables: one row per configuration × repeat, units in column names (``bytes``, ``ms``,
         ``gbps``). A named index (as after ``groupby``) is data and is written as columns; an
@@ -359,8 +360,8 @@ class Run:
                              "and '.', starting with a letter or digit (e.g. 'results')")
         if any(level is not None for level in df.index.names):
             df = df.reset_index()
-        path = self.dir / f"{stem}.csv"
-        df.to_csv(path, index=False)
+        path = self.dir / (f"{stem}.csv.gz" if compress else f"{stem}.csv")
+        df.to_csv(path, index=False, compression="gzip" if compress else None)
         self._record.setdefault("tables", {})[stem] = {
             "file": path.name,
             "rows": int(len(df)),
@@ -523,12 +524,13 @@ def latest(study: str, gpu: bool = True) -> Path:
 
 def load(run_dir: str | os.PathLike) -> tuple[dict, dict]:
     """``(record, tables)`` of a run: run.json as a dict, and ``{name: DataFrame}`` for every
-    ``<name>.csv`` in the run folder."""
+    ``<name>.csv`` and ``<name>.csv.gz`` in the run folder."""
     import pandas as pd
 
     path = Path(run_dir)
     meta = path / RUN_JSON
     if not meta.is_file():
         raise FileNotFoundError(f"{path} is not a run folder: it has no {RUN_JSON}")
-    tables = {csv.stem: pd.read_csv(csv) for csv in sorted(path.glob("*.csv"))}
+    tables = {csv.name.removesuffix(".gz").removesuffix(".csv"): pd.read_csv(csv)
+              for csv in sorted([*path.glob("*.csv"), *path.glob("*.csv.gz")])}
     return _read_json(meta), tables
