@@ -37,11 +37,11 @@ import torch
 from .hooks import POINTS, LayerHooks
 from .kvcache import KVBuffer, layout_for
 from .timing import EventTimer, free_device as _free, median_ci, sync_device as _sync
-from .transfer import Destination, HookCostProbe, Transport, stream_memops_available
+from .transfer import Destination, HookCostProbe, Transport, release_plan, stream_memops_available
 
 __all__ = ["HandoffConfig", "run_handoff", "attribute_extra", "attribution_summary", "attribution_findings",
            "plot_attribution", "check_request", "prefill", "warm_prefill", "decode", "make_prompt",
-           "correctness_check", "summarize", "goals", "ceiling_path"]
+           "correctness_check", "summarize", "goals", "ceiling_path", "Replicas"]
 
 def ceiling_path(dest: Destination, src_device) -> str:
     """The kvlab.ceilings path that bounds a destination (peer paths are named per direction)."""
@@ -67,6 +67,7 @@ class HandoffConfig:
     seed: int = 0
     ranges: bool = False            # trace ranges in the hooks (off for timing)
     point: str = "cache"            # where layer i is signalled: "cache" (kvlab's KV arena) or "attention" (module hook)
+    policy: str = "eager"           # when layers go: "eager", "deadline" or "batch:N" (kvlab.transfer.release_plan)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -175,14 +176,51 @@ def decode_attention():
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+class Replicas:
+    """The decode side's own copy of the model, one per device, made once: in disaggregation the decode GPU
+    holds its own weights, so a cache moved to cuda:1 is decoded by a model on cuda:1.
+
+    `replicas(device)` returns the model itself for its own device, else a copy of it on `device` — the
+    same weights bit for bit (copy.deepcopy, then .to(device): random and real weights alike, tied weights
+    kept tied). The copy is made on the model's device first, so that device needs room for a second copy
+    for a moment.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self._made: dict = {}
+
+    def __call__(self, device) -> "torch.nn.Module":
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device == model_device(self.model):
+            return self.model
+        if device not in self._made:
+            import copy
+
+            self._made[device] = copy.deepcopy(self.model).to(device)
+        return self._made[device]
+
+
 @torch.inference_mode()
 def decode(model, buffer: KVBuffer, first_token: torch.Tensor, steps: int):
     """Greedy decode `steps` tokens from a filled buffer (which is not modified).
 
-    first_token: [1] int64, the token prefill chose. Returns (tokens [steps] int64, logits [steps, vocab] fp32).
+    model: on the buffer's device (kvlab.handoff.Replicas gives one there).
+    first_token: [1] int64, the token prefill chose (on any device). Returns (tokens [steps] int64,
+    logits [steps, vocab] fp32), on the model's device.
     """
+    dev = model_device(model)
+    if buffer.device.type != dev.type or (dev.type == "cuda" and buffer.device.index != dev.index):
+        raise ValueError(f"the cache is on {buffer.device} but the decode model on {dev}: decode where the "
+                         "cache is (kvlab.handoff.Replicas makes the decode device's copy of the model)")
     cache = buffer.as_hf_cache(filled=True)
-    tok = first_token.view(1, 1)
+    tok = first_token.view(1, 1).to(dev)
     toks, logits = [], []
     with decode_attention():
         for _ in range(steps):
@@ -202,14 +240,28 @@ def _prefill_or_abort(model, ids, src, sender, hooks=None):
         raise
 
 
-def _check_moved(model, src, got, first, ref_tokens, steps) -> dict:
-    """Decode from the moved cache and from the source cache of the same prefill (colocated) and
-    compare; also say whether this prefill reproduced the reference prefill's tokens."""
-    toks, lg = decode(model, got, first, steps)
+def _check_moved(model, src, got, first, ref_tokens, steps, replicas: "Replicas | None" = None) -> dict:
+    """Decode from the moved cache (on its own device, by that device's model) and from the source cache of
+    the same prefill (colocated, on the prefill device) and compare; also say whether this prefill
+    reproduced the reference prefill's tokens.
+
+    When the cache moved to another GPU, `decode_gpu_logits_equal` also compares with a decode on that GPU
+    from a plain copy of the source cache: if it holds while `logits_equal` fails, the transport moved the
+    bytes right and the two GPUs computed differently."""
+    replicas = replicas or Replicas(model)
+    dec = replicas(got.device)
+    toks, lg = decode(dec, got, first, steps)
     col_toks, col_lg = decode(model, src, first, steps)
     out = correctness_check(col_toks, col_lg, toks, lg, got.count_poison())
     out["bytes_equal"] = bool(torch.equal(got.data, src.data.to(got.device)))
     out["prefill_reproduced"] = bool(torch.equal(col_toks.cpu(), ref_tokens.cpu()))
+    out["decode_device"] = str(got.device)
+    if dec is not model:
+        plain = KVBuffer(src.layout, device=got.device)
+        plain.data.copy_(src.data)
+        p_toks, p_lg = decode(dec, plain, first, steps)
+        out["decode_gpu_logits_equal"] = bool(torch.equal(p_toks.cpu(), toks.cpu()) and torch.equal(p_lg.cpu(), lg.cpu()))
+        del plain
     return out
 
 
@@ -236,11 +288,17 @@ def run_handoff(model, cfg: HandoffConfig, device=None, progress=None) -> tuple[
     device = torch.device(device if device is not None else next(model.parameters()).device)
     if cfg.point not in POINTS:
         raise ValueError(f"HandoffConfig.point {cfg.point!r} is not valid; use one of {list(POINTS)}")
+    release_plan(cfg.policy, 2, compute_ms=1.0, transfer_ms=0.0)  # an unknown policy is refused here
     dests = check_request(model, cfg.contexts, cfg.destinations, device)
     if cfg.repeats < 1:
         raise ValueError(f"repeats must be ≥ 1 (≥ 9 for published numbers), got {cfg.repeats}")
     say = progress or (lambda s: None)
     vocab = model.config.get_text_config(decoder=True).vocab_size
+    replicas = Replicas(model)
+    for dest in dests:
+        if dest.kind == "peer":
+            replicas(dest.device)  # the decode GPU's own model, made once, before anything is timed
+            say(f"decode model copied to {dest.device}")
     rows, checks = [], []
     for context in cfg.contexts:
         layout = layout_for(model, context)
@@ -276,9 +334,9 @@ def run_handoff(model, cfg: HandoffConfig, device=None, progress=None) -> tuple[
             landing = t_buf.send(src)
             got = t_buf.receive(landing, device)
             checks.append(dict(context=context, destination=label, method="bulk",
-                               **_check_moved(model, src, got, first, ref_tokens, cfg.decode_tokens)))
+                               **_check_moved(model, src, got, first, ref_tokens, cfg.decode_tokens, replicas)))
             for i in range(cfg.repeats + cfg.warmup):
-                ms = _time_decode_step(model, got, first, device)
+                ms = _time_decode_step(replicas(got.device), got, first, got.device)
                 if i >= cfg.warmup:
                     add(label, "bulk", "decode_step", i - cfg.warmup, ms)
             del got
@@ -309,7 +367,16 @@ def run_handoff(model, cfg: HandoffConfig, device=None, progress=None) -> tuple[
             say(f"{context} tokens → {label}: bulk checked and timed")
 
             # -- layer-wise: correctness, then A/B interleaved with colocated prefill
-            sender = t_buf.layerwise(src)
+            release = None
+            if cfg.policy != "eager":
+                # the policy's pace: one layer's prefill time (this context's colocated prefill / L, median
+                # of 3) and one layer's copy timed alone, just above
+                pre = sorted(_time_prefill(model, ids, src, device) for _ in range(3))[1]
+                one = [r["ms"] for r in rows if r["destination"] == label and r["measure"] == "copy_layer"
+                       and r["context"] == context]
+                release = release_plan(cfg.policy, layout.layers, compute_ms=pre / layout.layers,
+                                       transfer_ms=float(pd.Series(one).median()))
+            sender = t_buf.layerwise(src, release=release)
             hooks = LayerHooks(model, sender.on_layer, ranges=cfg.ranges, bytes_per_layer=layout.bytes_per_layer,
                                point=cfg.point)
             t_buf.poison()
@@ -322,7 +389,8 @@ def run_handoff(model, cfg: HandoffConfig, device=None, progress=None) -> tuple[
             checks.append(dict(context=context, destination=label, method="layerwise",
                                mode=sender.mode, signal=cfg.point + (f", {sender._write.api}"
                                                                      if hasattr(sender, "_write") else ""),
-                               **_check_moved(model, src, got, first, ref_tokens, cfg.decode_tokens)))
+                               policy=cfg.policy, first_release=sender.release[0],
+                               **_check_moved(model, src, got, first, ref_tokens, cfg.decode_tokens, replicas)))
             del got
 
             rounds = cfg.interleave_short if context <= cfg.short_context else cfg.interleave
@@ -619,7 +687,9 @@ def _time_plain_copy(stream, dst: torch.Tensor, src: torch.Tensor, dest: Destina
 
 
 def _time_decode_step(model, buffer, first, device) -> float:
+    """One decode step by `model` (on `device`, where `buffer` is) from the filled buffer."""
     cache = buffer.as_hf_cache(filled=True)
+    first = first.to(device)
     clock = EventTimer(device)
     _sync(device)
     clock.mark("start")
