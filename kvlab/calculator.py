@@ -42,6 +42,8 @@ __all__ = [
     "tp_transfer_time_s",
     "Exposure",
     "pipeline_exposure",
+    "held_exposure",
+    "deadline_release",
     "HandoffEstimate",
     "handoff_estimate",
     "fmt_bytes",
@@ -520,6 +522,44 @@ def pipeline_exposure(compute_s_per_layer: Sequence[float],
         backlog.append(s - now)
     exposed = max(0.0, end[-1] - compute_end[-1])
     return Exposure(c, t, tuple(compute_end), tuple(start), tuple(end), tuple(backlog), exposed)
+
+
+def held_exposure(compute_s_per_layer: Sequence[float], transfer_s_per_layer: Sequence[float],
+                  release: int) -> float:
+    """Seconds exposed after prefill when layers 0…`release` are held until layer `release` has computed and
+    every later layer goes when it has computed; one send at a time, in layer order (release=0 is
+    :func:`pipeline_exposure`'s eager schedule)."""
+    c = _times("compute_s_per_layer", compute_s_per_layer)
+    t = _times("transfer_s_per_layer", transfer_s_per_layer)
+    if len(c) != len(t):
+        raise ValueError(f"compute_s_per_layer has {len(c)} layers, transfer_s_per_layer {len(t)}")
+    if not 0 <= release < len(c):
+        raise ValueError(f"release={release!r}: expected a layer index in 0…{len(c) - 1}")
+    ends, now = [], 0.0
+    for ci in c:
+        now += ci
+        ends.append(now)
+    link_free = 0.0
+    for i, ti in enumerate(t):
+        link_free = max(ends[max(i, release)], link_free) + ti
+    return max(0.0, link_free - ends[-1])
+
+
+def deadline_release(compute_s_per_layer: Sequence[float], transfer_s_per_layer: Sequence[float],
+                     margin: float = 2.0) -> int:
+    """The latest layer whose end can release every earlier layer's send at once without exposing more
+    than eager, layer-by-layer sending — with every transfer `margin` (≥ 1) times slower than given, so a
+    link that runs slower than modelled still finishes in time. Hold copies this long, and the link is
+    busy only near prefill's end (kvlab.transfer.release_plan's "deadline" policy)."""
+    if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not margin >= 1:
+        raise ValueError(f"margin={margin!r}: expected a number ≥ 1 (how much slower than modelled the link may be)")
+    t = [x * margin for x in _times("transfer_s_per_layer", transfer_s_per_layer)]
+    eager = held_exposure(compute_s_per_layer, t, 0)
+    best = 0
+    for r in range(len(t)):
+        if held_exposure(compute_s_per_layer, t, r) <= eager + 1e-12:
+            best = r
+    return best
 
 
 # ---- the whole handoff ------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from . import devices
 from .kvcache import KVBuffer, KVLayout
 
 __all__ = ["Destination", "Landing", "Transport", "LayerwiseSend", "GRANULARITIES", "DESTINATIONS", "WAKE_PLANS",
-           "wake_groups", "HookCostProbe", "FlagWriter", "signal_costs"]
+           "wake_groups", "HookCostProbe", "FlagWriter", "signal_costs", "POLICIES", "release_plan"]
 
 GRANULARITIES = ("buffer", "layer", "tensor")
 DESTINATIONS = ("same-gpu", "cuda:N", "pinned", "pageable")
@@ -222,11 +222,12 @@ class Transport:
 
     # -- layer-wise -------------------------------------------------------------------------------
     def layerwise(self, src: KVBuffer, mode: str = "auto", wakes: str = "halving",
-                  timeline: bool = False) -> "LayerwiseSend":
+                  timeline: bool = False, release: "list[int] | None" = None) -> "LayerwiseSend":
         """A per-layer sender for forward hooks (see kvlab.hooks): call `on_layer(i)` when layer i's K and V
-        are final; `finish()` returns the Landing. mode, wakes, timeline: see LayerwiseSend."""
+        are final; `finish()` returns the Landing. mode, wakes, timeline, release: see LayerwiseSend
+        (`release_plan` turns a send policy into `release`)."""
         self._check_src(src)
-        return LayerwiseSend(self, src, mode, wakes, timeline)
+        return LayerwiseSend(self, src, mode, wakes, timeline, release)
 
     # -- receiving --------------------------------------------------------------------------------
     def receive(self, landing: Landing, device: torch.device | str | None = None) -> KVBuffer:
@@ -283,6 +284,11 @@ class LayerwiseSend:
     kvlab.trace.event_handoff can place every copy without the profiler. In flag and staged modes the
     events are queued by arm(), so they cost prefill no host time at all.
 
+    release: when each layer may go (the send policy; see `release_plan`): release[i] is the layer whose
+    signal lets layer i's copy start, ≥ i. None = [0, 1, …, L-1], every layer at its own signal ("eager").
+    A held layer waits in stream order behind the copies before it, so layers still land in order.
+    Flag, event and cpu modes take any plan; staged and thread modes (pageable host) only "eager".
+
     Flag and staged modes: run the model once with nothing armed before the first armed request of a
     process (kvlab.handoff.warm_prefill). On our H200 a tiny model's first bf16 prefill behind an armed
     copy stream never returned — with CUDA_MODULE_LOADING=EAGER as well, so not lazy kernel loading, and
@@ -291,7 +297,7 @@ class LayerwiseSend:
     """
 
     def __init__(self, transport: Transport, src: KVBuffer, mode: str = "auto", wakes: str = "halving",
-                 timeline: bool = False):
+                 timeline: bool = False, release: "list[int] | None" = None):
         self.t = transport
         L = transport.layout.layers
         self.layers = L
@@ -299,10 +305,16 @@ class LayerwiseSend:
             raise ValueError(f"unknown wake plan {wakes!r}; valid: {list(WAKE_PLANS)}")
         self.wakes = wakes
         self.groups = wake_groups(L, wakes)
+        self.release = _check_release(release, L)
+        # the layers whose copies each layer's signal starts (event and cpu modes issue them there)
+        self._released_by = [[i for i in range(L) if self.release[i] == j] for j in range(L)]
         self._src = [src.data[i] for i in range(L)]
         self._dst = [transport.buffer.data[i] for i in range(L)]
         self.cuda = transport.cuda
         self.mode = self._choose_mode(mode)
+        if self.mode in ("staged", "thread") and self.release != list(range(L)):
+            raise ValueError(f"a send policy other than 'eager' needs a GPU destination or pinned host (flag or "
+                             f"event mode); this send to {transport.dest.label} runs in {self.mode!r} mode")
         self.host_done_ns = 0  # staged mode: when the worker finished the last host memcpy
         if self.mode == "staged":
             self._staging = transport.staging()
@@ -372,7 +384,7 @@ class LayerwiseSend:
         geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
         with torch.cuda.stream(stream), _dst_stream(self.t.dst_stream):
             for i in range(L):
-                (err,) = cu.cuStreamWaitValue32(handle, self._ptr, self._base + i + 1, geq)
+                (err,) = cu.cuStreamWaitValue32(handle, self._ptr, self._base + self.release[i] + 1, geq)
                 if err != cu.CUresult.CUDA_SUCCESS:
                     raise RuntimeError(f"cuStreamWaitValue32 failed: {err}")
                 if self.copy_start is not None:
@@ -447,21 +459,26 @@ class LayerwiseSend:
                 raise RuntimeError(f"cuStreamWriteValue32 failed for layer {i}: {err}")
             return
         if mode == "cpu":
-            self._dst[i].copy_(self._src[i])
+            for k in self._released_by[i]:
+                self._dst[k].copy_(self._src[k])
             return
         ready = self._ready[i]
         ready.record(self._compute)
         if mode == "thread":
             self._queue.put(i)
             return
+        group = self._released_by[i]
+        if not group:
+            return
         stream = self.t.stream
         stream.wait_event(ready)
-        if self.copy_start is not None:
-            self.copy_start[i].record(stream)
         torch.cuda.set_stream(stream)
-        self._dst[i].copy_(self._src[i], non_blocking=True)
+        for k in group:
+            if self.copy_start is not None:
+                self.copy_start[k].record(stream)
+            self._dst[k].copy_(self._src[k], non_blocking=True)
+            self._done[k].record(stream)
         torch.cuda.set_stream(self._compute)
-        self._done[i].record(stream)
 
     def _drain(self) -> None:
         torch.cuda.set_device(self.t.src_device)
@@ -653,6 +670,61 @@ def signal_costs(device=None, calls: int = 2000) -> dict:
         t.sort()
         out[name] = t[len(t) // 2] / 1e3
     return out
+
+
+POLICIES = ("eager", "deadline", "batch:N")
+
+
+def _check_release(release, layers: int) -> list[int]:
+    if release is None:
+        return list(range(layers))
+    out = list(release)
+    if len(out) != layers or any(isinstance(r, bool) or not isinstance(r, int) for r in out):
+        raise ValueError(f"release must list one int per layer ({layers}), got {release!r}")
+    bad = [i for i, r in enumerate(out) if not i <= r < layers]
+    if bad:
+        i = bad[0]
+        raise ValueError(f"release[{i}] = {out[i]}: a layer can only be released by its own signal or a later "
+                         f"one, i.e. a value in {i}…{layers - 1}")
+    return out
+
+
+def release_plan(policy: str, layers: int, *, compute_ms: float | None = None,
+                 transfer_ms: float | None = None, margin: float = 2.0) -> list[int]:
+    """A send policy as a release plan for LayerwiseSend: release[i] = the layer whose signal starts layer i's copy.
+
+    policy:
+      "eager"     every layer at its own signal (seed 004's way; the default).
+      "batch:N"   N releases: the layers go in N groups of about L/N, each at the signal of its last layer.
+      "deadline"  hold every copy until the prefill time left is about the transfer time left: the latest
+                  layer r such that sending layers 0…r at r's end, then each later layer at its own end,
+                  exposes no more than eager sending would with every transfer `margin` times slower than
+                  modelled (kvlab.calculator.deadline_release). Needs compute_ms (one layer's prefill
+                  time, ms) and transfer_ms (one layer's send time, ms), e.g. this run's prefill / L and one
+                  layer's copy timed alone.
+    Raises ValueError for an unknown policy, a bad N, or a deadline without its two times.
+    """
+    p = str(policy).strip().lower()
+    if p == "eager":
+        return list(range(layers))
+    if p.startswith("batch:"):
+        try:
+            n = int(p.split(":", 1)[1])
+        except ValueError:
+            n = 0
+        if not 1 <= n <= layers:
+            raise ValueError(f"policy {policy!r}: N must be an int in 1…{layers} (the number of releases)")
+        ends = [round((k + 1) * layers / n) - 1 for k in range(n)]
+        return [next(e for e in ends if e >= i) for i in range(layers)]
+    if p == "deadline":
+        if compute_ms is None or transfer_ms is None or not compute_ms > 0 or not transfer_ms >= 0:
+            raise ValueError("policy 'deadline' needs compute_ms > 0 (one layer's prefill time) and transfer_ms "
+                             f"≥ 0 (one layer's send time); got compute_ms={compute_ms!r}, transfer_ms={transfer_ms!r}")
+        from .calculator import deadline_release
+
+        r = deadline_release([compute_ms / 1e3] * layers, [transfer_ms / 1e3] * layers, margin=margin)
+        return [max(i, r) for i in range(layers)]
+    raise ValueError(f"unknown send policy {policy!r}; valid: 'eager', 'deadline', 'batch:N' (N releases)")
 
 
 WAKE_PLANS = ("halving", "layer")
