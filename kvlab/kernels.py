@@ -335,10 +335,11 @@ def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
     return "triton"
 
 
-def launch_rows(src, src_idx, dst, dst_idx, config: KernelConfig) -> None:
+def launch_rows(src, src_idx, dst, dst_idx, config: KernelConfig, programs: int | None = None) -> None:
     """Launch the Triton kernel without argument checks (transports check their plans once, up front).
 
-    Same contract as `copy_rows`. R = 0 is a no-op.
+    Same contract as `copy_rows`. R = 0 is a no-op. programs: run a persistent grid of at most this many
+    programs whatever `config.persistent` says — a copy throttled to a few SMs (kvlab.clocks uses 8).
     """
     n = int(src_idx.shape[0])
     if n == 0:
@@ -356,7 +357,12 @@ def launch_rows(src, src_idx, dst, dst_idx, config: KernelConfig) -> None:
     n_col = (row_words + block - 1) // block
     n_tiles = ((n + rpp - 1) // rpp) * n_col
     interpret = src.device.type == "cpu" and dst.device.type == "cpu"
-    if config.persistent:
+    persistent = bool(config.persistent) or programs is not None
+    if programs is not None:
+        if isinstance(programs, bool) or not isinstance(programs, int) or programs < 1:
+            raise ValueError(f"programs={programs!r}: expected an int ≥ 1 (the grid's size)")
+        programs = min(n_tiles, programs)
+    elif config.persistent:
         programs = min(n_tiles, config.persistent * _sm_count(_kernel_device(src, dst)))
     else:
         programs = n_tiles
@@ -364,7 +370,7 @@ def launch_rows(src, src_idx, dst, dst_idx, config: KernelConfig) -> None:
     kernel[(programs,)](s, d, src_idx, src_idx if dst_idx is None else dst_idx, n, n_col, n_tiles,
                         ROW=row_words, BLOCK=block, RPP=rpp, EVEN=row_words % block == 0,
                         DST_CONTIG=dst_idx is None, STREAMING=config.streaming,
-                        PERSISTENT=bool(config.persistent), STAGES=config.stages if config.persistent else 1,
+                        PERSISTENT=persistent, STAGES=config.stages if persistent else 1,
                         num_warps=config.num_warps)
 
 

@@ -331,6 +331,9 @@ def match_kernels(colocated: pd.DataFrame, layerwise: pd.DataFrame,
     return out
 
 
+CLOCK_TERM = "kernels slowed by a lower SM clock (NVML)"
+
+
 @dataclass
 class Decomposition:
     """The result of decompose(). Tables in ns unless a column says _ms.
@@ -362,7 +365,10 @@ class Decomposition:
         """The decomposition as a small table: term, ms, share of Δwall (%)."""
         t = self.totals
         d = t["delta_wall_ns"]
-        rows = [("Δwall", d), ("kernels stretched inside copy windows", t["kernel_inside_ns"]),
+        rows = [("Δwall", d)]
+        if t.get("clock_term"):
+            rows.append((CLOCK_TERM, t["clock_ns"]))
+        rows += [("kernels stretched inside copy windows", t["kernel_inside_ns"]),
                 ("kernels stretched outside copy windows", t["kernel_outside_ns"]),
                 ("GPU idle gaps (waiting for the host)", t["idle_ns"]), ("exposed tail after the last kernel", t["tail_ns"]),
                 ("host work before the first kernel (lead-in)", t["lead_ns"]),
@@ -371,10 +377,30 @@ class Decomposition:
                              for name, ns in rows])
 
 
+def clock_on_trace(samples: pd.DataFrame, gpu: int, t0_ns: int, events: pd.DataFrame) -> pd.DataFrame:
+    """NVML samples of one GPU (kvlab.clocks.Sampler) placed on one traced run's time axis: `trace_ns` =
+    the kvlab/region range's start in the trace + (sample time − t0_ns), where t0_ns is the host time at
+    which that run's start event was recorded (trace_handoff's walls.t0_ns) — the region range opens at the
+    same host moment. Columns: trace_ns, sm_mhz, power_w. Empty when the trace has no region range."""
+    r = events[(events.kind == "range") & (events.name == REGION) & events.stream.isna()]
+    s = samples[samples.gpu == gpu]
+    if not len(r) or not len(s):
+        return pd.DataFrame(columns=["trace_ns", "sm_mhz", "power_w"])
+    base = int(r.start_ns.min())
+    return pd.DataFrame({"trace_ns": base + (s.t_ns.to_numpy(dtype=np.int64) - int(t0_ns)),
+                         "sm_mhz": s.sm_mhz.to_numpy(dtype=float), "power_w": s.power_w.to_numpy(dtype=float)})
+
+
+def _clock_at(clock: pd.DataFrame, t_ns: np.ndarray) -> np.ndarray:
+    c = clock.sort_values("trace_ns")
+    return np.interp(t_ns.astype(float), c.trace_ns.to_numpy(dtype=float), c.sm_mhz.to_numpy(dtype=float))
+
+
 def decompose(colocated: pd.DataFrame, layerwise: pd.DataFrame, *, ceiling_gbps: float | None = None,
               wall_co_ns: int | None = None, wall_lw_ns: int | None = None,
               compute_co: tuple[int, int] | None = None,
-              compute_lw: tuple[int, int] | None = None) -> Decomposition:
+              compute_lw: tuple[int, int] | None = None,
+              clock_co: pd.DataFrame | None = None, clock_lw: pd.DataFrame | None = None) -> Decomposition:
     """Decompose the layer-wise run's extra wall time into kernel stretch (inside / outside copy
     windows), idle gaps and exposed tail, per layer and in total (see the module docstring).
 
@@ -382,6 +408,11 @@ def decompose(colocated: pd.DataFrame, layerwise: pd.DataFrame, *, ceiling_gbps:
     ceiling on the same path (bytes / time of one bulk copy), to put each layer's copy rate beside.
     wall_co_ns, wall_lw_ns: wall times measured outside the trace (both or neither); without them the
     walls come from the trace itself and the remainder only shows what the matching missed.
+    clock_co, clock_lw: the prefill GPU's SM clock on each run's trace axis (clock_on_trace; both or
+    neither). With them each matched kernel's stretch is split into what its lower clock predicts —
+    dur_co × (f_co / f_lw − 1), kernel time taken ∝ 1 / SM clock, f at the kernel's midpoint in each run —
+    and the rest; totals gain clock_ns (Σ over all kernels), clock_inside_ns and clock_outside_ns, and
+    kernel_inside_ns / kernel_outside_ns become the stretch *beyond* the clock (the sum is unchanged).
     Raises NoGPUActivity (CPU traces), TraceError (no hook ranges in the layer-wise run, different
     op sequences).
     """
@@ -420,20 +451,34 @@ def decompose(colocated: pd.DataFrame, layerwise: pd.DataFrame, *, ceiling_gbps:
     measured = wall_co_ns is not None
     wall_co = int(wall_co_ns) if measured else trace_wall_co
     wall_lw = int(wall_lw_ns) if measured else trace_wall_lw
-    inside = int(kern.delta_ns[kern.inside_copy].sum())
-    outside = int(kern.delta_ns[~kern.inside_copy].sum())
+    if (clock_co is None) != (clock_lw is None):
+        raise ValueError("give both clock_co and clock_lw (the SM clock on each run's trace), or neither")
+    with_clock = clock_co is not None and len(clock_co) > 1 and len(clock_lw) > 1
+    if with_clock:
+        f_co = _clock_at(clock_co, kern.start_co_ns.to_numpy() + kern.dur_co_ns.to_numpy() / 2)
+        f_lw = _clock_at(clock_lw, kern.start_lw_ns.to_numpy() + kern.dur_lw_ns.to_numpy() / 2)
+        kern["sm_mhz_co"], kern["sm_mhz_lw"] = f_co, f_lw
+        kern["clock_ns"] = kern.dur_co_ns.to_numpy() * (f_co / f_lw - 1)
+    else:
+        kern["clock_ns"] = 0.0
+    clock_in = float(kern.clock_ns[kern.inside_copy].sum())
+    clock_out = float(kern.clock_ns[~kern.inside_copy].sum())
+    inside = int(round(kern.delta_ns[kern.inside_copy].sum() - clock_in))
+    outside = int(round(kern.delta_ns[~kern.inside_copy].sum() - clock_out))
+    clock = int(round(clock_in + clock_out))
     idle = int(kern.delta_gap_ns.sum())
     tail = tail_lw - tail_co
     lead_co, lead_lw = lead_in(colocated, ops_co), lead_in(layerwise, ops_lw)
     # trace-derived walls start at the first compute op, so only measured walls hold a lead-in
     lead = lead_lw - lead_co if measured and lead_co is not None and lead_lw is not None else 0
     delta = wall_lw - wall_co
-    explained = inside + outside + idle + tail + lead
+    explained = clock + inside + outside + idle + tail + lead
     remainder = delta - explained
     frac = 1 - abs(remainder) / abs(delta) if delta != 0 else (1.0 if remainder == 0 else 0.0)
 
     # the copies' own cost: kernels inside copy windows also carry whatever slowed the whole run (clocks
     # drift by several ms at 16k between runs), so take off the stretch rate seen outside the windows
+    # (with a clock, both terms are already net of what the clock explains)
     dur_in = int(kern.dur_co_ns[kern.inside_copy].sum())
     dur_out = int(kern.dur_co_ns[~kern.inside_copy].sum())
     drift_rate = outside / dur_out if dur_out else 0.0
@@ -444,6 +489,8 @@ def decompose(colocated: pd.DataFrame, layerwise: pd.DataFrame, *, ceiling_gbps:
         "wall_co_ns": wall_co, "wall_lw_ns": wall_lw, "wall_source": "measured" if measured else "trace",
         "trace_wall_co_ns": trace_wall_co, "trace_wall_lw_ns": trace_wall_lw,
         "delta_wall_ns": delta, "kernel_inside_ns": inside, "kernel_outside_ns": outside, "idle_ns": idle,
+        "clock_ns": clock, "clock_inside_ns": int(round(clock_in)), "clock_outside_ns": int(round(clock_out)),
+        "clock_term": bool(with_clock),
         "tail_ns": tail, "lead_ns": lead, "lead_co_ns": lead_co, "lead_lw_ns": lead_lw,
         "explained_ns": explained, "remainder_ns": remainder, "explained_frac": frac,
         "ops": len(kern), "ops_inside": int(kern.inside_copy.sum()),
@@ -456,15 +503,17 @@ def decompose(colocated: pd.DataFrame, layerwise: pd.DataFrame, *, ceiling_gbps:
         "compute_stream_co": cs_co, "compute_stream_lw": cs_lw,
     }
 
-    zero = {"kernel_inside_ms": 0.0, "kernel_outside_ms": 0.0, "idle_ms": 0.0, "tail_ms": 0.0, "lead_ms": 0.0}
+    zero = {"clock_ms": 0.0, "kernel_inside_ms": 0.0, "kernel_outside_ms": 0.0, "idle_ms": 0.0, "tail_ms": 0.0,
+            "lead_ms": 0.0}
     seg_rows = [{"segment": "lead-in", "layer": pd.NA, "ops": 0, **zero, "lead_ms": lead / 1e6}]
     for seg in dict.fromkeys(kern.segment):
         g = kern[kern.segment == seg]
         layer = g.layer.dropna()
         seg_rows.append({
             "segment": seg, "layer": int(layer.iloc[0]) if len(layer) else pd.NA, "ops": len(g), **zero,
-            "kernel_inside_ms": g.delta_ns[g.inside_copy].sum() / 1e6,
-            "kernel_outside_ms": g.delta_ns[~g.inside_copy].sum() / 1e6,
+            "clock_ms": g.clock_ns.sum() / 1e6,
+            "kernel_inside_ms": (g.delta_ns[g.inside_copy].sum() - g.clock_ns[g.inside_copy].sum()) / 1e6,
+            "kernel_outside_ms": (g.delta_ns[~g.inside_copy].sum() - g.clock_ns[~g.inside_copy].sum()) / 1e6,
             "idle_ms": g.delta_gap_ns.sum() / 1e6,
         })
     seg_rows.append({"segment": "tail", "layer": pd.NA, "ops": 0, **zero, "tail_ms": tail / 1e6})
@@ -592,12 +641,13 @@ def causes(decomp: Decomposition) -> pd.DataFrame:
     t = decomp.totals
     seg = decomp.segments
     rows = []
-    for term, col, key in (("kernels stretched inside copy windows", "kernel_inside_ms", "kernel_inside_ns"),
+    terms = [(CLOCK_TERM, "clock_ms", "clock_ns")] if t.get("clock_term") else []
+    for term, col, key in terms + [("kernels stretched inside copy windows", "kernel_inside_ms", "kernel_inside_ns"),
                            ("kernels stretched outside copy windows", "kernel_outside_ms", "kernel_outside_ns"),
                            ("GPU idle gaps (waiting for the host)", "idle_ms", "idle_ns"),
                            ("exposed tail after the last kernel", "tail_ms", "tail_ns"),
                            ("host work before the first kernel (lead-in)", "lead_ms", "lead_ns"),
-                           ("unexplained remainder", None, "remainder_ns")):
+                           ("unexplained remainder", None, "remainder_ns")]:
         ns = t[key]
         where = ""
         if col is not None and len(seg):
@@ -864,7 +914,8 @@ def decomposition_chart(decomp: Decomposition, ax=None, title: str | None = None
     if ax is None:
         _, ax = plt.subplots(figsize=(max(6, 0.28 * len(seg) + 2), 3.6))
     x = np.arange(len(seg))
-    terms = [("kernel_inside_ms", "kernels, inside copy windows", plots.VERMILLION),
+    terms = [("clock_ms", "kernels, lower SM clock", "#777777")] if decomp.totals.get("clock_term") else []
+    terms += [("kernel_inside_ms", "kernels, inside copy windows", plots.VERMILLION),
              ("kernel_outside_ms", "kernels, outside copy windows", plots.BLUE),
              ("idle_ms", "idle gaps", plots.GREEN), ("tail_ms", "exposed tail", plots.PURPLE),
              ("lead_ms", "lead-in (host, before the first kernel)", plots.ORANGE)]

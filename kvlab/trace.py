@@ -801,7 +801,7 @@ class HandoffTrace:
 def trace_handoff(model, context: int, destination: str, transport: str = "copy", repeats: int = 3,
                   send_mode: str = "auto",
                   device=None, out_dir: str | os.PathLike | None = None, seed: int = 0,
-                  warmup: int = 2, progress=None) -> HandoffTrace:
+                  warmup: int = 2, progress=None, sampler=None) -> HandoffTrace:
     """Trace a colocated prefill and a layer-wise prefill + send of the same prompt.
 
     model: a transformers causal LM (kvlab.models.build); context: prompt tokens; destination:
@@ -813,6 +813,11 @@ def trace_handoff(model, context: int, destination: str, transport: str = "copy"
     Both traced variants carry the hooks' layer ranges (the colocated one without sending), so the
     colocated trace splits by layer too and range overhead is the same on both sides; the untraced
     runs have neither profiler nor ranges, so traced − untraced is the whole cost of tracing.
+
+    sampler: an optional kvlab.clocks.Sampler; while the rounds run it samples the GPUs' clocks and power,
+    and every row of `walls` notes `t0_ns`, the host time (perf_counter_ns) at which its start event was
+    recorded on an idle GPU, so the samples can be placed on that run's timeline
+    (kvlab.overlap.decompose's clock term). The samples are in `extra["clock_samples"]`.
     """
     import torch
 
@@ -866,6 +871,7 @@ def trace_handoff(model, context: int, destination: str, transport: str = "copy"
                 if cuda:
                     stream = torch.cuda.current_stream(dev)
                     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    t0_ns = time.perf_counter_ns()
                     a.record(stream)
                     prefill(model, ids, src)
                     b.record(stream)
@@ -880,7 +886,8 @@ def trace_handoff(model, context: int, destination: str, transport: str = "copy"
             ms = a.elapsed_time(b)
         else:
             ms = (t1 - t0) / 1e6
-        return {"wall_ms": ms, "prefill_ms": ms, "exposed_ms": 0.0}
+            t0_ns = t0
+        return {"wall_ms": ms, "prefill_ms": ms, "exposed_ms": 0.0, "t0_ns": t0_ns}
 
     def prefill_or_abort(hooks):
         _prefill_or_abort(model, ids, src, sender, hooks)  # an armed copy stream must not wait forever
@@ -892,6 +899,7 @@ def trace_handoff(model, context: int, destination: str, transport: str = "copy"
             if cuda:
                 stream = torch.cuda.current_stream(dev)
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0_ns = time.perf_counter_ns()
                 a.record(stream)
                 # arms the copies in "flag"/"staged" mode: inside the traced region, where the timeline shows
                 # it as lead-in (kvlab.handoff arms before its clock starts and reports the arm time apart)
@@ -921,7 +929,8 @@ def trace_handoff(model, context: int, destination: str, transport: str = "copy"
                 exposed = b.elapsed_time(landing.done_event)
         else:
             p, exposed = (t1 - t0) / 1e6, (t2 - t1) / 1e6
-        return {"wall_ms": p + max(exposed, 0.0), "prefill_ms": p, "exposed_ms": exposed}
+            t0_ns = t0
+        return {"wall_ms": p + max(exposed, 0.0), "prefill_ms": p, "exposed_ms": exposed, "t0_ns": t0_ns}
 
     say(f"warm-up ({warmup} rounds)")
     for _ in range(warmup):
@@ -938,6 +947,8 @@ def trace_handoff(model, context: int, destination: str, transport: str = "copy"
     tables = {"colocated": [], "layerwise": []}
     paths = {"colocated": [], "layerwise": []}
     say(f"{repeats} rounds of: colocated, layer-wise, each untraced and then under torch.profiler")
+    if sampler is not None:
+        sampler.start()
     for r in range(repeats):
         # all four in every round, so drift (clocks, temperature) reaches traced and untraced alike
         rows.append({"variant": "colocated", "traced": False, "repeat": r, **run_colocated(False)})
@@ -950,6 +961,7 @@ def trace_handoff(model, context: int, destination: str, transport: str = "copy"
             paths[variant].append(path)
             rows.append({"variant": variant, "traced": True, "repeat": r, **box})
     walls = pd.DataFrame(rows)
+    clock_samples = sampler.stop() if sampler is not None else None
 
     lw = walls[(walls.variant == "layerwise") & walls.traced].sort_values("wall_ms")
     kept = int(lw.iloc[(len(lw) - 1) // 2]["repeat"])
@@ -975,7 +987,7 @@ def trace_handoff(model, context: int, destination: str, transport: str = "copy"
         ceiling_gbps=layout.nbytes / bulk_ms / 1e6 if bulk_ms > 0 else float("nan"),
         bulk_copy_ms=bulk_ms, layer_copy_ms=layer_ms, kept=kept,
         extra={"send_mode": getattr(sender, "mode", None), "hook_host_ms_last": send_hooks[True].host_ns / 1e6,
-               "ceiling_destination": ceil_t.label})
+               "ceiling_destination": ceil_t.label, "clock_samples": clock_samples})
 
 
 # ============================================================================== per-layer events

@@ -20,7 +20,9 @@ import re
 import pandas as pd
 import pytest
 
-from kvlab import overlap, trace
+import torch
+
+from kvlab import clocks, overlap, trace
 from kvlab.trace import TraceError
 
 US = 1000  # ns
@@ -317,14 +319,15 @@ def test_the_notebooks_gpu_branch_runs_on_a_synthetic_gpu_trace(tmp_path, pair):
     from kvlab import nbtools, plots, results
 
     co, lw = pair
-    walls = pd.DataFrame([dict(variant=v, traced=t, repeat=0, wall_ms=w, prefill_ms=w, exposed_ms=0.0)
-                          for v, t, w in (("colocated", False, 0.098), ("layerwise", False, 0.118),
-                                          ("colocated", True, 0.100), ("layerwise", True, 0.121))])
+    walls = pd.DataFrame([dict(variant=v, traced=t, repeat=0, wall_ms=w, prefill_ms=w, exposed_ms=0.0, t0_ns=t0)
+                          for v, t, w, t0 in (("colocated", False, 0.098, 1000), ("layerwise", False, 0.118, 2000),
+                                              ("colocated", True, 0.100, 3000), ("layerwise", True, 0.121, 4000))])
+    samples = pd.DataFrame({"t_ns": [3000, 4000], "gpu": [0, 0], "sm_mhz": [1500.0, 1400.0], "power_w": [690.0, 700.0]})
     ht = trace.HandoffTrace(colocated=co, layerwise=lw, walls=walls, paths={"colocated": [], "layerwise": []},
                             model="synthetic", context=1024, destination="pinned-host", transport="copy",
                             device="cuda:0", layers=2, bytes_per_layer=3_000_000, kv_bytes=6_000_000,
                             ceiling_gbps=200.0, bulk_copy_ms=0.03, layer_copy_ms=0.03, kept=0,
-                            extra={"send_mode": "flag"})
+                            extra={"send_mode": "flag", "clock_samples": samples})
     fake_trace = SimpleNamespace(**{k: getattr(trace, k) for k in dir(trace) if not k.startswith("__")})
     fake_trace.trace_handoff = lambda *a, **k: ht
     layers = trace.event_table([0.05, 0.09], [0.051, 0.091], [0.081, 0.121], 0.12, 3_000_000)
@@ -338,17 +341,18 @@ def test_the_notebooks_gpu_branch_runs_on_a_synthetic_gpu_trace(tmp_path, pair):
     path = Path(__file__).resolve().parent.parent / "notebooks" / "03_overlap_timeline.ipynb"
     code = [c.source for c in nbformat.read(str(path), as_version=4).cells if c.cell_type == "code"]
     ns = dict(trace=fake_trace, overlap=overlap, plots=plots, nbtools=nbtools, results=results, run=run,
-              lm=None, n_tokens=1024, dest="pinned", transport="copy", send_mode="auto", repeats=1, device="cuda",
-              events="auto", event_rounds=1, on_gpu=True,
+              lm=None, n_tokens=1024, dest="pinned", transport="copy", send_mode="auto", repeats=1,
+              device=torch.device("cuda"), events="auto", event_rounds=1, on_gpu=True, torch=torch, clocks=clocks,
+              clock_interval_ms=5.0, patterns="auto", pattern_list=None, pattern_rounds=9,
               model_name="synthetic", Markdown=lambda s: s, display=lambda *a, **k: None)
     for source in code[2:]:  # after the parameters and the set-up cell (which builds a model)
         exec(compile(source, str(path), "exec"), ns)
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert record["status"] == "finished"
     assert record["findings"][1].startswith("The largest cause: exposed tail")
-    written = {p.name for p in (tmp_path / "run").glob("*.csv")}
-    assert {"decomposition.csv", "segments.csv", "layers.csv", "causes.csv", "copies.csv", "backlog.csv",
-            "goals.csv", "timeline.csv", "event_rounds.csv", "event_layers.csv", "event_overhead.csv"} <= written
+    written = {p.name for p in (tmp_path / "run").glob("*.csv*")}
+    assert {"clock_samples.csv.gz", "decomposition.csv", "segments.csv", "layers.csv", "causes.csv", "copies.csv", "backlog.csv",
+            "goals.csv", "timeline.csv.gz", "event_rounds.csv", "event_layers.csv", "event_overhead.csv"} <= written
     assert {p.name for p in (tmp_path / "run" / "figures").glob("*.png")} == {
         "timeline.png", "decomposition.png", "backlog.png", "event_timeline.png"}
     goals = pd.read_csv(tmp_path / "run" / "goals.csv")
@@ -358,3 +362,38 @@ def test_the_notebooks_gpu_branch_runs_on_a_synthetic_gpu_trace(tmp_path, pair):
     import matplotlib.pyplot as plt
 
     plt.close("all")
+
+
+def test_a_lower_clock_takes_its_share_of_the_stretch(pair):
+    co, lw = pair
+    t_ns = [0, 200 * US]
+    clock_co = pd.DataFrame({"trace_ns": t_ns, "sm_mhz": [1600.0, 1600.0], "power_w": [700.0, 700.0]})
+    # the layer-wise run at 10/11 of the clock: every kernel should take 10 % longer on that account alone
+    clock_lw = clock_co.assign(sm_mhz=1600.0 * 10 / 11)
+    d = overlap.decompose(co, lw, clock_co=clock_co, clock_lw=clock_lw)
+    t = d.totals
+    assert t["clock_term"] and t["clock_ns"] == 10 * US  # 100 µs of colocated kernel time × 0.1
+    assert (t["clock_inside_ns"], t["clock_outside_ns"]) == (6 * US, 4 * US)
+    # what is left of the stretch beyond the clock, inside and outside copy windows; the sum is unchanged
+    assert (t["kernel_inside_ns"], t["kernel_outside_ns"]) == (-1 * US, -3 * US)
+    assert t["remainder_ns"] == 0 and t["delta_wall_ns"] == 21 * US
+    assert d.segments.clock_ms.sum() == pytest.approx(0.010)
+    summary = d.summary().set_index("term")
+    assert summary.loc[overlap.CLOCK_TERM, "ms"] == pytest.approx(0.010)
+    assert overlap.causes(d).cause.iloc[1] == overlap.CLOCK_TERM  # second to the 12 µs tail
+    assert overlap.decomposition_chart(d).get_legend_handles_labels()[1][0] == "kernels, lower SM clock"
+    # an unchanged clock explains nothing, and one clock without the other is refused
+    same = overlap.decompose(co, lw, clock_co=clock_co, clock_lw=clock_co)
+    assert same.totals["clock_ns"] == 0 and same.totals["kernel_inside_ns"] == 5 * US
+    with pytest.raises(ValueError, match="both clock_co and clock_lw"):
+        overlap.decompose(co, lw, clock_co=clock_co)
+
+
+def test_clock_samples_are_placed_on_a_run_by_its_region(tmp_path):
+    lw = run_events(tmp_path, "lw_r", LW_GPU, LW_COPIES, region=(0, 141))
+    samples = pd.DataFrame({"t_ns": [1_000_000, 1_050_000, 1_050_000], "gpu": [0, 0, 1],
+                            "sm_mhz": [1500.0, 1400.0, 300.0], "power_w": [690.0, 700.0, 80.0]})
+    region = lw[(lw.kind == "range") & (lw.name == trace.REGION)].start_ns.min()
+    on = overlap.clock_on_trace(samples, 0, 1_000_000, lw)
+    assert on.trace_ns.tolist() == [region, region + 50_000] and on.sm_mhz.tolist() == [1500.0, 1400.0]
+    assert overlap.clock_on_trace(samples, 0, 0, run_events(tmp_path, "no_region", LW_GPU)).empty

@@ -1,0 +1,61 @@
+"""Two GPUs: the peer handoff decodes on the destination GPU with its own copy of the model, every send
+policy lands a cache that decodes identically, and the send-pattern experiment runs end to end. Skipped
+without two CUDA GPUs (they ran on 2×H200)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab import clocks, handoff
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                 reason="needs two CUDA GPUs")]
+
+
+@pytest.fixture(scope="module")
+def tiny_gpu():
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      intermediate_size=128, vocab_size=256, num_hidden_layers=4, max_position_embeddings=512,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to("cuda:0", torch.bfloat16).eval()
+
+
+def test_replicas_are_the_same_weights_on_the_peer(tiny_gpu):
+    rep = handoff.Replicas(tiny_gpu)
+    assert rep("cuda:0") is tiny_gpu
+    peer = rep("cuda:1")
+    assert peer is rep(torch.device("cuda", 1)) and next(peer.parameters()).device == torch.device("cuda", 1)
+    for (n, a), (_, b) in zip(tiny_gpu.state_dict().items(), peer.state_dict().items()):
+        assert torch.equal(a.cpu(), b.cpu()), n
+
+
+@pytest.mark.parametrize("policy", ["eager", "deadline", "batch:2"])
+def test_peer_handoff_decodes_on_the_destination_gpu(tiny_gpu, policy):
+    cfg = handoff.HandoffConfig(contexts=[128], destinations=["cuda:1"], repeats=2, warmup=1, decode_tokens=5,
+                                interleave_short=2, interleave=2, short_context=128, policy=policy)
+    timings, checks = handoff.run_handoff(tiny_gpu, cfg, device="cuda:0")
+    moved = checks[checks.destination == "peer-cuda:1"]
+    assert len(moved) == 2 and set(moved.decode_device) == {"cuda:1"}
+    assert checks.tokens_match.all() and checks.logits_equal.all() and (checks.poison_left == 0).all()
+    assert moved.decode_gpu_logits_equal.all() and moved.bytes_equal.all()
+    assert (timings[(timings.destination == "peer-cuda:1") & (timings.measure == "decode_step")].ms > 0).all()
+    summary = handoff.summarize(timings)
+    assert list(summary.destination) == ["peer-cuda:1"]
+
+
+def test_send_patterns_run_on_two_gpus(tiny_gpu):
+    run = clocks.send_patterns(tiny_gpu, 128, "cuda:1", rounds=2, warmup=1, device="cuda:0", interval_ms=2.0)
+    assert set(run.rounds.variant) == set(clocks.PATTERNS)
+    assert (run.rounds.prefill_ms > 0).all() and run.rounds.groupby("variant").size().eq(2).all()
+    sends = run.rounds[run.rounds.variant != "colocated"]
+    assert sends.exposed_ms.notna().all()
+    assert len(run.timeline) == 4 and (run.timeline.copy_end_ms >= run.timeline.copy_start_ms).all()
+    s = clocks.pattern_summary(run.rounds)
+    assert len(s) == len(clocks.PATTERNS)
+    if run.meta["nvml"]:
+        assert (run.rounds.samples_g0 >= 0).all() and len(run.samples) > 0
