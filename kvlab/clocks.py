@@ -363,6 +363,7 @@ def send_patterns(model, context: int, peer: str = "cuda:1", variants=None, roun
     dev = torch.device(device) if device is not None else next(model.parameters()).device
     if dev.type != "cuda":
         raise ValueError("send_patterns needs a CUDA prefill device (it compares sends to a peer GPU)")
+    dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
     (dest,) = check_request(model, [context], [peer], dev)
     if dest.kind != "peer":
         raise ValueError(f"peer={peer!r} is not another GPU than {dev}; give 'cuda:N' with N ≠ {dev.index}")
