@@ -43,8 +43,9 @@ REASON_BITS = {0x1: "gpu idle", 0x2: "application clocks", 0x4: "SW power cap", 
                0x100: "display clocks"}
 _POWER_CAP = 0x4
 _FI_POWER_INSTANT = 186      # NVML_FI_DEV_POWER_INSTANT (W·1000)
-_FI_NVLINK_TX = 138          # NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX (KiB, a running counter)
+_FI_NVLINK_TX = 138          # NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX (KiB, a running counter per link)
 _FI_NVLINK_RX = 139          # NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX
+_NVLINKS = 18                # links asked for (scope ids 0…17; an H200 has 18, absent ones return an error)
 
 
 def _field_value(fv):
@@ -61,7 +62,10 @@ class Sampler:
     Use as a context manager or start()/stop(); `samples()` returns the table (SAMPLE_COLUMNS): t_ns
     (perf_counter_ns), gpu (CUDA index), sm_mhz, power_w (instantaneous where the driver offers it, else
     NVML's averaged reading), reasons (bitmask, see REASON_BITS), power_capped (the SW power-cap bit),
-    nvlink_tx_kib / nvlink_rx_kib (running counters; difference two samples for the bytes in between).
+    nvlink_tx_kib / nvlink_rx_kib (running counters summed over the links; difference two samples for the
+    bytes in between). NVML itself refreshes clocks and power only every ~100 ms on our H200s (the readings
+    hold still for that long), so a reading is that period's value: sample means over a 1 s prefill are
+    sound, a single kernel's clock is not resolved.
     One sample of two GPUs costs the thread ~0.1–0.3 ms of host time under the GIL, which a host-bound
     prefill (1k tokens) would feel: sample long prefills, or take a coarser interval.
     """
@@ -111,16 +115,21 @@ class Sampler:
         nv = self._nvml
         t = time.perf_counter_ns()
         sm = float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))
-        ids = [_FI_NVLINK_TX, _FI_NVLINK_RX] + ([_FI_POWER_INSTANT] if self.instant_power else [])
+        # the throughput counters are per link (scope id = link): the run of run 20261130-142913-h200 read
+        # link 0 alone and saw 1/18 of the bytes; sum every link that answers
+        ids = [(_FI_NVLINK_TX, k) for k in range(_NVLINKS)] + [(_FI_NVLINK_RX, k) for k in range(_NVLINKS)]
+        ids += [_FI_POWER_INSTANT] if self.instant_power else []
         try:
-            fv = nv.nvmlDeviceGetFieldValues(h, ids)
-            vals = [_field_value(f) for f in fv]
+            vals = [_field_value(f) for f in nv.nvmlDeviceGetFieldValues(h, ids)]
         except Exception:
             vals = [float("nan")] * len(ids)
-        power = vals[2] / 1e3 if self.instant_power else nv.nvmlDeviceGetPowerUsage(h) / 1e3
+        tx, rx = (np.asarray(vals[k * _NVLINKS:(k + 1) * _NVLINKS]) for k in (0, 1))
+        tx = float(np.nansum(tx)) if np.isfinite(tx).any() else float("nan")
+        rx = float(np.nansum(rx)) if np.isfinite(rx).any() else float("nan")
+        power = vals[-1] / 1e3 if self.instant_power else nv.nvmlDeviceGetPowerUsage(h) / 1e3
         get = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
         reasons = int(get(h))
-        return (t, gpu, sm, float(power), reasons, bool(reasons & _POWER_CAP), vals[0], vals[1])
+        return (t, gpu, sm, float(power), reasons, bool(reasons & _POWER_CAP), tx, rx)
 
     def sample_once(self) -> None:
         """Take one sample of every GPU now (the thread calls this; tests may too)."""
