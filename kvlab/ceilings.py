@@ -20,6 +20,10 @@ Path names say the path and the mechanism (in the spirit of nvbandwidth):
 ``d2d_peer:i->j`` GPU i → GPU j, ``copy_`` → cudaMemcpyAsync on GPU i's stream
                   (copy engine over NVLink/PCIe when peer access is on, else
                   staged by the driver through host memory); ≥ 2 GPUs only
+``d2d_peer_sm:i->j`` GPU i → GPU j through kvlab's Triton row-copy kernel on
+                  GPU i: SM loads here, SM stores over the link into GPU j's
+                  memory (what a gather kernel writing to a peer pool does);
+                  ≥ 2 GPUs with peer access and Triton
 ``d2h_pinned``    GPU → pinned host memory, async copy engine
 ``h2d_pinned``    pinned host memory → GPU, async copy engine
 ``d2h_pageable``  GPU → ordinary (pageable) host memory; the driver stages it
@@ -76,6 +80,7 @@ _BATCH_MAX = 64
 _FREE_FRACTION = 0.9
 _POISON = 0xA5  # destination bytes before the copy; random source bytes differ from it 255 times in 256
 _PEER = re.compile(r"^d2d_peer:(\d+)->(\d+)$")
+_PEER_SM = re.compile(r"^d2d_peer_sm:(\d+)->(\d+)$")
 
 
 # --------------------------------------------------------------------------- #
@@ -196,6 +201,11 @@ def available_paths(device: str | int | torch.device | None = None) -> list[str]
         return ["h2h"]
     n = _gpu_count(dev)
     peers = [f"d2d_peer:{i}->{j}" for i in range(n) for j in range(n) if i != j]
+    from . import kernels
+
+    if n > 1 and kernels.triton_status(dev)[0]:
+        peers += [f"d2d_peer_sm:{i}->{j}" for i in range(n) for j in range(n)
+                  if i != j and torch.cuda.can_device_access_peer(i, j)]
     return ["d2d_same", "d2d_same_sm", *peers, "d2h_pinned", "h2d_pinned", "d2h_pageable"]
 
 
@@ -251,6 +261,10 @@ def _spec(name: str, dev: torch.device) -> _PathSpec:
         # non_blocking would not help: a copy into pageable memory returns to
         # the host only once the bytes are there
         return _PathSpec(name, "staged_memcpy", dev, cpu, timer=dev)
+    m = _PEER_SM.match(name)
+    if m:
+        src, dst = torch.device("cuda", int(m.group(1))), torch.device("cuda", int(m.group(2)))
+        return _PathSpec(name, "sm_store_p2p", src, dst, kernel=True, timer=src)
     m = _PEER.match(name)
     if m:
         i, j = int(m.group(1)), int(m.group(2))
@@ -335,7 +349,21 @@ class _Case:
         gen.manual_seed(seed)
         self.src.random_(0, 256, generator=gen)  # in place: no second buffer of `size` bytes
         self.dst.fill_(_POISON)
-        if spec.kernel:
+        if spec.mechanism == "sm_store_p2p":
+            # rows of 16 KiB (the paged caches' block row) moved by the row-copy kernel, as a paged gather
+            # into a peer pool would; a tail shorter than a row goes by copy_
+            from . import kernels
+
+            # a copy each way turns peer access on (torch does it on first use) before a kernel stores across
+            self.dst[:1].copy_(self.src[:1])
+            self.src[:1].copy_(self.dst[:1])
+            row = 16 * KiB if size >= 16 * KiB else size
+            n = size // row
+            self._rows = (self.src[: n * row].view(n, row), self.dst[: n * row].view(n, row),
+                          torch.arange(n, dtype=torch.int64, device=spec.src))
+            self._tail = size - n * row
+            self._kernels = kernels
+        elif spec.kernel:
             # 4-byte words when possible: the elementwise kernel then moves 16 B per vector load
             if size % 4 == 0:
                 self._ksrc, self._kdst, self._mask = self.src.view(torch.int32), self.dst.view(torch.int32), -1
@@ -344,7 +372,12 @@ class _Case:
 
     def copy(self) -> None:
         """One copy of ``size`` bytes from src to dst, enqueued on the current stream."""
-        if self.spec.kernel:
+        if self.spec.mechanism == "sm_store_p2p":
+            s, d, idx = self._rows
+            self._kernels.launch_rows(s, idx, d, None, self._kernels.DEFAULT_CONFIG)
+            if self._tail:
+                self.dst[-self._tail:].copy_(self.src[-self._tail:], non_blocking=True)
+        elif self.spec.kernel:
             torch.bitwise_and(self._ksrc, self._mask, out=self._kdst)
         else:
             self.dst.copy_(self.src, non_blocking=self.spec.non_blocking)
@@ -377,7 +410,9 @@ class _Case:
 
     def release(self) -> None:
         del self.src, self.dst
-        if self.spec.kernel:
+        if self.spec.mechanism == "sm_store_p2p":
+            del self._rows
+        elif self.spec.kernel:
             del self._ksrc, self._kdst
 
 

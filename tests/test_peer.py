@@ -59,3 +59,36 @@ def test_send_patterns_run_on_two_gpus(tiny_gpu):
     assert len(s) == len(clocks.PATTERNS)
     if run.meta["nvml"]:
         assert (run.rounds.samples_g0 >= 0).all() and len(run.samples) > 0
+
+
+@pytest.mark.parametrize("opts", [dict(chunk_mib=None, copy_streams=None),  # tuned
+                                  dict(chunk_mib=1 / 16, edge_mib=1 / 64, copy_streams=2, ring=2),  # many chunks
+                                  dict(chunk_mib=1, copy_streams=1)])
+def test_chunked_gather_peer_lands_every_block_and_nothing_else(opts):
+    from kvlab.paged import BlockAllocator, BlockPool, BlockTable, PoolSpec, make_transport, verify_transfer
+
+    spec = PoolSpec(layers=3, block_size=16, kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+    tokens = 16 * 200 - 5
+    n = spec.blocks_for(tokens)
+    src = BlockPool(spec, 2 * n + 7, device="cuda:0").fill_random(3)
+    table = BlockAllocator(2 * n + 7, 16, seed=1).allocate(tokens)
+    dst_table = BlockAllocator(2 * n + 11, 16, seed=2).allocate(tokens)
+    t = make_transport("chunked-gather-peer", spec, "cuda:1", 2 * n + 11, "cuda:0", **opts)
+    t.prepare(src, table, dst_table)
+    for _ in range(2):  # twice: the second send reuses slots whose events the first recorded
+        t.poison()
+        landing = t.send(src, table, dst_table)
+        landing.wait()
+        torch.cuda.synchronize("cuda:1")
+        check = verify_transfer(src, table, t.pool, dst_table)
+        assert check["ok"], check
+    assert t.config["copy_streams"] in (1, 2) and t.config["chunk_mib"] > 0
+
+
+def test_peer_sm_ceiling_path_copies_every_byte():
+    from kvlab import ceilings
+
+    assert "d2d_peer_sm:0->1" in ceilings.available_paths("cuda:0")
+    df = ceilings.measure(["d2d_peer_sm:0->1", "d2d_peer:0->1"], [1 << 20, (1 << 20) + 3], n=2, warmup=1,
+                          device="cuda:0")
+    assert set(df.mechanism) == {"sm_store_p2p", "copy_engine_p2p"} and (df.gbps > 0).all()
