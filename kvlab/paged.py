@@ -41,6 +41,7 @@ is too small) raises ValueError before any byte moves.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -1185,17 +1186,26 @@ class ChunkedGatherPeer(PagedTransport):
     Why not the direct store (method "triton" to a peer): SMs cross NVLink in 128-byte stores and reach
     ~94 % of the copy engine's rate there; here only the copy engine crosses the link.
 
-    Options: chunk_mib (middle chunks; None = tuned among 16/32/64 on a GPU, else 32), edge_mib (first
-    and last chunk, default 4), copy_streams (1 or 2; None = tuned with the chunk), ring (slots per side,
-    default 4), config (gather/scatter KernelConfig; default: tuned for the gather), tune, tune_repeats.
+    The host issues five to ten driver calls and two kernel launches per chunk — in run
+    20261130-144458-h200 about 0.2 ms of Python a chunk, so 16 MiB chunks (112 of them) took 23 ms and the
+    link waited for the host. Chunks must therefore carry more bytes than the link moves in one chunk's
+    host time (≳ 80 MB at 395 GB/s); the first gather and the last scatter, which nothing overlaps, grow
+    with them. The tuner times those trade-offs on the real tables and records the host's issue time
+    beside each (config["pipeline_tuning"]).
+
+    Options: chunk_mib (middle chunks; None = tuned among CHUNKS_MIB on a GPU, else 128), edge_mib (first
+    and last chunk; None = tuned among EDGES_MIB, else 32), copy_streams (1 or 2; None = tuned), ring
+    (slots per side, default 3), config (gather/scatter KernelConfig; default: tuned for the gather), tune,
+    tune_repeats.
     """
 
     name = "chunked-gather-peer"
     kinds = ("peer",)
     needs_cuda = True
-    options = {"chunk_mib": None, "edge_mib": 4, "copy_streams": None, "ring": 4, "config": None, "tune": None,
+    options = {"chunk_mib": None, "edge_mib": None, "copy_streams": None, "ring": 3, "config": None, "tune": None,
                "tune_repeats": 5}
-    CHUNKS_MIB = (16, 32, 64)
+    CHUNKS_MIB = (128, 256)
+    EDGES_MIB = (16, 64)
 
     @classmethod
     def _unavailable_here(cls, src, dest):
@@ -1218,7 +1228,8 @@ class ChunkedGatherPeer(PagedTransport):
                                   v * 2**20 < self.spec.block_bytes):
                 raise ValueError(f"{name}={v!r}: give a size in MiB of at least one block row "
                                  f"({self.spec.block_bytes} bytes)")
-        largest = max(self.CHUNKS_MIB) if chunk is None else max(chunk, self.opts["edge_mib"])
+        edge = self.opts["edge_mib"]
+        largest = max(max(self.CHUNKS_MIB) if chunk is None else chunk, max(self.EDGES_MIB) if edge is None else edge)
         rows = int(largest * 2**20) // self.spec.block_bytes
         E = self.spec.block_elems
         peer = self.dest.device
@@ -1233,10 +1244,7 @@ class ChunkedGatherPeer(PagedTransport):
             self._scattered = [torch.cuda.Event() for _ in range(ring)]
         self._peer_arange = torch.arange(rows, dtype=torch.int64, device=peer)
         self.backend = "triton gather + copy engine + triton scatter"
-        self.config.update(ring=ring, edge_mib=self.opts["edge_mib"])
-
-    def _settings(self, plan) -> tuple[int, int]:
-        return plan.extra["chunk_rows"], plan.extra["streams"]
+        self.config.update(ring=ring)
 
     def _prepare(self, plan):
         sidx, _ = self._indices(plan)
@@ -1245,64 +1253,82 @@ class ChunkedGatherPeer(PagedTransport):
         key = (self.name, self.spec.block_bytes, "gather", str(self.src_device), n)
         plan.extra["cfg"] = _kernel_config(self, key, (plan.src_pool.rows, sidx[:n], self.stage_src[0], None))
         plan.extra["chunks"] = {}
-        chunk, streams = self.opts["chunk_mib"], self.opts["copy_streams"]
+        chunk, edge, streams = self.opts["chunk_mib"], self.opts["edge_mib"], self.opts["copy_streams"]
         tune = self.opts.get("tune")
         tune = self.cuda if tune is None else bool(tune)
-        chunks = [chunk] if chunk is not None else (list(self.CHUNKS_MIB) if tune else [32])
+        chunks = [chunk] if chunk is not None else (list(self.CHUNKS_MIB) if tune else [128])
+        edges = [edge] if edge is not None else (list(self.EDGES_MIB) if tune else [32])
         stream_opts = [streams] if streams is not None else ([1, 2] if tune else [2])
+        settings = [(c, e, k) for c in chunks for e in edges for k in stream_opts if e <= c]
+        settings = settings or [(chunks[0], min(edges[0], chunks[0]), stream_opts[0])]
         trials = []
-        for c in chunks:
-            for k in stream_opts:
-                plan.extra["chunk_rows"] = int(c * 2**20) // self.spec.block_bytes
-                plan.extra["streams"] = k
-                ms = self._time_send(plan) if len(chunks) * len(stream_opts) > 1 else None
-                trials.append({"chunk_mib": c, "copy_streams": k, "ms": ms})
+        for c, e, k in settings:
+            self._use(plan, c, e, k)
+            ms = host_ms = None
+            if len(settings) > 1:
+                ms, host_ms = self._time_send(plan)
+            trials.append({"chunk_mib": c, "edge_mib": e, "copy_streams": k, "ms": ms, "host_issue_ms": host_ms,
+                           "chunks": len(self._bounds(plan, 0, plan.rows))})
         best = min(trials, key=lambda t: t["ms"] if t["ms"] is not None else 0.0)
-        plan.extra["chunk_rows"] = int(best["chunk_mib"] * 2**20) // self.spec.block_bytes
-        plan.extra["streams"] = best["copy_streams"]
-        self.config.update(chunk_mib=best["chunk_mib"], copy_streams=best["copy_streams"])
+        self._use(plan, best["chunk_mib"], best["edge_mib"], best["copy_streams"])
+        self.config.update(chunk_mib=best["chunk_mib"], edge_mib=best["edge_mib"], copy_streams=best["copy_streams"])
         if len(trials) > 1:
             self.config["pipeline_tuning"] = trials
-            self._note(f"pipeline tuned on these tables: chunk {best['chunk_mib']} MiB, {best['copy_streams']} copy "
-                       f"stream(s) ({len(trials)} settings, median of {self.opts.get('tune_repeats', 5)} sends each)")
+            self._note(f"pipeline tuned on these tables: chunk {best['chunk_mib']} MiB, edges {best['edge_mib']} MiB, "
+                       f"{best['copy_streams']} copy stream(s) ({len(trials)} settings, median of "
+                       f"{self.opts.get('tune_repeats', 5)} sends each)")
 
-    def _time_send(self, plan) -> float:
-        """Median ms of whole sends of this plan with the current settings, run the way send() runs them
-        (send() itself would prepare the plan again)."""
+    def _use(self, plan, chunk_mib, edge_mib, streams) -> None:
+        rows = lambda mib: max(1, int(mib * 2**20) // self.spec.block_bytes)  # noqa: E731
+        plan.extra.update(chunk_rows=rows(chunk_mib), edge_rows=min(rows(edge_mib), rows(chunk_mib)), streams=streams)
+
+    def _bounds(self, plan, lo, hi):
+        """The chunks of plan rows [lo, hi) with their index slices, made once per setting."""
+        key = (lo, hi, plan.extra["chunk_rows"], plan.extra["edge_rows"])
+        got = plan.extra["chunks"].get(key)
+        if got is None:
+            sidx, _ = self._indices(plan)
+            didx = plan.extra["didx_peer"]
+            got = [(b - a, sidx[a:b], didx[a:b], self._peer_arange[:b - a])
+                   for a, b in chunk_bounds(lo, hi, plan.extra["chunk_rows"], plan.extra["edge_rows"])]
+            plan.extra["chunks"][key] = got
+        return got
+
+    def _time_send(self, plan) -> tuple[float, float]:
+        """(median ms, median host ms) of whole sends of this plan with the current settings, run the way
+        send() runs them (send() itself would prepare the plan again); host ms = the Python time issuing one."""
         cur = torch.cuda.current_stream(self.src_device)
         done = torch.cuda.Event()
+        host = []
 
         def run():
+            t0 = time.perf_counter_ns()
             self._wait_for_destination()
             self.stream.wait_stream(cur)
             with torch.cuda.stream(self.stream):
                 self._copy(plan, 0, plan.rows)
             done.record(self.stream)
             cur.wait_event(done)
+            host.append((time.perf_counter_ns() - t0) / 1e6)
 
         n = self.opts.get("tune_repeats", 5)
-        return sorted(timing.time_fn(run, n=n, warmup=1, device=self.src_device))[n // 2]
+        ms = sorted(timing.time_fn(run, n=n, warmup=1, device=self.src_device))[n // 2]
+        return ms, sorted(host)[len(host) // 2]
 
     def _copy(self, plan, lo, hi):
-        sidx, _ = self._indices(plan)
-        didx = plan.extra["didx_peer"]
         cfg = plan.extra["cfg"]
-        chunk_rows, n_streams = self._settings(plan)
-        edge = max(1, int(self.opts["edge_mib"] * 2**20) // self.spec.block_bytes)
-        key = (lo, hi, chunk_rows)
-        bounds = plan.extra["chunks"].get(key)
-        if bounds is None:
-            bounds = plan.extra["chunks"][key] = chunk_bounds(lo, hi, chunk_rows, min(edge, chunk_rows))
+        n_streams = plan.extra["streams"]
+        bounds = self._bounds(plan, lo, hi)
         src_rows, pool_rows = plan.src_pool.rows, self.pool.rows
         row_bytes = self.spec.block_bytes
         ring = len(self.stage_src)
         memcpy, kind = self.rt.cudaMemcpyAsync, self.rt.cudaMemcpyKind.cudaMemcpyDefault
-        for k, (a, b) in enumerate(bounds):
-            slot, n = k % ring, b - a
+        for k, (n, s_idx, d_idx, p_idx) in enumerate(bounds):
+            slot = k % ring
             stage0, stage1 = self.stage_src[slot], self.stage_dst[slot]
             # 1. gather on the source GPU (the transport's stream), once the copy that last read the slot is done
             self.stream.wait_event(self._copied[slot])
-            kernels.launch_rows(src_rows, sidx[a:b], stage0, None, cfg)
+            kernels.launch_rows(src_rows, s_idx, stage0, None, cfg)
             self._gathered[slot].record(self.stream)
             # 2. the copy engine moves it to the peer's staging slot, once that slot's last scatter is done
             cs = self.copy_streams[k % n_streams]
@@ -1315,7 +1341,7 @@ class ChunkedGatherPeer(PagedTransport):
             # 3. the peer scatters it into its pool
             self.scatter_stream.wait_event(self._copied[slot])
             with torch.cuda.stream(self.scatter_stream):
-                kernels.launch_rows(stage1, self._peer_arange[:n], pool_rows, didx[a:b], cfg)
+                kernels.launch_rows(stage1, p_idx, pool_rows, d_idx, cfg)
             self._scattered[slot].record(self.scatter_stream)
         if bounds:
             self.stream.wait_event(self._scattered[(len(bounds) - 1) % ring])  # the send ends when the peer has it
