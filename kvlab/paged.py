@@ -1323,14 +1323,26 @@ class ChunkedGatherPeer(PagedTransport):
         row_bytes = self.spec.block_bytes
         ring = len(self.stage_src)
         memcpy, kind = self.rt.cudaMemcpyAsync, self.rt.cudaMemcpyKind.cudaMemcpyDefault
+
+        def gather(k):
+            # 1. gather on the source GPU (the transport's stream), once the copy that last read the slot is done
+            slot = k % ring
+            self.stream.wait_event(self._copied[slot])
+            kernels.launch_rows(src_rows, bounds[k][1], self.stage_src[slot], None, cfg)
+            self._gathered[slot].record(self.stream)
+
+        # gathers are issued one chunk ahead of their copies: the host's issue time (~0.2 ms a chunk in run
+        # 20261130-144848-h200) then runs while the copy engine moves the chunk before, instead of leaving the
+        # link idle until the next gather has been issued and run. Every event is recorded before a wait on it
+        # is issued (gather k+1 waits for copy k+1-ring, issued earlier), so no wait binds to a stale record.
+        if bounds:
+            gather(0)
         for k, (n, s_idx, d_idx, p_idx) in enumerate(bounds):
             slot = k % ring
             stage0, stage1 = self.stage_src[slot], self.stage_dst[slot]
-            # 1. gather on the source GPU (the transport's stream), once the copy that last read the slot is done
-            self.stream.wait_event(self._copied[slot])
-            kernels.launch_rows(src_rows, s_idx, stage0, None, cfg)
-            self._gathered[slot].record(self.stream)
-            # 2. the copy engine moves it to the peer's staging slot, once that slot's last scatter is done
+            if k + 1 < len(bounds):
+                gather(k + 1)
+            # 2. the copy engine moves chunk k to the peer's staging slot, once that slot's last scatter is done
             cs = self.copy_streams[k % n_streams]
             cs.wait_event(self._gathered[slot])
             cs.wait_event(self._scattered[slot])
