@@ -5,6 +5,7 @@
     kvlab sweep NOTEBOOK --grid FILE [-p NAME VALUE ...]      one run per point of a grid
     kvlab calc MODEL --tokens N [--link 400G] ...             the KV-cache calculator's answer
     kvlab info                                                hardware, versions, P2P matrix
+    kvlab analyse RUN_DIR                                     a committed run's analysis, again
 
 Adding a subcommand is one function and its registration, with its options given either as
 ``arg(...)`` entries or by a module's own ``add_arguments(parser)`` (named as "module:function",
@@ -789,6 +790,19 @@ def _cmd_ceilings(args) -> int:
     from kvlab import ceilings  # imports torch: only when this subcommand runs
 
     return ceilings.run_args(args)
+
+
+@subcommand("analyse", "recompute a committed run's analysis (tables, goals, figures) with this code; no GPU",
+            configure="kvlab.analyse:add_arguments")
+def _cmd_analyse(args) -> int:
+    """Re-run the analysis half of a finished run from the tables its measurement wrote, into
+    <run>/analysis/<UTC time>-<commit>/ with analysis.json naming the code that drew it; the run's own
+    tables and figures stay as they were. Studies: overlap_timeline, handoff, paged_transfer.
+
+    Example: kvlab analyse data/overlap_timeline/20261130-142913-h200"""
+    from kvlab import analyse
+
+    return analyse.run_args(args)
 
 
 @subcommand("trace", "timelines: profile a command with Nsight Systems, or load a trace",

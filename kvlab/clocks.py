@@ -619,8 +619,10 @@ def plot_patterns(summary: pd.DataFrame, title: str = ""):
     from . import plots
 
     plots.style()
-    s = summary[summary.variant != "colocated"].reset_index(drop=True)
-    fig, ax = plt.subplots(figsize=(7.6, 0.55 * len(s) + 1.6))
+    order = {v: i for i, v in enumerate(PATTERNS)}
+    s = summary[summary.variant != "colocated"]
+    s = s.iloc[sorted(range(len(s)), key=lambda i: order.get(s.variant.iloc[i], len(order)))].reset_index(drop=True)
+    fig, ax = plt.subplots(figsize=(7.6, 0.55 * len(s) + 2.0))
     y = np.arange(len(s))
     ax.barh(y - 0.18, s.extra_ms, 0.36, color=plots.VERMILLION, label="measured extra prefill",
             xerr=[s.extra_ms - s.extra_lo_ms, s.extra_hi_ms - s.extra_ms], error_kw=dict(lw=0.8, capsize=2))
@@ -636,7 +638,7 @@ def plot_patterns(summary: pd.DataFrame, title: str = ""):
 
     ax.set_title("\n".join(textwrap.wrap(title or "What each send pattern costs prefill, and what its clock predicts",
                                          70)), fontsize=10)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     fig.tight_layout()
     return fig
 
@@ -651,7 +653,8 @@ def plot_clock_timeline(samples: pd.DataFrame, rounds: pd.DataFrame, timeline: p
     from . import plots
 
     plots.style()
-    fig, (ax_c, ax_p) = plt.subplots(2, 1, figsize=(9, 5.2), sharex=True, gridspec_kw=dict(height_ratios=[3, 2]))
+    fig, (ax_k, ax_c, ax_p) = plt.subplots(3, 1, figsize=(9, 5.8), sharex=True,
+                                           gridspec_kw=dict(height_ratios=[0.5, 3, 2]))
     colours = {variants[0]: plots.BLUE, variants[-1]: plots.VERMILLION}
     for v in variants:
         g = rounds[rounds.variant == v].sort_values("prefill_ms")
@@ -661,19 +664,22 @@ def plot_clock_timeline(samples: pd.DataFrame, rounds: pd.DataFrame, timeline: p
         s = on_timeline(samples[samples.gpu == gpu], int(r.t0_ns))
         s = s[(s.ms >= -20) & (s.ms <= r.prefill_ms + 20)]
         col = colours.get(v, plots.GREEN)
-        ax_c.plot(s.ms, s.sm_mhz, color=col, lw=1, label=f"{v} (round {int(r['round'])}, {r.prefill_ms:,.0f} ms)")
-        ax_p.plot(s.ms, s.power_w, color=col, lw=1)
+        # NVML holds a reading for ~100 ms: draw it as the step it is
+        ax_c.step(s.ms, s.sm_mhz, where="post", color=col, lw=1,
+                  label=f"{v} (round {int(r['round'])}, {r.prefill_ms:,.0f} ms)")
+        ax_p.step(s.ms, s.power_w, where="post", color=col, lw=1)
+        ax_c.axvline(r.prefill_ms, color=col, lw=0.6, ls=":")
     if len(timeline):
-        top = ax_c.get_ylim()[1]
-        for row in timeline.itertuples():
-            ax_c.axvspan(row.copy_start_ms, row.copy_end_ms, color=plots.VERMILLION, alpha=0.25, lw=0)
-        ax_c.set_ylim(top=top)
+        # each copy lasts ~0.2 ms, far below a pixel at this scale: a tick at its start
+        ax_k.vlines(timeline.copy_start_ms, 0, 1, color=plots.VERMILLION, lw=1.2)
+    ax_k.set_yticks([])
+    ax_k.set_ylabel("copies", rotation=0, ha="right", va="center", fontsize=8)
     ax_c.set_ylabel("SM clock (MHz)")
     ax_p.set_ylabel("power (W)")
-    ax_p.set_xlabel("ms since the prefill's start (shaded: each layer's copy to the peer)")
+    ax_p.set_xlabel("ms since the prefill's start (ticks: each layer's copy to the peer starts; dotted: prefill ends)")
     ax_c.legend(fontsize=7, loc="lower left")
     import textwrap
 
-    ax_c.set_title("\n".join(textwrap.wrap(title or "SM clock and power under the timeline", 90)), fontsize=10)
+    ax_k.set_title("\n".join(textwrap.wrap(title or "SM clock and power under the timeline", 90)), fontsize=10)
     fig.tight_layout()
     return fig

@@ -391,9 +391,18 @@ def clock_on_trace(samples: pd.DataFrame, gpu: int, t0_ns: int, events: pd.DataF
                          "sm_mhz": s.sm_mhz.to_numpy(dtype=float), "power_w": s.power_w.to_numpy(dtype=float)})
 
 
-def _clock_at(clock: pd.DataFrame, t_ns: np.ndarray) -> np.ndarray:
+def mean_clock(clock: pd.DataFrame, start_ns: int, end_ns: int) -> float:
+    """Time-weighted mean SM clock over [start_ns, end_ns] of a run's trace axis, each reading held until the
+    next (NVML refreshes its reading about every 100 ms on our H200s, so a reading is a period's value).
+    NaN without samples."""
     c = clock.sort_values("trace_ns")
-    return np.interp(t_ns.astype(float), c.trace_ns.to_numpy(dtype=float), c.sm_mhz.to_numpy(dtype=float))
+    t, f = c.trace_ns.to_numpy(dtype=float), c.sm_mhz.to_numpy(dtype=float)
+    if not len(t) or end_ns <= start_ns:
+        return float("nan")
+    edges = np.clip(np.concatenate((t, [np.inf])), start_ns, end_ns)
+    weights = np.diff(edges)  # how long reading i was in force inside the window
+    weights[0] += max(0.0, float(t[0]) - start_ns)  # before the first reading, that reading stands in
+    return float(np.sum(weights * f) / np.sum(weights)) if np.sum(weights) > 0 else float(f[-1])
 
 
 def decompose(colocated: pd.DataFrame, layerwise: pd.DataFrame, *, ceiling_gbps: float | None = None,
@@ -409,10 +418,12 @@ def decompose(colocated: pd.DataFrame, layerwise: pd.DataFrame, *, ceiling_gbps:
     wall_co_ns, wall_lw_ns: wall times measured outside the trace (both or neither); without them the
     walls come from the trace itself and the remainder only shows what the matching missed.
     clock_co, clock_lw: the prefill GPU's SM clock on each run's trace axis (clock_on_trace; both or
-    neither). With them each matched kernel's stretch is split into what its lower clock predicts —
-    dur_co × (f_co / f_lw − 1), kernel time taken ∝ 1 / SM clock, f at the kernel's midpoint in each run —
-    and the rest; totals gain clock_ns (Σ over all kernels), clock_inside_ns and clock_outside_ns, and
-    kernel_inside_ns / kernel_outside_ns become the stretch *beyond* the clock (the sum is unchanged).
+    neither). With them each matched kernel's stretch is split into what the run's lower clock predicts —
+    dur_co × (f_co / f_lw − 1), kernel time taken ∝ 1 / SM clock, f the time-weighted mean clock over each
+    run's compute span (mean_clock; NVML's readings last ~100 ms, too coarse to give one kernel its own) —
+    and the rest; totals gain clock_ns (Σ over all kernels), clock_inside_ns, clock_outside_ns, sm_mhz_co and
+    sm_mhz_lw, and kernel_inside_ns / kernel_outside_ns become the stretch *beyond* the clock (the sum is
+    unchanged).
     Raises NoGPUActivity (CPU traces), TraceError (no hook ranges in the layer-wise run, different
     op sequences).
     """
@@ -453,11 +464,14 @@ def decompose(colocated: pd.DataFrame, layerwise: pd.DataFrame, *, ceiling_gbps:
     wall_lw = int(wall_lw_ns) if measured else trace_wall_lw
     if (clock_co is None) != (clock_lw is None):
         raise ValueError("give both clock_co and clock_lw (the SM clock on each run's trace), or neither")
-    with_clock = clock_co is not None and len(clock_co) > 1 and len(clock_lw) > 1
+    with_clock = clock_co is not None and len(clock_co) > 0 and len(clock_lw) > 0
+    f_co = f_lw = float("nan")
     if with_clock:
-        f_co = _clock_at(clock_co, kern.start_co_ns.to_numpy() + kern.dur_co_ns.to_numpy() / 2)
-        f_lw = _clock_at(clock_lw, kern.start_lw_ns.to_numpy() + kern.dur_lw_ns.to_numpy() / 2)
-        kern["sm_mhz_co"], kern["sm_mhz_lw"] = f_co, f_lw
+        # one mean clock per run over its compute span: NVML's ~100 ms readings cannot place a single kernel
+        f_co = mean_clock(clock_co, int(kern.start_co_ns.min()), int((kern.start_co_ns + kern.dur_co_ns).max()))
+        f_lw = mean_clock(clock_lw, int(kern.start_lw_ns.min()), int((kern.start_lw_ns + kern.dur_lw_ns).max()))
+        with_clock = bool(np.isfinite(f_co) and np.isfinite(f_lw) and f_lw > 0)
+    if with_clock:
         kern["clock_ns"] = kern.dur_co_ns.to_numpy() * (f_co / f_lw - 1)
     else:
         kern["clock_ns"] = 0.0
@@ -490,7 +504,7 @@ def decompose(colocated: pd.DataFrame, layerwise: pd.DataFrame, *, ceiling_gbps:
         "trace_wall_co_ns": trace_wall_co, "trace_wall_lw_ns": trace_wall_lw,
         "delta_wall_ns": delta, "kernel_inside_ns": inside, "kernel_outside_ns": outside, "idle_ns": idle,
         "clock_ns": clock, "clock_inside_ns": int(round(clock_in)), "clock_outside_ns": int(round(clock_out)),
-        "clock_term": bool(with_clock),
+        "clock_term": bool(with_clock), "sm_mhz_co": f_co, "sm_mhz_lw": f_lw,
         "tail_ns": tail, "lead_ns": lead, "lead_co_ns": lead_co, "lead_lw_ns": lead_lw,
         "explained_ns": explained, "remainder_ns": remainder, "explained_frac": frac,
         "ops": len(kern), "ops_inside": int(kern.inside_copy.sum()),

@@ -154,8 +154,23 @@ def _set_footer(fig, text: str) -> None:
                                  color="#666666")
 
 
+# an SVG larger than this (a timeline of thousands of kernels: ~0.5 MB) is kept gzipped, as .svgz
+SVG_GZIP_BYTES = 200_000
+
+
+def _gzip_svg(path: Path) -> Path:
+    import gzip
+
+    out = path.with_suffix(".svgz")
+    with open(path, "rb") as f, gzip.GzipFile(out, "wb", mtime=0) as g:
+        shutil.copyfileobj(f, g)
+    path.unlink()
+    return out
+
+
 def save(fig, name: str, run, publish: bool = True) -> list[Path]:
-    """Write ``fig`` as ``<run_dir>/figures/<name>.png`` and ``.svg``, then publish both to
+    """Write ``fig`` as ``<run_dir>/figures/<name>.png`` and ``.svg`` (``.svgz``, gzipped, above
+    SVG_GZIP_BYTES), then publish both to
     ``<figures_root>/<study>/`` with a sidecar ``<name>.json`` (run id, device, is_gpu).
 
     ``run`` is a ``results.Run`` or the path of a run folder (to redraw an older run's figure from
@@ -180,6 +195,8 @@ def save(fig, name: str, run, publish: bool = True) -> list[Path]:
         # No date in the SVG metadata, so the file changes only when the figure does.
         metadata = {"Title": name, "Date": None} if ext == "svg" else {"Title": name}
         fig.savefig(path, format=ext, metadata=metadata)
+        if ext == "svg" and path.stat().st_size > SVG_GZIP_BYTES:
+            path = _gzip_svg(path)
         written.append(path)
     if not publish:
         return written

@@ -207,7 +207,10 @@ def test_clock_timeline_figure_from_samples():
     timeline = pd.DataFrame({"layer": [0, 1], "copy_start_ms": [10.0, 500.0], "copy_end_ms": [10.2, 500.2],
                              "prefill_ms": 1000.0})
     fig = clocks.plot_clock_timeline(samples, rounds, timeline, gpu=0)
-    assert len(fig.axes[0].lines) == 2 and fig.axes[1].get_ylabel() == "power (W)"
+    ticks, clock, power = fig.axes
+    assert len(ticks.collections[0].get_segments()) == 2  # one tick per copy
+    assert clock.get_ylabel() == "SM clock (MHz)" and power.get_ylabel() == "power (W)"
+    assert len(power.lines) == 2  # one step line per variant
     import matplotlib.pyplot as plt
 
     plt.close("all")

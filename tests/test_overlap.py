@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pandas as pd
 import pytest
-
 import torch
 
 from kvlab import clocks, overlap, trace
@@ -397,3 +397,12 @@ def test_clock_samples_are_placed_on_a_run_by_its_region(tmp_path):
     on = overlap.clock_on_trace(samples, 0, 1_000_000, lw)
     assert on.trace_ns.tolist() == [region, region + 50_000] and on.sm_mhz.tolist() == [1500.0, 1400.0]
     assert overlap.clock_on_trace(samples, 0, 0, run_events(tmp_path, "no_region", LW_GPU)).empty
+
+
+def test_mean_clock_holds_each_reading_until_the_next():
+    c = pd.DataFrame({"trace_ns": [0, 100, 300], "sm_mhz": [1000.0, 2000.0, 500.0]})
+    assert overlap.mean_clock(c, 0, 400) == pytest.approx((100 * 1000 + 200 * 2000 + 100 * 500) / 400)
+    assert overlap.mean_clock(c, 150, 250) == 2000.0
+    assert overlap.mean_clock(c, -100, 50) == 1000.0  # before the first reading, the first stands in
+    assert overlap.mean_clock(c, 500, 600) == 500.0
+    assert np.isnan(overlap.mean_clock(c.iloc[:0], 0, 10))

@@ -1,0 +1,194 @@
+"""Analysis of a committed run, again, from what its measurement wrote — no GPU, no re-measuring.
+
+    kvlab analyse data/overlap_timeline/20261130-142913-h200
+
+A run folder keeps its original tables and figures as the code of its commit made them. When the analysis
+code changes (a better decomposition, a clearer figure), `analyse(run_dir)` recomputes the analysis from
+the run's raw tables into `<run>/analysis/<when>-<commit>/`, with `analysis.json` naming the commit, the
+time and what was written, so a reader can always tell which code drew which figure. Studies:
+
+    overlap_timeline   decomposition (with the SM-clock term when the run sampled clocks), causes,
+                       backlog, findings; the send-pattern summary, findings and figures when it ran them
+    handoff            the seed-004 summary, the goals, the figure
+    paged_transfer     summary, goals
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from . import results
+
+__all__ = ["analyse", "STUDIES", "add_arguments", "run_args"]
+
+STUDIES = ("overlap_timeline", "handoff", "paged_transfer")
+
+
+def _read(run: Path, name: str) -> pd.DataFrame | None:
+    for p in (run / f"{name}.csv", run / f"{name}.csv.gz"):
+        if p.is_file():
+            return pd.read_csv(p)
+    return None
+
+
+def _need(run: Path, name: str) -> pd.DataFrame:
+    df = _read(run, name)
+    if df is None:
+        raise FileNotFoundError(f"{run} has no {name}.csv(.gz): this run did not write what its analysis needs")
+    return df
+
+
+class _Out:
+    """The analysis folder: tables and figures, and what was written."""
+
+    def __init__(self, run: Path, record: dict, out: Path | None):
+        git = results.git_state()
+        commit = git.get("commit") or "nogit"
+        when = _dt.datetime.now(_dt.timezone.utc)
+        self.dir = out or run / "analysis" / f"{when:%Y%m%d-%H%M%S}-{commit[:7]}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.meta = {"source_run": record.get("run_id"), "study": record.get("study"),
+                     "analysed_utc": when.isoformat(timespec="seconds"), "git": git, "tables": [], "figures": [],
+                     "findings": []}
+        self.run_id = record.get("run_id", run.name)
+        self.device_tag = record.get("device_tag", "")
+
+    def table(self, df: pd.DataFrame, name: str) -> None:
+        df.to_csv(self.dir / f"{name}.csv", index=False)
+        self.meta["tables"].append(f"{name}.csv")
+
+    def figure(self, fig, name: str) -> None:
+        import matplotlib.pyplot as plt
+
+        fig.text(0.99, 0.005, f"kvlab · run {self.run_id} · re-analysed {self.meta['analysed_utc'][:10]} at "
+                              f"{str(self.meta['git'].get('commit'))[:7]}", ha="right", va="bottom", fontsize=7,
+                 color="0.4")
+        for ext in ("png", "svg"):
+            fig.savefig(self.dir / f"{name}.{ext}", dpi=150 if ext == "png" else None, bbox_inches="tight")
+        plt.close(fig)
+        self.meta["figures"].append(f"{name}.png")
+
+    def done(self) -> Path:
+        (self.dir / "analysis.json").write_text(json.dumps(results.jsonable(self.meta, "analysis"), indent=2) + "\n")
+        return self.dir
+
+
+def _overlap_timeline(run: Path, record: dict, out: _Out) -> None:
+    from . import clocks, overlap, plots
+
+    plots.style()
+    walls = _need(run, "walls")
+    timeline = _read(run, "timeline")
+    samples = _read(run, "clock_samples")
+    kept = record.get("analysed_repeat")
+    gpu = 0
+    if timeline is not None and kept is not None and "variant" in timeline.columns:
+        co = timeline[timeline.variant == "colocated"].drop(columns="variant")
+        lw = timeline[timeline.variant == "layerwise"].drop(columns="variant")
+        if overlap.has_gpu_activity(lw):
+            w = walls[walls.traced & (walls["repeat"] == kept)].set_index("variant")
+            kw = {}
+            if samples is not None and len(samples) and "t0_ns" in walls.columns:
+                kw = dict(clock_co=overlap.clock_on_trace(samples, gpu, int(w.t0_ns["colocated"]), co),
+                          clock_lw=overlap.clock_on_trace(samples, gpu, int(w.t0_ns["layerwise"]), lw))
+            dec = overlap.decompose(co, lw, ceiling_gbps=record.get("ceiling_gbps"),
+                                    wall_co_ns=int(round(w.wall_ms["colocated"] * 1e6)),
+                                    wall_lw_ns=int(round(w.wall_ms["layerwise"] * 1e6)), **kw)
+            backlog = overlap.backlog_comparison(dec, layer_copy_ms=record.get("layer_copy_ms"))
+            out.table(dec.summary(), "decomposition")
+            out.table(dec.segments, "segments")
+            out.table(overlap.causes(dec), "causes")
+            out.table(backlog, "backlog")
+            out.meta["decomposition_totals"] = {k: v for k, v in dec.totals.items() if not isinstance(v, tuple)}
+            out.meta["findings"] += overlap.findings(dec, backlog)
+            ax = overlap.decomposition_chart(dec, title=f"Δ time per layer vs colocated ({record.get('context', '')} "
+                                                        f"tokens → {record.get('destination_label', '')})")
+            out.figure(ax.figure, "decomposition")
+    rounds = _read(run, "pattern_rounds")
+    if rounds is not None and len(rounds):
+        meta = record.get("patterns_meta") or {}
+        summ = clocks.pattern_summary(rounds)
+        out.table(summ, "patterns")
+        out.meta["findings"] += clocks.pattern_findings(summ, meta)
+        ctx = meta.get("context", "")
+        out.figure(clocks.plot_patterns(summ, title=f"{ctx:,} tokens → {meta.get('destination', '')}: what each send "
+                                                    "pattern costs prefill, beside what its SM clock predicts"
+                                        if isinstance(ctx, int) else ""), "patterns")
+        ps = _read(run, "pattern_samples")
+        tl = _read(run, "pattern_timeline")
+        if ps is not None and len(ps):
+            out.figure(clocks.plot_clock_timeline(ps, rounds, tl if tl is not None else pd.DataFrame(),
+                                                  gpu=(meta.get("gpus") or [0])[0],
+                                                  title=f"{ctx:,} tokens: the prefill GPU's SM clock and power, "
+                                                        f"colocated vs every layer to the peer"
+                                                  if isinstance(ctx, int) else ""), "clock_timeline")
+
+
+def _handoff(run: Path, record: dict, out: _Out) -> None:
+    from . import handoff, plots
+
+    plots.style()
+    timings = _need(run, "results")
+    resolved = record.get("resolved") or {}
+    paths = resolved.get("ceiling_paths") or {}
+    ceil = {}
+    c = record.get("ceilings") or {}
+    for dest, path in paths.items():
+        entry = (c.get("paths") or {}).get(path) if isinstance(c, dict) else None
+        if isinstance(entry, dict) and entry.get("ceiling_gbps") is not None:
+            ceil[dest] = float(entry["ceiling_gbps"])
+    summary = handoff.summarize(timings, ceil or None, paths or None)
+    goals = handoff.goals(summary)
+    out.table(summary, "summary")
+    out.table(goals, "goals")
+    out.meta["findings"] += handoff.findings(summary, goals)
+    out.figure(handoff.plot_bars(summary, title=f"Moving the KV cache, as a share of prefill ({out.device_tag})"),
+               "handoff_bars")
+
+
+def _paged(run: Path, record: dict, out: _Out) -> None:
+    from . import paged_bench
+
+    df = _need(run, "results")
+    out.table(paged_bench.summary(df), "summary")
+    goals = paged_bench.goals(df)
+    out.table(goals, "goals")
+    out.meta["findings"] += [paged_bench.finding(df)]
+
+
+_DISPATCH = {"overlap_timeline": _overlap_timeline, "handoff": _handoff, "paged_transfer": _paged}
+
+
+def analyse(run_dir, out: str | Path | None = None) -> Path:
+    """Recompute the analysis of the run in `run_dir` with this checkout's code; returns the folder written
+    (default `<run>/analysis/<UTC time>-<commit>/`). Raises FileNotFoundError for a folder that is not a run
+    or lacks the tables its analysis reads, ValueError for a study with no analysis here."""
+    run = Path(run_dir)
+    meta = run / "run.json"
+    if not meta.is_file():
+        raise FileNotFoundError(f"{run} is not a run folder: it has no run.json")
+    record = json.loads(meta.read_text())
+    study = record.get("study")
+    if study not in _DISPATCH:
+        raise ValueError(f"run {run.name} is a {study!r} run; kvlab analyse knows {list(_DISPATCH)}")
+    if record.get("status") != "finished":
+        raise ValueError(f"run {run.name} did not finish (status {record.get('status')!r}): its tables may be "
+                         "partial; analyse a finished run")
+    o = _Out(run, record, Path(out) if out is not None else None)
+    _DISPATCH[study](run, record, o)
+    return o.done()
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("run_dir", help="a finished run folder, e.g. data/overlap_timeline/20261130-142913-h200")
+    parser.add_argument("--out", default=None, help="where to write (default: <run>/analysis/<UTC>-<commit>/)")
+
+
+def run_args(args) -> int:
+    where = analyse(args.run_dir, args.out)
+    print(f"analysis written to {where}")
+    return 0
