@@ -15,7 +15,7 @@ whether that is the cause. Two tools:
 
 `send_patterns` — one context, colocated prefill against layer-wise sends that differ in one thing each
     (where the bytes go, how many bytes, how often, who issues the copy, copy engine or SMs, and the send
-    policies of kvlab.transfer.release_plan), in rotated rounds, with the sampler running. Its analysis
+    policies of kvlab.transfer.release_plan), in balanced rounds, with the sampler running. Its analysis
     (`pattern_summary`) sets each variant's extra prefill time beside what its lower SM clock alone
     predicts: prefill × (f_colocated / f_variant − 1) — if the two agree across the variants, the clock
     is the cause and the copies themselves are not.
@@ -343,7 +343,10 @@ class _Pull:
 def send_patterns(model, context: int, peer: str = "cuda:1", variants=None, rounds: int = 9, warmup: int = 2,
                   device=None, interval_ms: float = 5.0, seed: int = 0, progress=None) -> PatternRun:
     """Colocated prefill against layer-wise sends that differ in one thing each (PATTERNS), `rounds` rounds in
-    rotated order (each variant follows a different one each round), with NVML sampling both GPUs.
+    the orders of kvlab.timing.balanced_orders (a Williams design: over a cycle every variant follows every
+    other equally often, so the power state one prefill leaves does not always fall on the same variant),
+    with NVML sampling both GPUs. (Runs before commit 141b914 rotated the order cyclically instead, so each
+    variant almost always followed the same one: colocated followed "peer, SM copy, 8 programs".)
 
     GPU only, two GPUs, cuda-bindings' stream memory operations (the armed sends). Every send variant is
     signalled from kvlab's KV arena (LayerHooks point "cache"). Per round: prefill_ms (start → prefill's
@@ -358,7 +361,7 @@ def send_patterns(model, context: int, peer: str = "cuda:1", variants=None, roun
     from .handoff import _hold, _prefill_or_abort, check_request, make_prompt, prefill, warm_prefill
     from .hooks import LayerHooks
     from .kvcache import KVBuffer, layout_for
-    from .timing import EventTimer
+    from .timing import EventTimer, balanced_orders
     from .transfer import Transport, release_plan, stream_memops_available
 
     variants = list(PATTERNS) if variants is None else list(variants)
@@ -510,10 +513,10 @@ def send_patterns(model, context: int, peer: str = "cuda:1", variants=None, roun
     rows, windows, failed = [], [], {}
     say(f"{rounds} rounds × {len(variants)} variants at {context:,} tokens → {dest.label} "
         f"(NVML {'on' if sampler.available else 'off'})")
+    orders = balanced_orders(len(variants), rounds + warmup)
     with sampler:
         for r in range(rounds + warmup):
-            k = r % len(variants)
-            for v in variants[k:] + variants[:k]:
+            for v in (variants[i] for i in orders[r]):
                 if v in failed:
                     continue
                 try:

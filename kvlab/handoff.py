@@ -36,7 +36,7 @@ import torch
 
 from .hooks import POINTS, LayerHooks
 from .kvcache import KVBuffer, layout_for
-from .timing import EventTimer, free_device as _free, median_ci, sync_device as _sync
+from .timing import EventTimer, balanced_orders, free_device as _free, median_ci, sync_device as _sync
 from .transfer import Destination, HookCostProbe, Transport, release_plan, stream_memops_available
 
 __all__ = ["HandoffConfig", "run_handoff", "attribute_extra", "attribution_summary", "attribution_findings",
@@ -433,8 +433,9 @@ def attribute_extra(model, context: int, destinations, rounds: int = 30, warmup:
     """Split layer-wise sending's extra prefill time into its parts, with interleaved rounds.
 
     At a short context prefill is bound by the host launching kernels, so whatever the send does on the
-    host shows. Per destination, every round times, in rotated order so that no variant always follows
-    the same neighbour:
+    host shows. Per destination, every round times, in the orders of kvlab.timing.balanced_orders (every
+    variant follows every other equally often over a cycle; before this was fixed the order was rotated
+    cyclically, so each variant followed the same neighbour in most rounds):
         colocated                     prefill alone
         signal only                   the per-layer signal from the KV arena making the flag send's one
                                       driver call to a flag nothing waits on (kvlab.transfer.HookCostProbe):
@@ -478,9 +479,9 @@ def attribute_extra(model, context: int, destinations, rounds: int = 30, warmup:
             per_layer = t.layerwise(src, wakes="layer")
             variants["layer-wise, per-layer wakes"] = (per_layer, LayerHooks(model, per_layer.on_layer, ranges=False))
         names = list(variants)
+        orders = balanced_orders(len(names), rounds + warmup)
         for r in range(rounds + warmup):
-            order = names[r % len(names):] + names[:r % len(names)]
-            for name in order:
+            for name in (names[i] for i in orders[r]):
                 v = variants[name]
                 row = dict(context=context, destination=dest.label, variant=name, round=r - warmup,
                            mode="", wall_ms=float("nan"), hook_host_ms=float("nan"))

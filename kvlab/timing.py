@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "balanced_orders",
     "Stats",
     "stats",
     "resolve_device",
@@ -447,6 +448,33 @@ class Sample(NamedTuple):
     ms: float
 
 
+def balanced_orders(k: int, rounds: int) -> list[list[int]]:
+    """Run orders of ``k`` variants for ``rounds`` rounds, from a Williams design.
+
+    Over one cycle of the design (k rounds for even k, 2k for odd k) every variant runs in every position
+    equally often and directly follows every other variant equally often, so what one run leaves behind
+    for the next (the GPU's clock and power state, a warm cache) does not always land on the same
+    variant. A cyclic rotation (A B C, B C A, C A B) balances positions only: there B always follows A.
+    Rounds past one cycle repeat it; k = 2 gives A B, B A, A B, …
+
+    Raises ValueError for k < 1 or rounds < 0.
+    """
+    k = _check_int("k", k, 1)
+    rounds = _check_int("rounds", rounds, 0)
+    first, lo, hi = [0], 1, k - 1
+    while len(first) < k:
+        if len(first) % 2:
+            first.append(lo)
+            lo += 1
+        else:
+            first.append(hi)
+            hi -= 1
+    rows = [[(x + i) % k for x in first] for i in range(k)]
+    if k % 2 and k > 1:
+        rows += [row[::-1] for row in rows]
+    return [list(rows[r % len(rows)]) for r in range(rounds)]
+
+
 def interleave(
     fns: Mapping[str, Callable[[], object]],
     rounds: int = 9,
@@ -455,7 +483,7 @@ def interleave(
     sync_each: bool = True,
     rotate: bool = False,
 ) -> list[Sample]:
-    """Time several callables in alternation: A B A B … (or A B, B A, … with ``rotate``).
+    """Time several callables in alternation: A B A B … (or balanced orders with ``rotate``).
 
     Drift (clock boost, thermal state, a neighbour's job) then hits every
     variant alike instead of whichever happened to run last, so the paired
@@ -469,8 +497,8 @@ def interleave(
         sync_each: CUDA only. Wait for each call to finish before starting the
             next (default True), so one variant's queued work never overlaps
             another's timed window. False enqueues everything and waits once.
-        rotate: start round r at function ``r mod k``, so no variant always
-            follows the same neighbour.
+        rotate: run round r in the order of :func:`balanced_orders` (a Williams
+            design: every variant follows every other equally often per cycle).
 
     Returns:
         ``rounds × len(fns)`` :class:`Sample` rows ``(name, round, ms)`` in run order.
@@ -487,8 +515,10 @@ def interleave(
     names = list(fns)
     k = len(names)
 
+    orders = balanced_orders(k, rounds + warmup)
+
     def order(r: int) -> list[str]:
-        return names[r % k:] + names[: r % k] if rotate else names
+        return [names[i] for i in orders[r]] if rotate else names
 
     for r in range(warmup):
         for name in order(r):

@@ -197,9 +197,30 @@ def test_interleave_order_and_rows():
 
 def test_interleave_rotate():
     log = []
-    fns = {k: (lambda k=k: log.append(k)) for k in "ABC"}
-    interleave(fns, rounds=3, warmup=0, device="cpu", rotate=True)
-    assert "".join(log) == "ABC" + "BCA" + "CAB"
+    fns = {k: (lambda k=k: log.append(k)) for k in "ABCD"}
+    interleave(fns, rounds=4, warmup=0, device="cpu", rotate=True)
+    assert "".join(log) == "ABDC" + "BCAD" + "CDBA" + "DACB"  # a Williams square
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 7, 8])
+def test_balanced_orders_balance_positions_and_predecessors(k):
+    from collections import Counter
+
+    from kvlab.timing import balanced_orders
+
+    cycle = k if k % 2 == 0 or k == 1 else 2 * k
+    rows = balanced_orders(k, 2 * cycle + 1)
+    assert all(sorted(r) == list(range(k)) for r in rows)
+    assert rows[cycle:2 * cycle] == rows[:cycle]  # the design repeats
+    one = rows[:cycle]
+    positions = Counter((i, v) for r in one for i, v in enumerate(r))
+    assert len(set(positions.values())) == 1 and len(positions) == k * k
+    if k > 1:
+        follows = Counter((a, b) for r in one for a, b in zip(r, r[1:]))
+        assert len(follows) == k * (k - 1) and len(set(follows.values())) == 1  # every ordered pair, equally often
+    assert balanced_orders(2, 4) == [[0, 1], [1, 0], [0, 1], [1, 0]]
+    with pytest.raises(ValueError):
+        balanced_orders(0, 3)
 
 
 def test_interleave_tidy_frame():
