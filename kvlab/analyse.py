@@ -28,18 +28,10 @@ __all__ = ["analyse", "STUDIES", "add_arguments", "run_args"]
 STUDIES = ("overlap_timeline", "handoff", "paged_transfer")
 
 
-def _read(run: Path, name: str) -> pd.DataFrame | None:
-    for p in (run / f"{name}.csv", run / f"{name}.csv.gz"):
-        if p.is_file():
-            return pd.read_csv(p)
-    return None
-
-
-def _need(run: Path, name: str) -> pd.DataFrame:
-    df = _read(run, name)
-    if df is None:
+def _need(tables: dict, run: Path, name: str) -> pd.DataFrame:
+    if name not in tables:
         raise FileNotFoundError(f"{run} has no {name}.csv(.gz): this run did not write what its analysis needs")
-    return df
+    return tables[name]
 
 
 class _Out:
@@ -64,11 +56,11 @@ class _Out:
     def figure(self, fig, name: str) -> None:
         import matplotlib.pyplot as plt
 
-        fig.text(0.99, 0.005, f"kvlab · run {self.run_id} · re-analysed {self.meta['analysed_utc'][:10]} at "
-                              f"{str(self.meta['git'].get('commit'))[:7]}", ha="right", va="bottom", fontsize=7,
-                 color="0.4")
-        for ext in ("png", "svg"):
-            fig.savefig(self.dir / f"{name}.{ext}", dpi=150 if ext == "png" else None, bbox_inches="tight")
+        from . import plots
+
+        footer = (f"{plots.footer_text(self.run_id, self.device_tag)} · re-analysed "
+                  f"{self.meta['analysed_utc'][:10]} at {str(self.meta['git'].get('commit'))[:7]}")
+        plots.write(fig, self.dir, name, footer)
         plt.close(fig)
         self.meta["figures"].append(f"{name}.png")
 
@@ -77,15 +69,24 @@ class _Out:
         return self.dir
 
 
-def _overlap_timeline(run: Path, record: dict, out: _Out) -> None:
+def _prefill_gpu(record: dict) -> int:
+    """The prefill GPU's index from run.json (its resolved device, or the pattern run's first GPU)."""
+    meta = record.get("patterns_meta") or {}
+    if meta.get("gpus"):
+        return int(meta["gpus"][0])
+    dev = str((record.get("resolved") or {}).get("device", "cuda:0"))
+    return int(dev.split(":")[1]) if ":" in dev else 0
+
+
+def _overlap_timeline(run: Path, record: dict, tables: dict, out: _Out) -> None:
     from . import clocks, overlap, plots
 
     plots.style()
-    walls = _need(run, "walls")
-    timeline = _read(run, "timeline")
-    samples = _read(run, "clock_samples")
+    walls = _need(tables, run, "walls")
+    timeline = tables.get("timeline")
+    samples = tables.get("clock_samples")
     kept = record.get("analysed_repeat")
-    gpu = 0
+    gpu = _prefill_gpu(record)
     if timeline is not None and kept is not None and "variant" in timeline.columns:
         co = timeline[timeline.variant == "colocated"].drop(columns="variant")
         lw = timeline[timeline.variant == "layerwise"].drop(columns="variant")
@@ -108,7 +109,7 @@ def _overlap_timeline(run: Path, record: dict, out: _Out) -> None:
             ax = overlap.decomposition_chart(dec, title=f"Δ time per layer vs colocated ({record.get('context', '')} "
                                                         f"tokens → {record.get('destination_label', '')})")
             out.figure(ax.figure, "decomposition")
-    rounds = _read(run, "pattern_rounds")
+    rounds = tables.get("pattern_rounds")
     if rounds is not None and len(rounds):
         meta = record.get("patterns_meta") or {}
         summ = clocks.pattern_summary(rounds)
@@ -118,21 +119,21 @@ def _overlap_timeline(run: Path, record: dict, out: _Out) -> None:
         out.figure(clocks.plot_patterns(summ, title=f"{ctx:,} tokens → {meta.get('destination', '')}: what each send "
                                                     "pattern costs prefill, beside what its SM clock predicts"
                                         if isinstance(ctx, int) else ""), "patterns")
-        ps = _read(run, "pattern_samples")
-        tl = _read(run, "pattern_timeline")
+        ps = tables.get("pattern_samples")
+        tl = tables.get("pattern_timeline")
         if ps is not None and len(ps):
             out.figure(clocks.plot_clock_timeline(ps, rounds, tl if tl is not None else pd.DataFrame(),
-                                                  gpu=(meta.get("gpus") or [0])[0],
+                                                  gpu=gpu,
                                                   title=f"{ctx:,} tokens: the prefill GPU's SM clock and power, "
                                                         f"colocated vs every layer to the peer"
                                                   if isinstance(ctx, int) else ""), "clock_timeline")
 
 
-def _handoff(run: Path, record: dict, out: _Out) -> None:
+def _handoff(run: Path, record: dict, tables: dict, out: _Out) -> None:
     from . import handoff, plots
 
     plots.style()
-    timings = _need(run, "results")
+    timings = _need(tables, run, "results")
     resolved = record.get("resolved") or {}
     paths = resolved.get("ceiling_paths") or {}
     ceil = {}
@@ -150,10 +151,10 @@ def _handoff(run: Path, record: dict, out: _Out) -> None:
                "handoff_bars")
 
 
-def _paged(run: Path, record: dict, out: _Out) -> None:
+def _paged(run: Path, record: dict, tables: dict, out: _Out) -> None:
     from . import paged_bench
 
-    df = _need(run, "results")
+    df = _need(tables, run, "results")
     out.table(paged_bench.summary(df), "summary")
     goals = paged_bench.goals(df)
     out.table(goals, "goals")
@@ -168,10 +169,9 @@ def analyse(run_dir, out: str | Path | None = None) -> Path:
     (default `<run>/analysis/<UTC time>-<commit>/`). Raises FileNotFoundError for a folder that is not a run
     or lacks the tables its analysis reads, ValueError for a study with no analysis here."""
     run = Path(run_dir)
-    meta = run / "run.json"
-    if not meta.is_file():
+    if not (run / "run.json").is_file():
         raise FileNotFoundError(f"{run} is not a run folder: it has no run.json")
-    record = json.loads(meta.read_text())
+    record, tables = results.load(run)
     study = record.get("study")
     if study not in _DISPATCH:
         raise ValueError(f"run {run.name} is a {study!r} run; kvlab analyse knows {list(_DISPATCH)}")
@@ -179,7 +179,7 @@ def analyse(run_dir, out: str | Path | None = None) -> Path:
         raise ValueError(f"run {run.name} did not finish (status {record.get('status')!r}): its tables may be "
                          "partial; analyse a finished run")
     o = _Out(run, record, Path(out) if out is not None else None)
-    _DISPATCH[study](run, record, o)
+    _DISPATCH[study](run, record, tables, o)
     return o.done()
 
 

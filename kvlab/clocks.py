@@ -62,17 +62,22 @@ class Sampler:
     Use as a context manager or start()/stop(); `samples()` returns the table (SAMPLE_COLUMNS): t_ns
     (perf_counter_ns), gpu (CUDA index), sm_mhz, power_w (instantaneous where the driver offers it, else
     NVML's averaged reading), reasons (bitmask, see REASON_BITS), power_capped (the SW power-cap bit),
-    nvlink_tx_kib / nvlink_rx_kib (running counters summed over the links; difference two samples for the
-    bytes in between). NVML itself refreshes clocks and power only every ~100 ms on our H200s (the readings
-    hold still for that long), so a reading is that period's value: sample means over a 1 s prefill are
-    sound, a single kernel's clock is not resolved.
-    One sample of two GPUs costs the thread ~0.1–0.3 ms of host time under the GIL, which a host-bound
-    prefill (1k tokens) would feel: sample long prefills, or take a coarser interval.
+    nvlink_tx_kib / nvlink_rx_kib (running counters summed over the links, read every `nvlink_every`-th
+    sample and NaN in between; difference two readings for the bytes in between). NVML itself refreshes
+    clocks and power only every ~100 ms on our H200s (the readings hold still for that long), so a reading
+    is that period's value: sample means over a 1 s prefill are sound, a single kernel's clock is not
+    resolved. The interval is a request: `measured_interval_ms()` says what it was (one read of the 36
+    NVLink fields takes tens of ms). Sampling holds the GIL for short spells, which a host-bound prefill
+    (1k tokens) would feel: sample long prefills, or take a coarser interval.
     """
 
-    def __init__(self, gpus=(0,), interval_ms: float = 5.0):
+    def __init__(self, gpus=(0,), interval_ms: float = 5.0, nvlink_every: int = 20):
         if not isinstance(interval_ms, (int, float)) or isinstance(interval_ms, bool) or not interval_ms >= 0.5:
             raise ValueError(f"interval_ms={interval_ms!r}: expected a number ≥ 0.5 (ms between samples)")
+        if isinstance(nvlink_every, bool) or not isinstance(nvlink_every, int) or nvlink_every < 1:
+            raise ValueError(f"nvlink_every={nvlink_every!r}: expected an int ≥ 1 (samples per NVLink read)")
+        self.nvlink_every = nvlink_every
+        self._n = 0
         self.gpus = [int(g) for g in gpus]
         self.interval_ms = float(interval_ms)
         self._rows: list[tuple] = []
@@ -105,9 +110,9 @@ class Sampler:
         try:
             import torch
 
-            p = torch.cuda.get_device_properties(gpu)
-            bus = f"{p.pci_domain_id:08X}:{p.pci_bus_id:02X}:{p.pci_device_id:02X}.0"
-            return nv.nvmlDeviceGetHandleByPciBusId(bus)
+            from .devices import pci_address
+
+            return nv.nvmlDeviceGetHandleByPciBusId(pci_address(torch.cuda.get_device_properties(gpu), 8).upper())
         except Exception:
             return nv.nvmlDeviceGetHandleByIndex(gpu)
 
@@ -115,17 +120,23 @@ class Sampler:
         nv = self._nvml
         t = time.perf_counter_ns()
         sm = float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))
-        # the throughput counters are per link (scope id = link): the run of run 20261130-142913-h200 read
-        # link 0 alone and saw 1/18 of the bytes; sum every link that answers
-        ids = [(_FI_NVLINK_TX, k) for k in range(_NVLINKS)] + [(_FI_NVLINK_RX, k) for k in range(_NVLINKS)]
+        # the throughput counters are per link (scope id = link): run 20261130-142913-h200 read link 0 alone
+        # and saw 1/18 of the bytes, so every link is summed; reading 36 fields stretched the sampling
+        # interval from ~8 to ~44 ms (run 20261130-145803-h200), so the running counters are read only every
+        # nvlink_every-th sample (NaN in between) and clock and power at the full rate
+        links = self._n % self.nvlink_every == 0
+        ids = ([(_FI_NVLINK_TX, k) for k in range(_NVLINKS)] + [(_FI_NVLINK_RX, k) for k in range(_NVLINKS)]
+               if links else [])
         ids += [_FI_POWER_INSTANT] if self.instant_power else []
         try:
-            vals = [_field_value(f) for f in nv.nvmlDeviceGetFieldValues(h, ids)]
+            vals = [_field_value(f) for f in nv.nvmlDeviceGetFieldValues(h, ids)] if ids else []
         except Exception:
             vals = [float("nan")] * len(ids)
-        tx, rx = (np.asarray(vals[k * _NVLINKS:(k + 1) * _NVLINKS]) for k in (0, 1))
-        tx = float(np.nansum(tx)) if np.isfinite(tx).any() else float("nan")
-        rx = float(np.nansum(rx)) if np.isfinite(rx).any() else float("nan")
+        tx = rx = float("nan")
+        if links:
+            t_l, r_l = (np.asarray(vals[k * _NVLINKS:(k + 1) * _NVLINKS]) for k in (0, 1))
+            tx = float(np.nansum(t_l)) if np.isfinite(t_l).any() else float("nan")
+            rx = float(np.nansum(r_l)) if np.isfinite(r_l).any() else float("nan")
         power = vals[-1] / 1e3 if self.instant_power else nv.nvmlDeviceGetPowerUsage(h) / 1e3
         get = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
         reasons = int(get(h))
@@ -135,6 +146,15 @@ class Sampler:
         """Take one sample of every GPU now (the thread calls this; tests may too)."""
         for g, h in zip(self.gpus, self._handles):
             self._rows.append(self._read(g, h))
+        self._n += 1
+
+    def measured_interval_ms(self) -> float:
+        """The median time between two samples of one GPU, as taken (NaN with fewer than two)."""
+        s = self.samples()
+        if s.empty:
+            return float("nan")
+        d = s.groupby("gpu").t_ns.diff().dropna()
+        return float(d.median() / 1e6) if len(d) else float("nan")
 
     def _loop(self) -> None:
         wait = self.interval_ms / 1e3
@@ -173,16 +193,17 @@ class Sampler:
 def window(samples: pd.DataFrame, gpu: int, t0_ns: int, t1_ns: int) -> dict:
     """What one GPU did between host times t0_ns and t1_ns (perf_counter_ns): mean SM clock and power of
     the samples inside, the share with the SW power-cap bit set, NVLink KiB sent and received (counter at
-    the first sample after t1 − counter at the last sample before t0), and how many samples fell inside."""
+    the first reading after t1 − counter at the last reading before t0; readings are taken every few
+    samples, so this spans a little more than the window), and how many samples fell inside."""
     s = samples[samples.gpu == gpu]
     inside = s[(s.t_ns >= t0_ns) & (s.t_ns <= t1_ns)]
     out = {"samples": len(inside), "sm_mhz": float(inside.sm_mhz.mean()) if len(inside) else float("nan"),
            "power_w": float(inside.power_w.mean()) if len(inside) else float("nan"),
            "capped_frac": float(inside.power_capped.mean()) if len(inside) else float("nan")}
-    before, after = s[s.t_ns < t0_ns], s[s.t_ns > t1_ns]
-    for col, name in (("nvlink_tx_kib", "nvlink_tx_kib"), ("nvlink_rx_kib", "nvlink_rx_kib")):
-        out[name] = (float(after[col].iloc[0] - before[col].iloc[-1]) if len(before) and len(after)
-                     else float("nan"))
+    for col in ("nvlink_tx_kib", "nvlink_rx_kib"):
+        c = s.dropna(subset=[col])  # counters are read every few samples only
+        before, after = c[c.t_ns < t0_ns], c[c.t_ns > t1_ns]
+        out[col] = float(after[col].iloc[0] - before[col].iloc[-1]) if len(before) and len(after) else float("nan")
     return out
 
 
@@ -201,8 +222,10 @@ PATTERNS = {
     "peer, 1 KiB pings": "a 1 KiB copy to the peer at every layer's signal (cadence kept, bytes gone)",
     "peer, last 4 layers": "only the last 4 layers' K,V to the peer (a probe: the cache is incomplete)",
     "peer, batch:4": "every layer, released in 4 batches of 7 (kvlab policy batch:4)",
-    "peer, deadline": "every layer, held until prefill time left ≈ transfer time left (kvlab policy deadline)",
-    "peer, pull": "every layer, the copy issued by the peer GPU (its copy engine pulls)",
+    "peer, deadline": "every layer, held while the prefill left covers the transfer left with a 2× margin "
+                      "(kvlab policy deadline; for Qwen2.5-7B: all but the last layer go at layer 26's signal)",
+    "peer, pull": "every layer, the copy issued by the peer GPU (its copy engine pulls); its exposed time is "
+                  "seen from the prefill GPU after prefill's end, so it is ≥ 0 by construction",
     "peer, SM copy": "every layer by a copy kernel on the prefill GPU's SMs, storing into the peer",
     "peer, SM copy, 8 programs": "the same kernel throttled to 8 programs (a slow, steady stream)",
 }
@@ -243,6 +266,8 @@ class _Armed:
         self.base = 0
         self.sent = 0
         self._release = torch.cuda.Stream(device=device)
+        self._watchdog = None
+        self.watchdog_s = 60.0
 
     def arm(self):
         import torch
@@ -251,6 +276,11 @@ class _Armed:
 
         cu = self.cu
         self.gen += 1
+        if (self.gen + 1) * self.layers >= 2**31 - 1:  # keep the flag inside int32, as LayerwiseSend does
+            torch.cuda.synchronize(self.device)
+            self.flag.zero_()
+            torch.cuda.synchronize(self.device)
+            self.gen = 1
         self.base = self.gen * self.layers
         handle = cu.CUstream(self.stream.cuda_stream)
         geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
@@ -261,6 +291,11 @@ class _Armed:
                     raise RuntimeError(f"cuStreamWaitValue32 failed: {err}")
                 job()
             self.done.record(self.stream)
+        # as LayerwiseSend does: a device-wide sync between arm() and the last signal would wait for copies
+        # that wait for flags the stalled host never writes; release them after watchdog_s
+        self._watchdog = threading.Timer(self.watchdog_s, self.abort)
+        self._watchdog.daemon = True
+        self._watchdog.start()
         return self
 
     def begin(self):
@@ -278,11 +313,15 @@ class _Armed:
             raise RuntimeError(f"cuStreamWriteValue32 failed for layer {i}: {err}")
 
     def abort(self) -> None:
+        """Let every armed job run (after an error, or from the watchdog), so nothing waits forever."""
         self.cu.cuStreamWriteValue32(self.cu.CUstream(self._release.cuda_stream), self.ptr,
                                      self.base + self.layers, 0)
 
     def finish(self):
         """The event after the last job (on the prefill GPU's copy stream)."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         return self.done
 
 
@@ -345,7 +384,7 @@ def send_patterns(model, context: int, peer: str = "cuda:1", variants=None, roun
     """Colocated prefill against layer-wise sends that differ in one thing each (PATTERNS), `rounds` rounds in
     the orders of kvlab.timing.balanced_orders (a Williams design: over a cycle every variant follows every
     other equally often, so the power state one prefill leaves does not always fall on the same variant),
-    with NVML sampling both GPUs. (Runs before commit 141b914 rotated the order cyclically instead, so each
+    with NVML sampling both GPUs. (Runs made before commit 5961a27 rotated the order cyclically, so each
     variant almost always followed the same one: colocated followed "peer, SM copy, 8 programs".)
 
     GPU only, two GPUs, cuda-bindings' stream memory operations (the armed sends). Every send variant is
@@ -358,10 +397,11 @@ def send_patterns(model, context: int, peer: str = "cuda:1", variants=None, roun
     import torch
 
     from . import kernels
-    from .handoff import _hold, _prefill_or_abort, check_request, make_prompt, prefill, warm_prefill
+    from .handoff import (_prefill_or_abort, _time_plain_copy, _time_prefill, check_request, make_prompt,
+                          model_device, prefill, warm_prefill)
     from .hooks import LayerHooks
     from .kvcache import KVBuffer, layout_for
-    from .timing import EventTimer, balanced_orders
+    from .timing import balanced_orders
     from .transfer import Transport, release_plan, stream_memops_available
 
     variants = list(PATTERNS) if variants is None else list(variants)
@@ -372,7 +412,7 @@ def send_patterns(model, context: int, peer: str = "cuda:1", variants=None, roun
         variants = ["colocated"] + variants
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1 or warmup < 0:
         raise ValueError(f"rounds must be an int ≥ 1 and warmup ≥ 0, got rounds={rounds!r}, warmup={warmup!r}")
-    dev = torch.device(device) if device is not None else next(model.parameters()).device
+    dev = torch.device(device) if device is not None else model_device(model)
     if dev.type != "cuda":
         raise ValueError("send_patterns needs a CUDA prefill device (it compares sends to a peer GPU)")
     dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
@@ -395,28 +435,10 @@ def send_patterns(model, context: int, peer: str = "cuda:1", variants=None, roun
     warm_prefill(model, ids, src)
     torch.cuda.synchronize(dest.device)
 
-    # pace of the deadline policy, measured here
-    def time_prefill():
-        clock = EventTimer(dev)
-        torch.cuda.synchronize(dev)
-        clock.mark("a")
-        prefill(model, ids, src)
-        clock.mark("b")
-        return clock.elapsed_ms("a", "b")
-
-    pre_ms = sorted(time_prefill() for _ in range(3))[1]
-
-    def time_layer():
-        clock = EventTimer(dev)
-        torch.cuda.synchronize(dev)
-        _hold(t_peer.stream)
-        with torch.cuda.stream(t_peer.stream):
-            clock.mark("a", stream=t_peer.stream)
-            t_peer.buffer.data[L - 1].copy_(src.data[L - 1], non_blocking=True)
-            clock.mark("b", stream=t_peer.stream)
-        return clock.elapsed_ms("a", "b")
-
-    layer_ms = sorted(time_layer() for _ in range(5))[2]
+    # pace of the deadline policy, measured here with the handoff's own timers
+    pre_ms = sorted(_time_prefill(model, ids, src, dev) for _ in range(3))[1]
+    layer_ms = sorted(_time_plain_copy(t_peer.stream, t_peer.buffer.data[L - 1], src.data[L - 1], dest, dev)
+                      for _ in range(5))[2]
     deadline = release_plan("deadline", L, compute_ms=pre_ms / L, transfer_ms=layer_ms)
     say(f"colocated prefill {pre_ms:.1f} ms, one layer to {dest.label} {layer_ms:.3f} ms: the deadline policy "
         f"releases layers 0…{deadline[0]} at layer {deadline[0]}'s signal")
@@ -550,7 +572,8 @@ def send_patterns(model, context: int, peer: str = "cuda:1", variants=None, roun
                                  for i, (s0, s1) in enumerate(med[1])]).assign(prefill_ms=med[0])
     meta = dict(context=context, destination=dest.label, layers=L, kv_bytes=layout.nbytes,
                 bytes_per_layer=layout.bytes_per_layer, colocated_prefill_ms=pre_ms, layer_copy_ms=layer_ms,
-                deadline_release_layer=deadline[0], interval_ms=interval_ms, nvml=sampler.available,
+                deadline_release_layer=deadline[0], interval_ms=interval_ms,
+                measured_interval_ms=sampler.measured_interval_ms(), nvml=sampler.available,
                 nvml_why=sampler.why, instant_power=sampler.instant_power, gpus=[dev.index, dest.device.index],
                 variants={v: PATTERNS[v] for v in variants if v not in failed}, failed=failed)
     del senders, hooks, t_peer, t_same, src

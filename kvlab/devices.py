@@ -79,12 +79,18 @@ def gpus() -> list[dict]:
     return found
 
 
+def pci_address(props, domain_digits: int = 4) -> str:
+    """The PCI address of a GPU from torch's device properties, e.g. "0000:1b:00.0" (sysfs spells the
+    domain with 4 hex digits, NVML with 8 and upper case: pci_address(p, 8).upper())."""
+    return (f"{int(props.pci_domain_id):0{domain_digits}x}:{int(props.pci_bus_id):02x}:"
+            f"{int(props.pci_device_id):02x}.0")
+
+
 def _gpu_numa_node(props) -> int | None:
     """The NUMA node the GPU's PCI device hangs off (Linux sysfs), None when unknown: host memory on
     another node crosses the socket interconnect on its way to this GPU."""
     try:
-        path = (f"/sys/bus/pci/devices/{int(props.pci_domain_id):04x}:{int(props.pci_bus_id):02x}:"
-                f"{int(props.pci_device_id):02x}.0/numa_node")
+        path = f"/sys/bus/pci/devices/{pci_address(props)}/numa_node"
         node = int(open(path, encoding="ascii").read().strip())
     except (AttributeError, OSError, ValueError, TypeError):
         return None

@@ -37,7 +37,7 @@ import torch
 from .hooks import POINTS, LayerHooks
 from .kvcache import KVBuffer, layout_for
 from .timing import EventTimer, balanced_orders, free_device as _free, median_ci, sync_device as _sync
-from .transfer import Destination, HookCostProbe, Transport, release_plan, stream_memops_available
+from .transfer import Destination, HookCostProbe, Transport, check_policy, release_plan, stream_memops_available
 
 __all__ = ["HandoffConfig", "run_handoff", "attribute_extra", "attribution_summary", "attribution_findings",
            "plot_attribution", "check_request", "prefill", "warm_prefill", "decode", "make_prompt",
@@ -74,8 +74,11 @@ class HandoffConfig:
 # validation
 
 
-def check_request(model, contexts, destinations, device, n_gpu_buffers: int | None = None) -> list:
-    """Refuse, before allocating, contexts the model cannot take or the device cannot hold.
+def check_request(model, contexts, destinations, device, n_gpu_buffers: int | None = None,
+                  policy: str = "eager") -> list:
+    """Refuse, before allocating, contexts the model cannot take or the device cannot hold, and a send
+    policy the model or a destination cannot take (a policy other than "eager" needs a GPU destination or
+    pinned host: pageable sends go through a worker that lands layers in order as they come).
 
     Returns the parsed destinations. Memory estimate per context: the source KV buffer, one buffer per
     GPU destination, one decode-side copy for host destinations, activations of the widest layer
@@ -92,6 +95,15 @@ def check_request(model, contexts, destinations, device, n_gpu_buffers: int | No
         if max_pos is not None and c > max_pos:
             raise ValueError(f"context {c} exceeds the model's max positions ({max_pos}); valid: 2…{max_pos}")
     dests = [Destination.parse(d, device) for d in destinations]
+    policy = check_policy(policy)
+    layers = getattr(cfg, "num_hidden_layers", None)
+    if policy.startswith("batch:") and layers is not None and int(policy[6:]) > layers:
+        raise ValueError(f"policy {policy!r}: N must be an int in 1…{layers} (the model has {layers} layers)")
+    if policy != "eager":
+        bad = [d.label for d in dests if d.kind == "pageable"]
+        if bad:
+            raise ValueError(f"policy {policy!r} cannot send to {bad[0]}: a policy other than 'eager' needs a GPU "
+                             "destination or pinned host; drop pageable from the destinations or use policy='eager'")
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         elem = torch.empty((), dtype=model.dtype).element_size()
@@ -285,11 +297,10 @@ def run_handoff(model, cfg: HandoffConfig, device=None, progress=None) -> tuple[
     checks:  context, destination, method, tokens_match, logits_equal, logits_max_abs_diff, poison_left
     progress: optional callable(str) for status lines (the notebook passes a tqdm write).
     """
-    device = torch.device(device if device is not None else next(model.parameters()).device)
+    device = torch.device(device if device is not None else model_device(model))
     if cfg.point not in POINTS:
         raise ValueError(f"HandoffConfig.point {cfg.point!r} is not valid; use one of {list(POINTS)}")
-    release_plan(cfg.policy, 2, compute_ms=1.0, transfer_ms=0.0)  # an unknown policy is refused here
-    dests = check_request(model, cfg.contexts, cfg.destinations, device)
+    dests = check_request(model, cfg.contexts, cfg.destinations, device, policy=cfg.policy)
     if cfg.repeats < 1:
         raise ValueError(f"repeats must be ≥ 1 (≥ 9 for published numbers), got {cfg.repeats}")
     say = progress or (lambda s: None)
@@ -454,7 +465,7 @@ def attribute_extra(model, context: int, destinations, rounds: int = 30, warmup:
     Returns tidy rows: context, destination, variant, round, ms (prefill: start → logits on the compute
     stream), wall_ms (layer-wise: until the last layer landed), hook_host_ms, mode.
     """
-    device = torch.device(device if device is not None else next(model.parameters()).device)
+    device = torch.device(device if device is not None else model_device(model))
     dests = check_request(model, [context], destinations, device)
     if rounds < 1 or warmup < 0:
         raise ValueError(f"rounds must be ≥ 1 and warmup ≥ 0, got rounds={rounds}, warmup={warmup}")

@@ -1158,21 +1158,28 @@ class ChunkedGatherD2H(PagedTransport):
 
 
 def chunk_bounds(lo: int, hi: int, chunk: int, edge: int) -> list[tuple[int, int]]:
-    """Plan rows [lo, hi) cut into pipeline chunks: a small first and last chunk of `edge` rows (the gather
-    of the first and the scatter of the last cannot overlap anything, so they are kept short) and chunks of
-    at most `chunk` rows between them. Fewer rows than two edges: one chunk."""
+    """Plan rows [lo, hi) cut into pipeline chunks of at most `chunk` rows: a small first and last chunk of
+    `edge` rows (≤ chunk; the gather of the first and the scatter of the last cannot overlap anything, so
+    they are kept short) and near-equal chunks between them. A range of at most 2 × edge rows is cut into
+    near-equal pieces of at most `chunk` rows. chunk, edge ≥ 1."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or \
+            isinstance(edge, bool) or not isinstance(edge, int) or edge < 1:
+        raise ValueError(f"chunk={chunk!r}, edge={edge!r}: both must be ints ≥ 1 (rows)")
+    edge = min(edge, chunk)
+
+    def even(a: int, b: int) -> list[tuple[int, int]]:
+        if b <= a:
+            return []
+        k = -(-(b - a) // chunk)
+        step = -(-(b - a) // k)
+        return [(x, min(b, x + step)) for x in range(a, b, step)]
+
     n = hi - lo
     if n <= 0:
         return []
     if n <= 2 * edge:
-        return [(lo, hi)]
-    out = [(lo, lo + edge)]
-    a, b = lo + edge, hi - edge
-    k = -(-(b - a) // chunk)
-    step = -(-(b - a) // k)
-    out += [(x, min(b, x + step)) for x in range(a, b, step)]
-    out.append((b, hi))
-    return out
+        return even(lo, hi)
+    return [(lo, lo + edge)] + even(lo + edge, hi - edge) + [(hi - edge, hi)]
 
 
 class ChunkedGatherPeer(PagedTransport):
@@ -1407,13 +1414,9 @@ class MappedPinned(PagedTransport):
 
 def _cudart():
     """(module, None) for cuda-bindings' runtime with cudaMemcpyBatchAsync, else (None, reason)."""
-    try:
-        from cuda.bindings import runtime as cudart
-    except Exception:
-        try:
-            from cuda import cudart  # cuda-python < 12.6 layout
-        except Exception:
-            return None, "cuda-python (cuda-bindings) is not installed: pip install 'kvlab[cuda]'"
+    cudart, why = _cudart_plain()
+    if cudart is None:
+        return None, why
     if not hasattr(cudart, "cudaMemcpyBatchAsync"):
         return None, "these cuda-bindings have no cudaMemcpyBatchAsync (it needs CUDA 12.8 or newer bindings)"
     err, runtime = cudart.cudaRuntimeGetVersion()

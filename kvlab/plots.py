@@ -168,6 +168,28 @@ def _gzip_svg(path: Path) -> Path:
     return out
 
 
+def write(fig, folder: Path, name: str, footer: str) -> list[Path]:
+    """Write ``fig`` with ``footer`` as ``<folder>/<name>.png`` and ``.svg`` (``.svgz`` above
+    SVG_GZIP_BYTES); returns the paths. What `save` does for a run folder, and `kvlab analyse` for an
+    analysis folder."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(f"figure name {name!r} is not valid: use lowercase letters, digits, '-' "
+                         "and '_' (e.g. 'exposure_vs_link'), without an extension")
+    _set_footer(fig, footer)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for ext in FIGURE_FORMATS:
+        path = folder / f"{name}.{ext}"
+        # No date in the SVG metadata, so the file changes only when the figure does.
+        metadata = {"Title": name, "Date": None} if ext == "svg" else {"Title": name}
+        fig.savefig(path, format=ext, metadata=metadata)
+        if ext == "svg" and path.stat().st_size > SVG_GZIP_BYTES:
+            path = _gzip_svg(path)
+        written.append(path)
+    return written
+
+
 def save(fig, name: str, run, publish: bool = True) -> list[Path]:
     """Write ``fig`` as ``<run_dir>/figures/<name>.png`` and ``.svg`` (``.svgz``, gzipped, above
     SVG_GZIP_BYTES), then publish both to
@@ -186,18 +208,7 @@ def save(fig, name: str, run, publish: bool = True) -> list[Path]:
         raise TypeError(f"fig must be a matplotlib Figure, got {type(fig).__name__}")
     folder, run_id, study, is_gpu, device = _run_facts(run)
 
-    _set_footer(fig, footer_text(run_id, device))
-    own = folder / "figures"
-    own.mkdir(parents=True, exist_ok=True)
-    written = []
-    for ext in FIGURE_FORMATS:
-        path = own / f"{name}.{ext}"
-        # No date in the SVG metadata, so the file changes only when the figure does.
-        metadata = {"Title": name, "Date": None} if ext == "svg" else {"Title": name}
-        fig.savefig(path, format=ext, metadata=metadata)
-        if ext == "svg" and path.stat().st_size > SVG_GZIP_BYTES:
-            path = _gzip_svg(path)
-        written.append(path)
+    written = write(fig, folder / "figures", name, footer_text(run_id, device))
     if not publish:
         return written
 
@@ -212,7 +223,7 @@ def save(fig, name: str, run, publish: bool = True) -> list[Path]:
             published = {}
         if published.get("is_gpu"):
             print(f"kept {target / name}.png from GPU run {published.get('run_id')}: a CPU run "
-                  f"does not replace it (this run's copy: {own / name}.png)")
+                  f"does not replace it (this run's copy: {written[0]})")
             return written
     target.mkdir(parents=True, exist_ok=True)
     for src in list(written):

@@ -452,9 +452,12 @@ def balanced_orders(k: int, rounds: int) -> list[list[int]]:
     """Run orders of ``k`` variants for ``rounds`` rounds, from a Williams design.
 
     Over one cycle of the design (k rounds for even k, 2k for odd k) every variant runs in every position
-    equally often and directly follows every other variant equally often, so what one run leaves behind
-    for the next (the GPU's clock and power state, a warm cache) does not always land on the same
-    variant. A cyclic rotation (A B C, B C A, C A B) balances positions only: there B always follows A.
+    equally often and, within the rounds, directly follows every other variant equally often, so what one
+    run leaves behind for the next (the GPU's clock and power state, a warm cache) does not always land on
+    the same variant. Across a round boundary (the last run of one round, the first of the next) the pairs
+    are not balanced: a variant that opens a round follows the same neighbour each cycle, so it has one
+    predecessor twice per cycle and the others once. A cyclic rotation (A B C, B C A, C A B) balances
+    positions only: there B always follows A.
     Rounds past one cycle repeat it; k = 2 gives A B, B A, A B, …
 
     Raises ValueError for k < 1 or rounds < 0.

@@ -821,7 +821,7 @@ def trace_handoff(model, context: int, destination: str, transport: str = "copy"
     """
     import torch
 
-    from .handoff import _prefill_or_abort, make_prompt, prefill
+    from .handoff import _prefill_or_abort, make_prompt, model_device, prefill
     from .hooks import LayerHooks
     from .kvcache import KVBuffer, layout_for
     from .transfer import Destination, Transport
@@ -832,7 +832,7 @@ def trace_handoff(model, context: int, destination: str, transport: str = "copy"
         raise ValueError(f"context {context!r} is not valid: give an int ≥ 2 (prompt tokens)")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int ≥ 1, got {repeats!r}")
-    dev = torch.device(device) if device is not None else next(model.parameters()).device
+    dev = torch.device(device) if device is not None else model_device(model)
     cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     max_pos = getattr(cfg, "max_position_embeddings", None)
     if max_pos is not None and context > max_pos:
@@ -1050,7 +1050,8 @@ def event_handoff(model, context: int, destination: str = "pinned", rounds: int 
     """
     import torch
 
-    from .handoff import _prefill_or_abort, _time_layerwise_round, check_request, make_prompt, warm_prefill
+    from .handoff import (_prefill_or_abort, _time_layerwise_round, check_request, make_prompt, model_device,
+                          warm_prefill)
     from .hooks import LayerHooks
     from .kvcache import KVBuffer, layout_for
     from .timing import median_ci, sync_device
@@ -1058,7 +1059,7 @@ def event_handoff(model, context: int, destination: str = "pinned", rounds: int 
 
     if rounds < 1 or warmup < 0:
         raise ValueError(f"rounds must be ≥ 1 and warmup ≥ 0, got rounds={rounds}, warmup={warmup}")
-    dev = torch.device(device) if device is not None else next(model.parameters()).device
+    dev = torch.device(device) if device is not None else model_device(model)
     (dest,) = check_request(model, [context], [destination], dev)
     empty = EventTimeline(pd.DataFrame(columns=["variant", "round", "prefill_ms", "wall_ms"]),
                           pd.DataFrame(), pd.DataFrame(), float("nan"), "cpu", 0)

@@ -32,7 +32,7 @@ from . import devices
 from .kvcache import KVBuffer, KVLayout
 
 __all__ = ["Destination", "Landing", "Transport", "LayerwiseSend", "GRANULARITIES", "DESTINATIONS", "WAKE_PLANS",
-           "wake_groups", "HookCostProbe", "FlagWriter", "signal_costs", "POLICIES", "release_plan"]
+           "wake_groups", "HookCostProbe", "FlagWriter", "signal_costs", "POLICIES", "check_policy", "release_plan"]
 
 GRANULARITIES = ("buffer", "layer", "tensor")
 DESTINATIONS = ("same-gpu", "cuda:N", "pinned", "pageable")
@@ -689,6 +689,20 @@ def _check_release(release, layers: int) -> list[int]:
     return out
 
 
+def check_policy(policy) -> str:
+    """The policy's canonical name ("eager", "deadline" or "batch:N" with N ≥ 1), or ValueError naming what
+    is valid. Whether N fits the model's layers is checked by release_plan, which knows them."""
+    p = str(policy).strip().lower()
+    if p in ("eager", "deadline"):
+        return p
+    if p.startswith("batch:"):
+        n = p.split(":", 1)[1]
+        if n.isdigit() and int(n) >= 1:
+            return f"batch:{int(n)}"
+        raise ValueError(f"policy {policy!r}: N must be an int ≥ 1 (the number of releases), e.g. 'batch:4'")
+    raise ValueError(f"unknown send policy {policy!r}; valid: 'eager', 'deadline', 'batch:N' (N releases)")
+
+
 def release_plan(policy: str, layers: int, *, compute_ms: float | None = None,
                  transfer_ms: float | None = None, margin: float = 2.0) -> list[int]:
     """A send policy as a release plan for LayerwiseSend: release[i] = the layer whose signal starts layer i's copy.
@@ -696,24 +710,24 @@ def release_plan(policy: str, layers: int, *, compute_ms: float | None = None,
     policy:
       "eager"     every layer at its own signal (seed 004's way; the default).
       "batch:N"   N releases: the layers go in N groups of about L/N, each at the signal of its last layer.
-      "deadline"  hold every copy until the prefill time left is about the transfer time left: the latest
-                  layer r such that sending layers 0…r at r's end, then each later layer at its own end,
-                  exposes no more than eager sending would with every transfer `margin` times slower than
-                  modelled (kvlab.calculator.deadline_release). Needs compute_ms (one layer's prefill
+      "deadline"  hold every copy as long as the prefill time left still covers the transfer time left: the
+                  latest layer r such that sending layers 0…r at r's end, then each later layer at its own
+                  end, exposes no more than eager sending would with every transfer `margin` times slower
+                  than modelled (kvlab.calculator.deadline_release). With layers of equal compute that is
+                  r = L-2 whenever the whole transfer fits under one layer's compute (Qwen2.5-7B over
+                  NVLink at 1k-32k: layers 0-26 go at layer 26's signal, 27 at its own). Needs compute_ms (one layer's prefill
                   time, ms) and transfer_ms (one layer's send time, ms), e.g. this run's prefill / L and one
                   layer's copy timed alone.
     Raises ValueError for an unknown policy, a bad N, or a deadline without its two times.
     """
-    p = str(policy).strip().lower()
+    p = check_policy(policy)
     if p == "eager":
         return list(range(layers))
     if p.startswith("batch:"):
-        try:
-            n = int(p.split(":", 1)[1])
-        except ValueError:
-            n = 0
-        if not 1 <= n <= layers:
-            raise ValueError(f"policy {policy!r}: N must be an int in 1…{layers} (the number of releases)")
+        n = int(p.split(":", 1)[1])
+        if n > layers:
+            raise ValueError(f"policy {policy!r}: N must be an int in 1…{layers} (the number of releases; the "
+                             f"model has {layers} layers)")
         ends = [round((k + 1) * layers / n) - 1 for k in range(n)]
         return [next(e for e in ends if e >= i) for i in range(layers)]
     if p == "deadline":
@@ -724,7 +738,7 @@ def release_plan(policy: str, layers: int, *, compute_ms: float | None = None,
 
         r = deadline_release([compute_ms / 1e3] * layers, [transfer_ms / 1e3] * layers, margin=margin)
         return [max(i, r) for i in range(layers)]
-    raise ValueError(f"unknown send policy {policy!r}; valid: 'eager', 'deadline', 'batch:N' (N releases)")
+    raise AssertionError(p)  # check_policy admits nothing else
 
 
 WAKE_PLANS = ("halving", "layer")

@@ -30,6 +30,30 @@ def test_release_plans():
             release_plan(bad, 4)
 
 
+def test_check_policy():
+    from kvlab.transfer import check_policy
+
+    assert check_policy(" Batch:04 ") == "batch:4" and check_policy("deadline") == "deadline"
+    for bad in ("batch:0", "batch:-1", "batch:", "batch:two", "soon"):
+        with pytest.raises(ValueError):
+            check_policy(bad)
+    assert release_plan("batch:3", 7) == [1, 1, 4, 4, 4, 6, 6]  # N that does not divide L: groups of 2, 3, 2
+    with pytest.raises(ValueError, match="N must be an int in 1…4"):
+        release_plan("batch:5", 4)
+
+
+def test_a_deadline_with_margin_still_exposes_no_more_than_eager_at_the_real_speed():
+    # the plan is made with every transfer taken `margin` times slower; at the speed it really has, holding
+    # must still expose no more than sending each layer at its own end would
+    rng = np.random.default_rng(1)
+    for _ in range(500):
+        L = int(rng.integers(2, 40))
+        c = list(rng.uniform(0.0, 2.0, L))
+        t = list(rng.uniform(0.0, 2.0, L))
+        r = calculator.deadline_release(c, t, margin=2.0)
+        assert calculator.held_exposure(c, t, r) <= calculator.pipeline_exposure(c, t).exposed_s + 1e-9
+
+
 def test_deadline_never_exposes_more_than_eager():
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -61,7 +85,7 @@ def tiny():
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
 
 
-@pytest.mark.parametrize("policy", ["eager", "batch:2", "batch:1"])
+@pytest.mark.parametrize("policy", ["eager", "batch:2", "batch:1", "batch:3"])
 def test_a_held_send_still_lands_every_layer(tiny, policy):
     ids = handoff.make_prompt(256, 12, "cpu", seed=2)
     lay = layout_for(tiny, 12, dtype=torch.float32)
@@ -104,13 +128,14 @@ def test_handoff_refuses_an_unknown_policy_before_measuring(tiny):
         handoff.run_handoff(tiny, cfg, device="cpu")
 
 
-def test_handoff_with_a_policy_on_cpu(tiny):
+@pytest.mark.parametrize("policy", ["deadline", "batch:3", "batch:4"])
+def test_handoff_with_a_policy_on_cpu(tiny, policy):
     cfg = handoff.HandoffConfig(contexts=[8], destinations=["same-gpu"], repeats=1, warmup=0, decode_tokens=2,
-                                interleave_short=1, short_context=8, policy="deadline")
+                                interleave_short=1, short_context=8, policy=policy)
     _, checks = handoff.run_handoff(tiny, cfg, device="cpu")
     row = checks[checks.method == "layerwise"].iloc[0]
-    assert row.policy == "deadline" and 0 <= row.first_release < 4
-    assert checks.tokens_match.all() and checks.logits_equal.all()
+    assert row.policy == policy and 0 <= row.first_release < 4
+    assert checks.tokens_match.all() and checks.logits_equal.all() and (checks.poison_left == 0).all()
 
 
 def test_sampler_without_nvml_records_nothing_and_says_why(monkeypatch):
@@ -147,11 +172,12 @@ def test_sampler_thread_with_a_fake_nvml(monkeypatch):
         nvmlDeviceGetFieldValues=lambda h, ids: [FV(700_000 if i == 186 else 10 * calls["n"]) for i in ids],
         nvmlDeviceGetPowerUsage=lambda h: 650_000, nvmlDeviceGetCurrentClocksEventReasons=lambda h: 0x4)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    s = clocks.Sampler([0, 1], interval_ms=1.0)
+    s = clocks.Sampler([0, 1], interval_ms=1.0, nvlink_every=1)
     assert s.available and s.instant_power
     s.sample_once()
     s.sample_once()
     df = s.samples()
+    assert s.measured_interval_ms() > 0
     assert df.gpu.tolist() == [0, 1, 0, 1] and (df.power_w == 700.0).all() and df.power_capped.all()
     assert df.sm_mhz.is_monotonic_increasing and df.t_ns.is_monotonic_increasing
     w = clocks.window(df, 0, int(df.t_ns.iloc[0]) - 1, int(df.t_ns.iloc[-1]) + 1)
@@ -163,6 +189,16 @@ def test_sampler_thread_with_a_fake_nvml(monkeypatch):
 
     time.sleep(0.02)
     assert len(s.stop()) > 4
+    # the NVLink counters every other sample only; a window's bytes then span the nearest readings
+    s2 = clocks.Sampler([0], interval_ms=1.0, nvlink_every=2)
+    for _ in range(5):
+        s2.sample_once()
+    d2 = s2.samples()
+    assert d2.nvlink_tx_kib.isna().tolist() == [False, True, False, True, False]
+    w2 = clocks.window(d2, 0, int(d2.t_ns.iloc[1]) - 1, int(d2.t_ns.iloc[3]) + 1)
+    assert w2["samples"] == 3 and w2["nvlink_tx_kib"] == d2.nvlink_tx_kib.iloc[4] - d2.nvlink_tx_kib.iloc[0]
+    with pytest.raises(ValueError, match="nvlink_every"):
+        clocks.Sampler([0], nvlink_every=0)
 
 
 def _rounds(extra_ms: dict, clock: dict, n=9, base=1000.0, base_mhz=1600.0, seed=0):

@@ -351,3 +351,35 @@ def test_flag_writer_apis_write_in_stream_order():
         assert int(flag.item()) == (7 if api == "ctypes" else 9)
     costs = signal_costs(calls=200)
     assert set(costs) >= {"cuStreamWriteValue32 (ctypes)", "torch.cuda.Event.record"} and min(costs.values()) > 0
+
+
+@pytest.mark.parametrize("lo,hi,exp_max,want,want_exp", [(-0.4, 0.4, -38.0, True, True),
+                                                         (0.6, 3.0, 0.7, False, None),
+                                                         (-0.4, 1.7, 0.9, None, False)])
+def test_the_peer_goals_follow_the_interval_rule(lo, hi, exp_max, want, want_exp):
+    import pandas as pd
+
+    exp_min = -40.0 if want_exp is not False else 0.6
+    row = _summary_row(context=32768, destination="peer-cuda:1", extra_ci_lo_ms=lo, extra_ci_hi_ms=hi,
+                       layerwise_extra_ms=(lo + hi) / 2, exposed_ms=exp_max, exposed_min_ms=exp_min,
+                       exposed_max_ms=exp_max, copy_pct_ceiling=97.9, copy_gbps=386.0, ceiling_gbps=394.0,
+                       copy_ms=4.74)
+    g = handoff.goals(pd.DataFrame([row])).set_index("goal")
+    assert handoff.goal_state(g.loc["layer-wise TTFT extra ≤ 0.5 ms over colocated (peer)", "met"]) is want
+    assert handoff.goal_state(g.loc["layer-wise exposed ≤ 0.5 ms (peer)", "met"]) is want_exp
+    assert handoff.goal_state(g.loc["bulk peer send ≥ 98 % of the peer ceiling", "met"]) is False  # 97.9 %
+    # a same-GPU row at 32k has none of these goals, and a peer row gets "never worse than bulk" at 1k too
+    same = handoff.goals(pd.DataFrame([dict(row, destination="same-gpu")]))
+    assert not same.goal.str.contains("peer").any()
+    short = handoff.goals(pd.DataFrame([dict(row, context=1024)]))
+    assert "layer-wise never worse than bulk" in set(short.goal)
+
+
+def test_a_policy_is_checked_before_anything_runs(tiny):
+    with pytest.raises(ValueError, match="cannot send to pageable-host"):
+        handoff.check_request(tiny, [8], ["same-gpu", "pageable"], "cpu", policy="deadline")
+    with pytest.raises(ValueError, match="N must be an int in 1…3"):
+        handoff.check_request(tiny, [8], ["same-gpu"], "cpu", policy="batch:4")
+    with pytest.raises(ValueError, match="unknown send policy 'lazy'"):
+        handoff.check_request(tiny, [8], ["same-gpu"], "cpu", policy="lazy")
+    assert handoff.check_request(tiny, [8], ["same-gpu", "pageable"], "cpu", policy="eager")

@@ -645,3 +645,39 @@ def test_a_cpu_triton_transport_times_no_finalists():
     t = make_transport("triton", spec, "same-gpu", 12, "cpu")
     t.prepare(BlockPool(spec, 10).fill_random(1), table, BlockAllocator(12, 4, seed=4).allocate(18))
     assert "tuning" not in t.config and t.config["order"] == "layer"
+
+
+@pytest.mark.parametrize("lo,hi,chunk,edge", [(0, 100, 30, 5), (0, 64, 32, 32), (5, 6, 1, 1), (0, 10, 3, 8),
+                                              (0, 1000, 64, 4), (7, 7, 4, 2)])
+def test_chunk_bounds_cover_the_range_in_chunks_no_larger_than_asked(lo, hi, chunk, edge):
+    from kvlab.paged import chunk_bounds
+
+    b = chunk_bounds(lo, hi, chunk, edge)
+    if hi <= lo:
+        assert b == []
+        return
+    assert b[0][0] == lo and b[-1][1] == hi and all(x[1] == y[0] for x, y in zip(b, b[1:]))
+    assert all(0 < e - s <= chunk for s, e in b)
+    if hi - lo > 2 * min(edge, chunk):
+        assert b[0][1] - b[0][0] == min(edge, chunk) == b[-1][1] - b[-1][0]  # short first and last chunks
+
+
+def test_chunk_bounds_refuses_empty_chunks():
+    from kvlab.paged import chunk_bounds
+
+    for chunk, edge in ((0, 1), (1, 0), (2.5, 1)):
+        with pytest.raises(ValueError, match="ints ≥ 1"):
+            chunk_bounds(0, 10, chunk, edge)
+
+
+def test_the_peer_paged_goal():
+    rows = []
+    for method, ms in (("contiguous", 4.74), ("chunked-gather-peer", 4.90)):
+        rows.append(dict(context=32768, block_size=16, method=method, destination="peer-cuda:1", pieces=114688,
+                         bytes=1879048192, repeat=0, ms=ms, gbps=1879048192 / ms / 1e6, verified=True, status="ok",
+                         note="", backend="", plan_ms=float("nan"), pool_layout="nhd", dtype="bf16"))
+    g = paged_bench.goals(pd.DataFrame(rows))
+    assert list(g.goal) == ["chunked-gather-peer ≥ 98 % of contiguous to peer-cuda:1"]
+    assert g.value.iloc[0] == "96.7 %" and not g.met.iloc[0]
+    rows[1]["ms"] = 4.80
+    assert paged_bench.goals(pd.DataFrame(rows)).met.iloc[0]
