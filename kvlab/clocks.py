@@ -397,8 +397,9 @@ def send_patterns(model, context: int, peer: str = "cuda:1", variants=None, roun
     import torch
 
     from . import kernels
-    from .handoff import (_prefill_or_abort, _time_plain_copy, _time_prefill, check_request, make_prompt,
-                          model_device, prefill, warm_prefill)
+    from .handoff import check_request
+    from .steps import (make_prompt, model_device, prefill, prefill_or_abort, time_plain_copy, time_prefill,
+                        warm_prefill)
     from .hooks import LayerHooks
     from .kvcache import KVBuffer, layout_for
     from .timing import balanced_orders
@@ -436,8 +437,8 @@ def send_patterns(model, context: int, peer: str = "cuda:1", variants=None, roun
     torch.cuda.synchronize(dest.device)
 
     # pace of the deadline policy, measured here with the handoff's own timers
-    pre_ms = sorted(_time_prefill(model, ids, src, dev) for _ in range(3))[1]
-    layer_ms = sorted(_time_plain_copy(t_peer.stream, t_peer.buffer.data[L - 1], src.data[L - 1], dest, dev)
+    pre_ms = sorted(time_prefill(model, ids, src, dev) for _ in range(3))[1]
+    layer_ms = sorted(time_plain_copy(t_peer.stream, t_peer.buffer.data[L - 1], src.data[L - 1], dest, dev)
                       for _ in range(5))[2]
     deadline = release_plan("deadline", L, compute_ms=pre_ms / L, transfer_ms=layer_ms)
     say(f"colocated prefill {pre_ms:.1f} ms, one layer to {dest.label} {layer_ms:.3f} ms: the deadline policy "
@@ -516,7 +517,7 @@ def send_patterns(model, context: int, peer: str = "cuda:1", variants=None, roun
             t0 = time.perf_counter_ns()
             a.record(stream)
             s.begin()
-            _prefill_or_abort(model, ids, src, s, h)
+            prefill_or_abort(model, ids, src, s, h)
             b.record(stream)
             end = s.finish()
         if hasattr(end, "done_event"):  # a Landing

@@ -6,7 +6,7 @@ are queued on the compute stream, so a copy queued behind that point reads final
   "cache"      (default) from kvlab's KV arena itself: the prefill cache (KVBuffer.as_hf_cache) calls
                back right after it has queued layer i's K and V writes — before layer i's attention
                kernel even runs — and no module hook is installed. Pass `hooks.cache_callback` to the
-               prefill (kvlab.handoff.prefill(..., hooks=hooks) does it).
+               prefill (kvlab.steps.prefill(..., hooks=hooks) does it).
   "attention"  a forward hook on layer i's attention module (any cache): half a layer later, and every
                hooked module then takes PyTorch's slower hook-dispatch path, which costs host time at
                short contexts (kvlab.handoff.attribute_extra prices it).

@@ -477,7 +477,7 @@ def paged_prefill_cache(pool: BlockPool, table: BlockTable):
 def prefill_into_pages(model, input_ids: torch.Tensor, pool: BlockPool, table: BlockTable) -> torch.Tensor:
     """Prefill `input_ids` [1, tokens] writing K and V into the table's blocks; returns the last
     position's logits [1, vocab]."""
-    from .handoff import cache_kw
+    from .steps import cache_kw
 
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] != table.tokens:
         raise ValueError(f"input_ids must be [1, {table.tokens}] for this block table, got {tuple(input_ids.shape)}")

@@ -594,7 +594,7 @@ def decode_check(model, methods=METHODS, destinations=None, tokens: int = 64, bl
     tokens_match, logits_equal, logits_max_abs_diff, poison_left (NaNs in the rebuilt cache), blocks_ok
     (byte-exact check, poison outside the table), status, note.
     """
-    from .handoff import correctness_check, decode, make_prompt, prefill
+    from .steps import correctness_check, decode, make_prompt, prefill
     from .hooks import LayerHooks
     from .kvcache import KVBuffer, layout_for
 

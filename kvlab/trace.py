@@ -821,7 +821,7 @@ def trace_handoff(model, context: int, destination: str, transport: str = "copy"
     """
     import torch
 
-    from .handoff import _prefill_or_abort, make_prompt, model_device, prefill
+    from .steps import make_prompt, model_device, prefill, prefill_or_abort
     from .hooks import LayerHooks
     from .kvcache import KVBuffer, layout_for
     from .transfer import Destination, Transport
@@ -889,8 +889,8 @@ def trace_handoff(model, context: int, destination: str, transport: str = "copy"
             t0_ns = t0
         return {"wall_ms": ms, "prefill_ms": ms, "exposed_ms": 0.0, "t0_ns": t0_ns}
 
-    def prefill_or_abort(hooks):
-        _prefill_or_abort(model, ids, src, sender, hooks)  # an armed copy stream must not wait forever
+    def guarded_prefill(hooks):
+        prefill_or_abort(model, ids, src, sender, hooks)  # an armed copy stream must not wait forever
 
     def run_layerwise(traced: bool) -> dict:
         hooks = send_hooks[traced]
@@ -904,7 +904,7 @@ def trace_handoff(model, context: int, destination: str, transport: str = "copy"
                 # arms the copies in "flag"/"staged" mode: inside the traced region, where the timeline shows
                 # it as lead-in (kvlab.handoff arms before its clock starts and reports the arm time apart)
                 sender.begin()
-                prefill_or_abort(hooks)
+                guarded_prefill(hooks)
                 b.record(stream)
                 landing = sender.finish()
                 if sender.mode == "staged":
@@ -916,7 +916,7 @@ def trace_handoff(model, context: int, destination: str, transport: str = "copy"
             else:
                 t0 = time.perf_counter_ns()
                 sender.begin()
-                prefill_or_abort(hooks)
+                guarded_prefill(hooks)
                 t1 = time.perf_counter_ns()
                 sender.finish().wait()
                 t2 = time.perf_counter_ns()
@@ -972,11 +972,11 @@ def trace_handoff(model, context: int, destination: str, transport: str = "copy"
     ceil_t = Transport(layout, "pinned", dev, granularity="buffer") if getattr(sender, "mode", None) == "staged" else t
     # the first of each is a warm-up; timed as kvlab.handoff times its copies: the copy stream held while
     # the host queues the copy, the end event recorded right behind it (not after a host round trip)
-    from .handoff import _time_copy, _time_plain_copy
+    from .steps import time_copy, time_plain_copy
 
     n = max(repeats, 3) + 1
-    bulk = [_time_copy(ceil_t, src, dev) for _ in range(n)][1:]
-    one = [_time_plain_copy(ceil_t.stream, ceil_t.buffer.data[0], src.data[0], ceil_t.dest, dev) for _ in range(n)][1:]
+    bulk = [time_copy(ceil_t, src, dev) for _ in range(n)][1:]
+    one = [time_plain_copy(ceil_t.stream, ceil_t.buffer.data[0], src.data[0], ceil_t.dest, dev) for _ in range(n)][1:]
     bulk_ms = float(pd.Series(bulk).median())
     layer_ms = float(pd.Series(one).median())
     name = getattr(getattr(model, "config", None), "name_or_path", "") or type(model).__name__
@@ -1050,8 +1050,8 @@ def event_handoff(model, context: int, destination: str = "pinned", rounds: int 
     """
     import torch
 
-    from .handoff import (_prefill_or_abort, _time_layerwise_round, check_request, make_prompt, model_device,
-                          warm_prefill)
+    from .handoff import check_request
+    from .steps import make_prompt, model_device, prefill_or_abort, time_layerwise_round, warm_prefill
     from .hooks import LayerHooks
     from .kvcache import KVBuffer, layout_for
     from .timing import median_ci, sync_device
@@ -1076,7 +1076,7 @@ def event_handoff(model, context: int, destination: str = "pinned", rounds: int 
     hooks_plain = LayerHooks(model, plain.on_layer, ranges=False)
     hooks_timed = LayerHooks(model, timed.on_layer, ranges=False, clock=True)
     # one prefill with nothing armed first: a model's first prefill behind an armed copy stream can hang
-    # (see handoff.warm_prefill; it did in this function's first GPU test)
+    # (see steps.warm_prefill; it did in this function's first GPU test)
     warm_prefill(model, ids, src)
 
     def run_timed() -> dict:
@@ -1088,7 +1088,7 @@ def event_handoff(model, context: int, destination: str = "pinned", rounds: int 
         with hooks_timed:
             a.record(stream)
             timed.begin()
-            _prefill_or_abort(model, ids, src, timed, hooks_timed)
+            prefill_or_abort(model, ids, src, timed, hooks_timed)
             b.record(stream)
             landing = timed.finish()
         landing.wait()
@@ -1105,7 +1105,7 @@ def event_handoff(model, context: int, destination: str = "pinned", rounds: int 
         order = ("plain", "events") if r % 2 == 0 else ("events", "plain")
         for variant in order:
             if variant == "plain":
-                b = _time_layerwise_round(model, ids, src, plain, hooks_plain, dev)
+                b = time_layerwise_round(model, ids, src, plain, hooks_plain, dev)
                 out = {"prefill_ms": b["prefill"], "wall_ms": b["wall"]}
             else:
                 out = run_timed()

@@ -290,7 +290,7 @@ class LayerwiseSend:
     Flag, event and cpu modes take any plan; staged and thread modes (pageable host) only "eager".
 
     Flag and staged modes: run the model once with nothing armed before the first armed request of a
-    process (kvlab.handoff.warm_prefill). On our H200 a tiny model's first bf16 prefill behind an armed
+    process (kvlab.steps.warm_prefill). On our H200 a tiny model's first bf16 prefill behind an armed
     copy stream never returned — with CUDA_MODULE_LOADING=EAGER as well, so not lazy kernel loading, and
     with no synchronisation torch's sync-debug mode reports; the watchdog below did not release it either
     (data/probes/armed_first_prefill). After one unarmed prefill the same request took 1 s.
@@ -516,7 +516,7 @@ class LayerwiseSend:
             self.abort()
             raise RuntimeError(f"layer-wise send saw {self.sent} of {self.layers} layers: were the hooks "
                                "installed, and — for LayerHooks(point='cache') — passed to the prefill "
-                               "(kvlab.handoff.prefill(..., hooks=hooks)) so the KV arena can signal?")
+                               "(kvlab.steps.prefill(..., hooks=hooks)) so the KV arena can signal?")
         self._armed = False
         self._cancel_watchdog()
         if self.timed_out:

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from kvlab import calculator, clocks, handoff
+from kvlab import calculator, clocks, handoff, steps
 from kvlab.hooks import LayerHooks
 from kvlab.kvcache import KVBuffer, layout_for
 from kvlab.transfer import Transport, release_plan
@@ -87,21 +87,21 @@ def tiny():
 
 @pytest.mark.parametrize("policy", ["eager", "batch:2", "batch:1", "batch:3"])
 def test_a_held_send_still_lands_every_layer(tiny, policy):
-    ids = handoff.make_prompt(256, 12, "cpu", seed=2)
+    ids = steps.make_prompt(256, 12, "cpu", seed=2)
     lay = layout_for(tiny, 12, dtype=torch.float32)
     src = KVBuffer(lay).poison()
-    first = handoff.prefill(tiny, ids, src).argmax(-1)
-    ref = handoff.decode(tiny, src, first, 4)
+    first = steps.prefill(tiny, ids, src).argmax(-1)
+    ref = steps.decode(tiny, src, first, 4)
     t = Transport(lay, "same-gpu", "cpu")
     t.poison()
     sender = t.layerwise(src, release=release_plan(policy, lay.layers))
     landed_at = []
     with LayerHooks(tiny, lambda i: (sender.on_layer(i), landed_at.append(t.buffer.count_poison())), ranges=False) as h:
         sender.begin()
-        handoff.prefill(tiny, ids, src, h)
+        steps.prefill(tiny, ids, src, h)
         landing = sender.finish()
     got = t.receive(landing, "cpu")
-    toks, lg = handoff.decode(tiny, got, first, 4)
+    toks, lg = steps.decode(tiny, got, first, 4)
     assert torch.equal(toks, ref[0]) and torch.equal(lg, ref[1]) and got.count_poison() == 0
     per_layer = lay.bytes_per_layer // 4
     # a held layer is still poisoned after its own signal: batch:1 writes nothing before the last signal

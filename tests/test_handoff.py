@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
 
-from kvlab import handoff
+from kvlab import handoff, steps
 from kvlab.hooks import LayerHooks
 from kvlab.kvcache import KVBuffer, KVLayout, layout_for
 from kvlab.transfer import Destination, Transport
@@ -36,9 +36,9 @@ def test_layout_rejects_bad_values():
 
 
 def test_prefill_writes_into_buffer_and_matches_plain_cache(tiny):
-    ids = handoff.make_prompt(256, 24, "cpu")
+    ids = steps.make_prompt(256, 24, "cpu")
     buf = KVBuffer(layout_for(tiny, 24, dtype=torch.float32)).poison()
-    logits = handoff.prefill(tiny, ids, buf)
+    logits = steps.prefill(tiny, ids, buf)
     assert buf.count_poison() == 0
     with torch.inference_mode():
         out = tiny(input_ids=ids, use_cache=True, logits_to_keep=1)
@@ -50,26 +50,26 @@ def test_prefill_writes_into_buffer_and_matches_plain_cache(tiny):
 
 
 def test_prefill_rejects_wrong_length(tiny):
-    ids = handoff.make_prompt(256, 10, "cpu")
+    ids = steps.make_prompt(256, 10, "cpu")
     buf = KVBuffer(layout_for(tiny, 12, dtype=torch.float32))
     with pytest.raises(ValueError, match="does not fit the KV buffer"):
-        handoff.prefill(tiny, ids, buf)
+        steps.prefill(tiny, ids, buf)
 
 
 @pytest.mark.parametrize("granularity", ["buffer", "layer", "tensor"])
 @pytest.mark.parametrize("dest", ["same-gpu", "pageable"])
 def test_bulk_and_layerwise_decode_identically(tiny, granularity, dest):
-    ids = handoff.make_prompt(256, 20, "cpu", seed=1)
+    ids = steps.make_prompt(256, 20, "cpu", seed=1)
     lay = layout_for(tiny, 20, dtype=torch.float32)
     src = KVBuffer(lay).poison()
-    first = handoff.prefill(tiny, ids, src).argmax(-1)
-    ref_t, ref_l = handoff.decode(tiny, src, first, 6)
+    first = steps.prefill(tiny, ids, src).argmax(-1)
+    ref_t, ref_l = steps.decode(tiny, src, first, 6)
 
     t = Transport(lay, dest, "cpu", granularity=granularity)
     t.poison()
     got = t.receive(t.send(src), "cpu")
-    toks, lg = handoff.decode(tiny, got, first, 6)
-    assert handoff.correctness_check(ref_t, ref_l, toks, lg, got.count_poison()) == {
+    toks, lg = steps.decode(tiny, got, first, 6)
+    assert steps.correctness_check(ref_t, ref_l, toks, lg, got.count_poison()) == {
         "tokens_match": True, "logits_equal": True, "logits_max_abs_diff": 0.0, "poison_left": 0}
 
     t.poison()
@@ -80,19 +80,19 @@ def test_bulk_and_layerwise_decode_identically(tiny, granularity, dest):
         sender = t.layerwise(src)
         with LayerHooks(tiny, sender.on_layer, ranges=True, point=point) as hooks:
             sender.begin()
-            handoff.prefill(tiny, ids, src, hooks)
+            steps.prefill(tiny, ids, src, hooks)
             landing = sender.finish()
         assert hooks.calls == 3 and hooks.host_ns > 0
         assert landing.all_landed()
         got = t.receive(landing, "cpu")
-        toks, lg = handoff.decode(tiny, got, first, 6)
+        toks, lg = steps.decode(tiny, got, first, 6)
         assert torch.equal(toks, ref_t) and torch.equal(lg, ref_l), point
 
 
 def test_cache_point_signals_after_the_layer_is_written_and_installs_no_module_hooks(tiny):
     lay = layout_for(tiny, 16, dtype=torch.float32)
     src = KVBuffer(lay).poison()
-    ids = handoff.make_prompt(256, 16, "cpu")
+    ids = steps.make_prompt(256, 16, "cpu")
     seen = []
 
     def on_kv_ready(i):  # at the signal, layer i is written and layer i+1 is not yet
@@ -104,9 +104,9 @@ def test_cache_point_signals_after_the_layer_is_written_and_installs_no_module_h
     hooks = LayerHooks(tiny, on_kv_ready, ranges=False)
     with hooks:
         assert not any(m._forward_hooks or m._forward_pre_hooks for m in tiny.modules())
-        handoff.prefill(tiny, ids, src, hooks)
+        steps.prefill(tiny, ids, src, hooks)
     assert seen == [(0, False, True), (1, False, True), (2, False, None)]
-    handoff.prefill(tiny, ids, src, hooks)  # not installed: no signal
+    steps.prefill(tiny, ids, src, hooks)  # not installed: no signal
     assert len(seen) == 3
     with pytest.raises(ValueError, match="hook point 'mlp'"):
         LayerHooks(tiny, on_kv_ready, point="mlp")
@@ -116,26 +116,26 @@ def test_a_cache_point_send_without_the_cache_callback_fails_loudly(tiny):
     lay = layout_for(tiny, 16, dtype=torch.float32)
     src = KVBuffer(lay)
     sender = Transport(lay, "same-gpu", "cpu").layerwise(src)
-    ids = handoff.make_prompt(256, 16, "cpu")
+    ids = steps.make_prompt(256, 16, "cpu")
     with LayerHooks(tiny, sender.on_layer, ranges=False):
         sender.begin()
-        handoff.prefill(tiny, ids, src)  # hooks not passed: the arena never signals
+        steps.prefill(tiny, ids, src)  # hooks not passed: the arena never signals
         with pytest.raises(RuntimeError, match="saw 0 of 3 layers"):
             sender.finish()
 
 
 def test_poison_shows_an_unwritten_layer(tiny):
     """A transport that skips a layer must fail the check: the poison is what makes the check able to fail."""
-    ids = handoff.make_prompt(256, 16, "cpu")
+    ids = steps.make_prompt(256, 16, "cpu")
     lay = layout_for(tiny, 16, dtype=torch.float32)
     src = KVBuffer(lay)
-    first = handoff.prefill(tiny, ids, src).argmax(-1)
-    ref_t, ref_l = handoff.decode(tiny, src, first, 4)
+    first = steps.prefill(tiny, ids, src).argmax(-1)
+    ref_t, ref_l = steps.decode(tiny, src, first, 4)
     t = Transport(lay, "same-gpu", "cpu")
     t.poison()
     t.buffer.data[:2].copy_(src.data[:2])  # layer 2 never sent
-    toks, lg = handoff.decode(tiny, t.buffer, first, 4)
-    check = handoff.correctness_check(ref_t, ref_l, toks, lg, t.buffer.count_poison())
+    toks, lg = steps.decode(tiny, t.buffer, first, 4)
+    check = steps.correctness_check(ref_t, ref_l, toks, lg, t.buffer.count_poison())
     assert check["poison_left"] == lay.bytes_per_layer // 4
     assert not check["logits_equal"]
 
@@ -180,8 +180,8 @@ def test_run_handoff_tidy_tables(tiny):
 
 def test_ab_rounds_alternate_their_order(tiny, monkeypatch):
     calls = []
-    monkeypatch.setattr(handoff, "_time_prefill", lambda *a: calls.append("A") or 1.0)
-    monkeypatch.setattr(handoff, "_time_layerwise_round",
+    monkeypatch.setattr(handoff, "time_prefill", lambda *a: calls.append("A") or 1.0)
+    monkeypatch.setattr(handoff, "time_layerwise_round",
                         lambda *a: calls.append("B") or {"wall": 1.0, "prefill": 1.0, "exposed": 0.0})
     cfg = handoff.HandoffConfig(contexts=[8], destinations=["same-gpu"], repeats=1, warmup=1, decode_tokens=2,
                                 interleave_short=4, short_context=8)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab import clocks, handoff
+from kvlab import clocks, handoff, steps
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -26,7 +26,7 @@ def tiny_gpu():
 
 
 def test_replicas_are_the_same_weights_on_the_peer(tiny_gpu):
-    rep = handoff.Replicas(tiny_gpu)
+    rep = steps.Replicas(tiny_gpu)
     assert rep("cuda:0") is tiny_gpu
     peer = rep("cuda:1")
     assert peer is rep(torch.device("cuda", 1)) and next(peer.parameters()).device == torch.device("cuda", 1)
