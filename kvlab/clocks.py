@@ -382,7 +382,7 @@ class _Pull:
 def send_patterns(model, context: int, peer: str = "cuda:1", variants=None, rounds: int = 9, warmup: int = 2,
                   device=None, interval_ms: float = 5.0, seed: int = 0, progress=None) -> PatternRun:
     """Colocated prefill against layer-wise sends that differ in one thing each (PATTERNS), `rounds` rounds in
-    the orders of kvlab.timing.balanced_orders (a Williams design: over a cycle every variant follows every
+    the orders of kvlab.timing.schedule (a Williams design: over a cycle every variant follows every
     other equally often, so the power state one prefill leaves does not always fall on the same variant),
     with NVML sampling both GPUs. (Runs made before commit 5961a27 rotated the order cyclically, so each
     variant almost always followed the same one: colocated followed "peer, SM copy, 8 programs".)
@@ -398,11 +398,11 @@ def send_patterns(model, context: int, peer: str = "cuda:1", variants=None, roun
 
     from . import kernels
     from .handoff import check_request
-    from .steps import (make_prompt, model_device, prefill, prefill_or_abort, time_plain_copy, time_prefill,
-                        warm_prefill)
+    from .steps import (make_prompt, model_device, prefill, prefill_or_abort, request_wall, time_plain_copy,
+                        time_prefill, warm_prefill)
     from .hooks import LayerHooks
     from .kvcache import KVBuffer, layout_for
-    from .timing import balanced_orders
+    from .timing import schedule
     from .transfer import Transport, release_plan, stream_memops_available
 
     variants = list(PATTERNS) if variants is None else list(variants)
@@ -528,7 +528,7 @@ def send_patterns(model, context: int, peer: str = "cuda:1", variants=None, roun
         b.synchronize()
         p = a.elapsed_time(b)
         exposed = b.elapsed_time(end)
-        out = {"prefill_ms": p, "exposed_ms": exposed, "wall_ms": p + max(exposed, 0.0), "t0_ns": t0}
+        out = {"prefill_ms": p, "exposed_ms": exposed, "wall_ms": request_wall(p, exposed), "t0_ns": t0}
         if v == "peer, every layer":
             out["copies"] = [(a.elapsed_time(s.copy_start[i]), a.elapsed_time(t_peer._events[i])) for i in range(L)]
         return out
@@ -536,30 +536,28 @@ def send_patterns(model, context: int, peer: str = "cuda:1", variants=None, roun
     rows, windows, failed = [], [], {}
     say(f"{rounds} rounds × {len(variants)} variants at {context:,} tokens → {dest.label} "
         f"(NVML {'on' if sampler.available else 'off'})")
-    orders = balanced_orders(len(variants), rounds + warmup)
+    first_round = -warmup
     with sampler:
-        for r in range(rounds + warmup):
-            for v in (variants[i] for i in orders[r]):
-                if v in failed:
-                    continue
-                try:
-                    out = one(v)
-                except Exception as exc:
-                    # a variant that cannot run here (an API the driver refuses, say) is dropped in the
-                    # first round, with its reason kept in meta["failed"]; later failures are real errors
-                    if r > 0 or v == "colocated":
-                        raise
-                    if senders[v] is not None:
-                        senders[v].abort()
-                    torch.cuda.synchronize(dev)
-                    failed[v] = f"{type(exc).__name__}: {exc}"
-                    say(f"{v}: dropped — {failed[v]}")
-                    continue
-                if r >= warmup:
-                    rows.append(dict(variant=v, round=r - warmup, **{k2: v2 for k2, v2 in out.items() if k2 != "copies"}))
-                    if "copies" in out:
-                        windows.append((out["prefill_ms"], out["copies"]))
-            say(f"round {r + 1}/{rounds + warmup}")
+        for k, v in schedule(variants, rounds, warmup):
+            if v in failed:
+                continue
+            try:
+                out = one(v)
+            except Exception as exc:
+                # a variant that cannot run here (an API the driver refuses, say) is dropped in the first
+                # round, with its reason kept in meta["failed"]; later failures are real errors
+                if k > first_round or v == "colocated":
+                    raise
+                if senders[v] is not None:
+                    senders[v].abort()
+                torch.cuda.synchronize(dev)
+                failed[v] = f"{type(exc).__name__}: {exc}"
+                say(f"{v}: dropped — {failed[v]}")
+                continue
+            if k >= 0:
+                rows.append(dict(variant=v, round=k, **{k2: v2 for k2, v2 in out.items() if k2 != "copies"}))
+                if "copies" in out:
+                    windows.append((out["prefill_ms"], out["copies"]))
     samples = sampler.samples()
     df = pd.DataFrame(rows)
     for i, g in enumerate((dev.index, dest.device.index)):

@@ -37,7 +37,7 @@ from .kvcache import KVBuffer, layout_for
 from .steps import (Replicas, check_moved, correctness_check, decode, make_prompt, model_device, prefill,
                     prefill_or_abort, time_copy, time_decode_step, time_layerwise_round,
                     time_plain_copy, time_prefill)
-from .timing import balanced_orders, free_device as _free, median_ci
+from .timing import free_device as _free, median_ci, schedule
 from .transfer import Destination, HookCostProbe, Transport, check_policy, release_plan, stream_memops_available
 
 __all__ = ["HandoffConfig", "run_handoff", "attribute_extra", "attribution_summary", "attribution_findings",
@@ -199,13 +199,12 @@ def run_handoff(model, cfg: HandoffConfig, device=None, progress=None) -> tuple[
             # measured seconds apart rather than minutes (the pageable path's rate drifts by ±10 % on our
             # host: data/probes/pageable_destination); then seed 004's 2 × layers copies; then one layer
             ref = KVBuffer(layout, device=dest.device, pin_memory=dest.kind == "pinned").poison()
-            for i in range(cfg.repeats + cfg.warmup):
-                pair = (("copy", lambda: time_copy(t_buf, src, device)),
-                        ("copy_ref", lambda: time_plain_copy(t_buf.stream, ref.data, src.data, dest, device)))
-                for measure, fn in (pair if i % 2 == 0 else pair[::-1]):
-                    ms = fn()
-                    if i >= cfg.warmup:
-                        add(label, "bulk", measure, i - cfg.warmup, ms)
+            pair = {"copy": lambda: time_copy(t_buf, src, device),
+                    "copy_ref": lambda: time_plain_copy(t_buf.stream, ref.data, src.data, dest, device)}
+            for k, measure in schedule(list(pair), cfg.repeats, cfg.warmup):
+                ms = pair[measure]()
+                if k >= 0:
+                    add(label, "bulk", measure, k, ms)
             del ref
             t = Transport(layout, dest, device, granularity="tensor")
             for i in range(cfg.repeats + cfg.warmup):
@@ -248,23 +247,22 @@ def run_handoff(model, cfg: HandoffConfig, device=None, progress=None) -> tuple[
 
             rounds = cfg.interleave_short if context <= cfg.short_context else cfg.interleave
             rounds = max(rounds, cfg.repeats)
-            for r in range(rounds + cfg.warmup):
-                # counterbalanced order (A B, B A, A B …): the GPU's clocks drift over back-to-back prefills
-                # (power and temperature), and with A always first that drift lands in B − A; in run
-                # 20261129-091903-h200 the first 16k pairs differed by +10…+17 ms, the last by −4…+5 ms
-                if r % 2 == 0:
-                    a = time_prefill(model, ids, src, device)
-                b = time_layerwise_round(model, ids, src, sender, hooks, device)
-                if r % 2 == 1:
-                    a = time_prefill(model, ids, src, device)
-                if r >= cfg.warmup:
-                    k = r - cfg.warmup
-                    add(label, "colocated", "prefill", k, a)
-                    add(label, "layerwise", "wall", k, b["wall"])
-                    add(label, "layerwise", "prefill", k, b["prefill"])
-                    add(label, "layerwise", "exposed", k, b["exposed"])
-                    add(label, "layerwise", "hook_host", k, hooks.host_ns / 1e6)
-                    add(label, "layerwise", "arm_host", k, sender.arm_host_ns / 1e6)
+            # counterbalanced order (A B, B A, A B …: timing.schedule): the GPU's clocks drift over back-to-back
+            # prefills (power and temperature), and with A always first that drift lands in B − A; in run
+            # 20261129-091903-h200 the first 16k pairs differed by +10…+17 ms, the last by −4…+5 ms
+            ab = {"colocated": lambda: time_prefill(model, ids, src, device),
+                  "layerwise": lambda: time_layerwise_round(model, ids, src, sender, hooks, device)}
+            for k, name in schedule(list(ab), rounds, cfg.warmup):
+                out = ab[name]()
+                if k < 0:
+                    continue
+                if name == "colocated":
+                    add(label, "colocated", "prefill", k, out)
+                    continue
+                for measure in ("wall", "prefill", "exposed"):
+                    add(label, "layerwise", measure, k, out[measure])
+                add(label, "layerwise", "hook_host", k, hooks.host_ns / 1e6)
+                add(label, "layerwise", "arm_host", k, sender.arm_host_ns / 1e6)
             say(f"{context} tokens → {label}: layer-wise checked and timed ({rounds} A/B rounds)")
             del sender, hooks, t_buf
             _free(device)
@@ -332,28 +330,26 @@ def attribute_extra(model, context: int, destinations, rounds: int = 30, warmup:
             per_layer = t.layerwise(src, wakes="layer")
             variants["layer-wise, per-layer wakes"] = (per_layer, LayerHooks(model, per_layer.on_layer, ranges=False))
         names = list(variants)
-        orders = balanced_orders(len(names), rounds + warmup)
-        for r in range(rounds + warmup):
-            for name in (names[i] for i in orders[r]):
-                v = variants[name]
-                row = dict(context=context, destination=dest.label, variant=name, round=r - warmup,
-                           mode="", wall_ms=float("nan"), hook_host_ms=float("nan"))
-                if v is None:
-                    row["ms"] = time_prefill(model, ids, src, device)
-                elif isinstance(v[0], HookCostProbe):
-                    probe, hooks = v
-                    hooks.reset_counters()
-                    with hooks:
-                        row["ms"] = time_prefill(model, ids, src, device, begin=probe.begin, hooks=hooks)
-                    row["hook_host_ms"] = hooks.host_ns / 1e6
-                else:
-                    snd, hooks = v
-                    b = time_layerwise_round(model, ids, src, snd, hooks, device)
-                    row.update(ms=b["prefill"], wall_ms=b["wall"], hook_host_ms=hooks.host_ns / 1e6,
-                               mode=f"{snd.mode}, {hooks.point}"
-                                    + (f", wakes={snd.wakes}" if snd.mode == "staged" else ""))
-                if r >= warmup:
-                    rows.append(row)
+        for k, name in schedule(names, rounds, warmup):
+            v = variants[name]
+            row = dict(context=context, destination=dest.label, variant=name, round=k,
+                       mode="", wall_ms=float("nan"), hook_host_ms=float("nan"))
+            if v is None:
+                row["ms"] = time_prefill(model, ids, src, device)
+            elif isinstance(v[0], HookCostProbe):
+                probe, hooks = v
+                hooks.reset_counters()
+                with hooks:
+                    row["ms"] = time_prefill(model, ids, src, device, begin=probe.begin, hooks=hooks)
+                row["hook_host_ms"] = hooks.host_ns / 1e6
+            else:
+                snd, hooks = v
+                b = time_layerwise_round(model, ids, src, snd, hooks, device)
+                row.update(ms=b["prefill"], wall_ms=b["wall"], hook_host_ms=hooks.host_ns / 1e6,
+                           mode=f"{snd.mode}, {hooks.point}"
+                                + (f", wakes={snd.wakes}" if snd.mode == "staged" else ""))
+            if k >= 0:
+                rows.append(row)
         say(f"{context} tokens → {dest.label}: attribution timed ({rounds} rounds × {len(names)} variants)")
         del variants, sender, t
         _free(device)

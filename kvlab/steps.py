@@ -24,9 +24,15 @@ from .kvcache import KVBuffer
 from .timing import EventTimer, sync_device
 from .transfer import Destination
 
-__all__ = ["make_prompt", "cache_kw", "model_device", "text_config", "Replicas", "prefill", "prefill_or_abort",
+__all__ = ["make_prompt", "cache_kw", "model_device", "text_config", "request_wall", "Replicas", "prefill", "prefill_or_abort",
            "warm_prefill", "decode_attention", "decode", "correctness_check", "check_moved", "time_prefill",
            "time_layerwise_round", "time_layerwise", "hold", "time_copy", "time_plain_copy", "time_decode_step"]
+
+
+def request_wall(prefill_ms: float, exposed_ms: float) -> float:
+    """A layer-wise request's time to the first decode step's input: prefill, plus whatever of the send was
+    still in flight when prefill ended (exposed; negative = the copies landed first, which saves nothing)."""
+    return prefill_ms + max(exposed_ms, 0.0)
 
 
 def text_config(model):
@@ -237,12 +243,12 @@ def time_layerwise(model, ids, src, sender, device, hooks=None) -> dict:
         landing.wait()
         p = clock.elapsed_ms("start", "prefill_end")
         exposed = (sender.host_done_ns - prefill_seen_ns) / 1e6
-        return {"prefill": p, "exposed": exposed, "wall": p + max(exposed, 0.0)}
+        return {"prefill": p, "exposed": exposed, "wall": request_wall(p, exposed)}
     landing.wait()
     clock.adopt("copy_end", landing.done_event)
     p = clock.elapsed_ms("start", "prefill_end")
     exposed = clock.elapsed_ms("prefill_end", "copy_end")
-    return {"prefill": p, "exposed": exposed, "wall": p + max(exposed, 0.0)}
+    return {"prefill": p, "exposed": exposed, "wall": request_wall(p, exposed)}
 
 
 def hold(stream) -> None:

@@ -34,6 +34,7 @@ import torch
 
 __all__ = [
     "balanced_orders",
+    "schedule",
     "Stats",
     "stats",
     "resolve_device",
@@ -476,6 +477,23 @@ def balanced_orders(k: int, rounds: int) -> list[list[int]]:
     if k % 2 and k > 1:
         rows += [row[::-1] for row in rows]
     return [list(rows[r % len(rows)]) for r in range(rounds)]
+
+
+def schedule(names, rounds: int, warmup: int = 0) -> list[tuple[int, str]]:
+    """The run order of a paired measurement: ``[(round, name), ...]``, warm-up rounds first with negative
+    round numbers (-warmup … -1: run, then discard), then rounds 0 … rounds-1. Every round runs every name
+    once, in the order of :func:`balanced_orders` (two names: A B, B A, A B, …). Every A/B or A/B/C…
+    measurement in kvlab walks this list, so they all share one ordering rule.
+
+    Raises ValueError for no names, duplicate names, rounds < 1 or warmup < 0.
+    """
+    names = list(names)
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"names={names!r}: expected one or more distinct names")
+    rounds = _check_int("rounds", rounds, 1)
+    warmup = _check_int("warmup", warmup, 0)
+    orders = balanced_orders(len(names), warmup + rounds)
+    return [(r - warmup, names[i]) for r in range(warmup + rounds) for i in orders[r]]
 
 
 def interleave(

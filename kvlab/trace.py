@@ -821,9 +821,10 @@ def trace_handoff(model, context: int, destination: str, transport: str = "copy"
     """
     import torch
 
-    from .steps import make_prompt, model_device, prefill, prefill_or_abort
+    from .steps import make_prompt, model_device, prefill, prefill_or_abort, request_wall
     from .hooks import LayerHooks
     from .kvcache import KVBuffer, layout_for
+    from .timing import schedule
     from .transfer import Destination, Transport
 
     if transport != "copy":
@@ -930,7 +931,7 @@ def trace_handoff(model, context: int, destination: str, transport: str = "copy"
         else:
             p, exposed = (t1 - t0) / 1e6, (t2 - t1) / 1e6
             t0_ns = t0
-        return {"wall_ms": p + max(exposed, 0.0), "prefill_ms": p, "exposed_ms": exposed, "t0_ns": t0_ns}
+        return {"wall_ms": request_wall(p, exposed), "prefill_ms": p, "exposed_ms": exposed, "t0_ns": t0_ns}
 
     say(f"warm-up ({warmup} rounds)")
     for _ in range(warmup):
@@ -946,20 +947,24 @@ def trace_handoff(model, context: int, destination: str, transport: str = "copy"
     rows = []
     tables = {"colocated": [], "layerwise": []}
     paths = {"colocated": [], "layerwise": []}
-    say(f"{repeats} rounds of: colocated, layer-wise, each untraced and then under torch.profiler")
+    say(f"{repeats} rounds of: colocated, layer-wise, each untraced and under torch.profiler")
     if sampler is not None:
         sampler.start()
-    for r in range(repeats):
-        # all four in every round, so drift (clocks, temperature) reaches traced and untraced alike
-        rows.append({"variant": "colocated", "traced": False, "repeat": r, **run_colocated(False)})
-        rows.append({"variant": "layerwise", "traced": False, "repeat": r, **run_layerwise(False)})
-        for variant, fn in (("colocated", run_colocated), ("layerwise", run_layerwise)):
-            box = {}
-            ev, path = capture(lambda: box.update(fn(True)), device=dev, out_dir=out,
-                               name=f"trace_{variant}_r{r}", warmup=0)
-            tables[variant].append(ev)
-            paths[variant].append(path)
-            rows.append({"variant": variant, "traced": True, "repeat": r, **box})
+    runs = {("colocated", False): run_colocated, ("layerwise", False): run_layerwise,
+            ("colocated", True): run_colocated, ("layerwise", True): run_layerwise}
+    # all four in every round, in balanced orders (timing.schedule), so drift (clocks, temperature) and what
+    # one run leaves for the next reach traced and untraced alike
+    for r, (variant, traced) in schedule(list(runs), repeats):
+        fn = runs[(variant, traced)]
+        if not traced:
+            rows.append({"variant": variant, "traced": False, "repeat": r, **fn(False)})
+            continue
+        box = {}
+        ev, path = capture(lambda: box.update(fn(True)), device=dev, out_dir=out, name=f"trace_{variant}_r{r}",
+                           warmup=0)
+        tables[variant].append(ev)
+        paths[variant].append(path)
+        rows.append({"variant": variant, "traced": True, "repeat": r, **box})
     walls = pd.DataFrame(rows)
     clock_samples = sampler.stop() if sampler is not None else None
 
@@ -1054,7 +1059,7 @@ def event_handoff(model, context: int, destination: str = "pinned", rounds: int 
     from .steps import make_prompt, model_device, prefill_or_abort, time_layerwise_round, warm_prefill
     from .hooks import LayerHooks
     from .kvcache import KVBuffer, layout_for
-    from .timing import median_ci, sync_device
+    from .timing import median_ci, schedule, sync_device
     from .transfer import Transport
 
     if rounds < 1 or warmup < 0:
@@ -1101,19 +1106,17 @@ def event_handoff(model, context: int, destination: str = "pinned", rounds: int 
 
     rows, kept = [], []
     say(f"{rounds} rounds of the layer-wise send to {dest.label}, with and without per-layer events")
-    for r in range(rounds + warmup):
-        order = ("plain", "events") if r % 2 == 0 else ("events", "plain")
-        for variant in order:
-            if variant == "plain":
-                b = time_layerwise_round(model, ids, src, plain, hooks_plain, dev)
-                out = {"prefill_ms": b["prefill"], "wall_ms": b["wall"]}
-            else:
-                out = run_timed()
-            if r >= warmup:
-                rows.append({"variant": "layer-wise" if variant == "plain" else "layer-wise + events",
-                             "round": r - warmup, "prefill_ms": out["prefill_ms"], "wall_ms": out["wall_ms"]})
-                if variant == "events":
-                    kept.append(out)
+    for k, variant in schedule(["plain", "events"], rounds, warmup):
+        if variant == "plain":
+            b = time_layerwise_round(model, ids, src, plain, hooks_plain, dev)
+            out = {"prefill_ms": b["prefill"], "wall_ms": b["wall"]}
+        else:
+            out = run_timed()
+        if k >= 0:
+            rows.append({"variant": "layer-wise" if variant == "plain" else "layer-wise + events",
+                         "round": k, "prefill_ms": out["prefill_ms"], "wall_ms": out["wall_ms"]})
+            if variant == "events":
+                kept.append(out)
     df = pd.DataFrame(rows)
     ev = df[df.variant == "layer-wise + events"].set_index("round").prefill_ms
     pl = df[df.variant == "layer-wise"].set_index("round").prefill_ms
