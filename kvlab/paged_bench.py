@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from . import paged, timing
+from . import nixl, paged, paged_triton, paged_xport, timing
 from .paged import BlockAllocator, BlockPool, PoolSpec, verify_transfer
 from .timing import free_device as _free, sync_device as _sync
 from .transfer import Destination, Landing
@@ -315,9 +315,9 @@ def _measure_one(method, opts, spec, dest, dst_blocks, device, src_pool, src_tab
                  repeats, warmup, slow_pieces, slow_call_s, max_call_s):
     """Rows for one method on one configuration, and the transport's configuration record."""
     if method != "contiguous":
-        if dest.kind not in paged.TRANSPORTS[method].kinds:
+        if dest.kind not in paged_xport.TRANSPORTS[method].kinds:
             return [], None  # not a path this method serves (e.g. a host-only method to a GPU): no row
-        why = paged.unavailable(method, device, dest)
+        why = paged_xport.unavailable(method, device, dest)
         if why is not None:
             return [_row(status="skipped", note=why)], None
     t = None
@@ -326,7 +326,7 @@ def _measure_one(method, opts, spec, dest, dst_blocks, device, src_pool, src_tab
         if method == "contiguous":
             t = _Contiguous(src_pool, nbytes, dest, device)
         else:
-            t = paged.make_transport(method, spec, dest, dst_blocks, device, **opts)
+            t = paged_xport.make_transport(method, spec, dest, dst_blocks, device, **opts)
             t.prepare(src_pool, src_table, dst_table)
         _sync(device)
         plan_ms = (time.perf_counter() - t0) * 1e3
@@ -630,7 +630,7 @@ def decode_check(model, methods=METHODS, destinations=None, tokens: int = 64, bl
         host = dest.kind in ("pinned", "pageable")
         dst_table = None if host else BlockAllocator(2 * n, block_size, seed=seed + 1).allocate(tokens)
         for method in methods:
-            cls = paged.TRANSPORTS[method]
+            cls = paged_xport.TRANSPORTS[method]
             if dest.kind not in cls.kinds:
                 continue
             base = dict(method=method, destination=dest.label)
@@ -638,9 +638,9 @@ def decode_check(model, methods=METHODS, destinations=None, tokens: int = 64, bl
             if why is not None:
                 rows.append({**base, "mode": "bulk", "status": "skipped", "note": why})
                 continue
-            t = paged.make_transport(method, spec, dest, n if host else 2 * n, device, tune=False) \
+            t = paged_xport.make_transport(method, spec, dest, n if host else 2 * n, device, tune=False) \
                 if method in ("triton", "chunked-gather-d2h", "mapped-pinned") else \
-                paged.make_transport(method, spec, dest, n if host else 2 * n, device)
+                paged_xport.make_transport(method, spec, dest, n if host else 2 * n, device)
             try:
                 t.prepare(src_pool, src_table, dst_table)
                 t.poison()
@@ -706,7 +706,7 @@ def access_patterns(context: int = 32768, block_size: int = 16, device=None, lay
     src_pool = BlockPool(spec, 2 * n, device=dev).fill_random(seed)
     src_table = BlockAllocator(2 * n, block_size, seed=seed).allocate(context)
     dst_table = BlockAllocator(2 * n, block_size, seed=seed + 1).allocate(context)
-    t = paged.make_transport("triton", spec, "same-gpu", 2 * n, dev, tune=False, order="layer")
+    t = paged_xport.make_transport("triton", spec, "same-gpu", 2 * n, dev, tune=False, order="layer")
     plan = t.prepare(src_pool, src_table, dst_table)
     src, dst = src_pool.rows, t.pool.rows
     R = plan.rows
@@ -721,7 +721,7 @@ def access_patterns(context: int = 32768, block_size: int = 16, device=None, lay
         "kernel: gather → packed": (s_plan, None, packed),
     }
     for name, order in (("layer order", "layer"), ("interleaved", "interleaved"), ("source order", "src")):
-        perm = paged.bulk_order(plan, order)
+        perm = paged_triton.bulk_order(plan, order)
         cases[f"kernel: paged → paged, {name}"] = (on(plan.src_rows[perm]), on(plan.dst_rows[perm]), dst)
     perm = rng.permutation(R)
     cases["kernel: paged → paged, random order"] = (on(plan.src_rows[perm]), on(plan.dst_rows[perm]), dst)
@@ -829,7 +829,7 @@ def run_nixl_only(out_dir, contexts=GPU_CONTEXTS, block_sizes=(16,), destination
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    why = paged.unavailable("nixl", timing.resolve_device(device), "same-gpu")
+    why = paged_xport.unavailable("nixl", timing.resolve_device(device), "same-gpu")
     t0 = time.time()
     df = measure(contexts, block_sizes, ["contiguous", "nixl"], destinations, repeats, warmup, device, layout,
                  pool_layout, seed, max_call_s=max_call_s, slow_call_s=slow_call_s)
@@ -841,7 +841,7 @@ def run_nixl_only(out_dir, contexts=GPU_CONTEXTS, block_sizes=(16,), destination
         "parameters": {"contexts": list(contexts), "block_sizes": list(block_sizes), "destinations": destinations,
                        "repeats": repeats, "warmup": warmup, "slow_call_s": slow_call_s, "max_call_s": max_call_s},
         "nixl_available": why is None, "nixl_unavailable_reason": why,
-        "nixl_version": paged._nixl_version(),
+        "nixl_version": nixl.nixl_version(),
         "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
         "layout": asdict(_layout(layout)), "pool_layout": pool_layout,
         "transports": df.attrs.get("transports", []),

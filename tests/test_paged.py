@@ -18,12 +18,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlab import paged, paged_bench
+from kvlab import paged, paged_bench, paged_triton, paged_xport
 from kvlab.handoff import decode, make_prompt, prefill
 from kvlab.hooks import LayerHooks
 from kvlab.kvcache import KVBuffer, KVLayout, layout_for
-from kvlab.paged import (BlockAllocator, BlockPool, BlockTable, PoolSpec, make_transport, unavailable,
-                         verify_transfer)
+from kvlab.paged import BlockAllocator, BlockPool, BlockTable, PoolSpec, verify_transfer
+from kvlab.paged_xport import make_transport, unavailable
 
 CPU_DESTS = ("same-gpu", "pageable")
 STREAM_METHODS = ("per-block-copy", "torch-index", "triton", "chunked-gather-d2h")
@@ -60,7 +60,7 @@ def _bits(t):
 
 
 def _applicable(method, dest):
-    return paged.TRANSPORTS[method].unavailable("cpu", dest) is None
+    return paged_xport.TRANSPORTS[method].unavailable("cpu", dest) is None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -508,8 +508,8 @@ def test_gpu_transports_land_byte_exact(method, monkeypatch):
     table = BlockAllocator(2 * n, 16, seed=1).allocate(tokens)
     ran = 0
     for dest in paged_bench.default_destinations(dev) + ["pageable"]:
-        cls = paged.TRANSPORTS[method]
-        d = paged.Destination.parse(dest, dev)
+        cls = paged_xport.TRANSPORTS[method]
+        d = paged_xport.Destination.parse(dest, dev)
         if d.kind not in cls.kinds or cls.unavailable(dev, d) is not None:
             continue
         host = d.kind in ("pinned", "pageable")
@@ -527,7 +527,7 @@ def test_gpu_transports_land_byte_exact(method, monkeypatch):
         finally:
             t.close()
     if not ran:
-        pytest.skip(f"{method} cannot run on this machine: {paged.TRANSPORTS[method].unavailable(dev, 'same-gpu')}")
+        pytest.skip(f"{method} cannot run on this machine: {paged_xport.TRANSPORTS[method].unavailable(dev, 'same-gpu')}")
 
 
 @pytest.mark.gpu
@@ -559,18 +559,18 @@ def test_bulk_orders_are_permutations_of_the_plan():
     t = make_transport("triton", spec, "same-gpu", 12, "cpu", tune=False)
     plan = t.prepare(src, table, dst_table)
     n, rpl = plan.rows, plan.n_blocks
-    for order in paged.BULK_ORDERS:
-        perm = paged.bulk_order(plan, order)
+    for order in paged_triton.BULK_ORDERS:
+        perm = paged_triton.bulk_order(plan, order)
         assert sorted(perm.tolist()) == list(range(n)), order
-    assert paged.bulk_order(plan, "layer").tolist() == list(range(n))
-    inter = paged.bulk_order(plan, "interleaved")
+    assert paged_triton.bulk_order(plan, "layer").tolist() == list(range(n))
+    inter = paged_triton.bulk_order(plan, "interleaved")
     assert (inter[: 2 * spec.layers] % rpl == 0).all()  # block 0 of every layer side first
-    src_sorted = plan.src_rows[paged.bulk_order(plan, "src")]
+    src_sorted = plan.src_rows[paged_triton.bulk_order(plan, "src")]
     for side in range(2 * spec.layers):
         part = src_sorted[side * rpl:(side + 1) * rpl]
         assert (np.diff(part) > 0).all()
     with pytest.raises(ValueError, match="bulk order 'zigzag'"):
-        paged.bulk_order(plan, "zigzag")
+        paged_triton.bulk_order(plan, "zigzag")
     with pytest.raises(ValueError, match="bulk order 'zigzag'"):
         make_transport("triton", spec, "same-gpu", 12, "cpu", order="zigzag")
 
@@ -635,8 +635,8 @@ def test_pattern_summary_and_plot_from_a_table():
 def test_finalists_are_the_fastest_timed_candidates():
     table = [{"block": 256, "ms": 0.95}, {"block": 512, "ms": None, "error": "no"}, {"block": 1024, "ms": 0.92},
              {"block": 2048, "ms": 0.99}]
-    assert [r["block"] for r in paged.finalists(table, 2)] == [1024, 256]
-    assert paged.finalists([{"ms": None}]) == []
+    assert [r["block"] for r in paged_triton.finalists(table, 2)] == [1024, 256]
+    assert paged_triton.finalists([{"ms": None}]) == []
 
 
 def test_a_cpu_triton_transport_times_no_finalists():
@@ -650,7 +650,7 @@ def test_a_cpu_triton_transport_times_no_finalists():
 @pytest.mark.parametrize("lo,hi,chunk,edge", [(0, 100, 30, 5), (0, 64, 32, 32), (5, 6, 1, 1), (0, 10, 3, 8),
                                               (0, 1000, 64, 4), (7, 7, 4, 2)])
 def test_chunk_bounds_cover_the_range_in_chunks_no_larger_than_asked(lo, hi, chunk, edge):
-    from kvlab.paged import chunk_bounds
+    from kvlab.paged_triton import chunk_bounds
 
     b = chunk_bounds(lo, hi, chunk, edge)
     if hi <= lo:
@@ -663,7 +663,7 @@ def test_chunk_bounds_cover_the_range_in_chunks_no_larger_than_asked(lo, hi, chu
 
 
 def test_chunk_bounds_refuses_empty_chunks():
-    from kvlab.paged import chunk_bounds
+    from kvlab.paged_triton import chunk_bounds
 
     for chunk, edge in ((0, 1), (1, 0), (2.5, 1)):
         with pytest.raises(ValueError, match="ints ≥ 1"):

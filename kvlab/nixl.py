@@ -1,0 +1,151 @@
+"""NIXL as a paged transport (`nixl`): two NIXL agents with the UCX backend in one process, one prepared
+transfer request of one descriptor per block, writing from the source pool into the destination pool.
+NIXL is optional (`pip install 'kvlab[nixl]'`); without it the transport says why it cannot run.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+
+from .paged import BlockPool
+from .paged_xport import PagedTransport
+from .transfer import Landing
+
+__all__ = ["NixlTransport", "nixl_version"]
+
+
+def nixl_version() -> str | None:
+    from importlib import metadata
+
+    for dist in ("nixl", "nixl-cu12", "nixl-cu13"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+_NIXL_AGENTS = itertools.count()
+
+
+class NixlTransport(PagedTransport):
+    """NIXL (UCX backend) writing the same descriptor list — one descriptor per block — from one agent
+    (it registers the source pool) to a second agent in this process (it registers the destination pool),
+    as a peer would: one prepared request (initialize_xfer), posted per send and polled to completion.
+
+    Not stream-ordered: send() waits for the source GPU's queued work, posts, and returns once NIXL says
+    DONE (the Landing is complete). Options: backend (default "UCX").
+    """
+
+    name = "nixl"
+    stream_ordered = False
+    options = {"backend": "UCX"}
+
+    @classmethod
+    def _unavailable_here(cls, src, dest):
+        try:
+            import nixl  # noqa: F401
+            from nixl._api import nixl_agent  # noqa: F401
+        except Exception as exc:
+            return f"nixl is not installed or does not load ({type(exc).__name__}: {exc}): pip install 'kvlab[nixl]'"
+        return None
+
+    def _setup(self):
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        k = next(_NIXL_AGENTS)
+        backend = self.opts["backend"]
+        conf = nixl_agent_config(backends=[backend])
+        self.target_name = f"kvlab-dst-{k}"
+        self.initiator = nixl_agent(f"kvlab-src-{k}", conf)
+        self.target = nixl_agent(self.target_name, conf)
+        self._dst_reg = self.target.register_memory(self.pool.data)
+        self.initiator.add_remote_agent(self.target.get_agent_metadata())
+        self._src_regs: dict = {}
+        self._handles: list = []
+        self._closed = False
+        self.backend = f"nixl {backend}"
+        self.config.update(nixl_version=nixl_version(), backend=backend, agents=2, operation="WRITE",
+                           dst_mem=self._mem(self.pool.device))
+
+    @staticmethod
+    def _mem(device: torch.device) -> str:
+        return "VRAM" if device.type == "cuda" else "DRAM"
+
+    def _descs(self, agent, pool: BlockPool, rows: np.ndarray):
+        mem = self._mem(pool.device)
+        dev = (pool.device.index or 0) if pool.device.type == "cuda" else 0
+        rb = self.spec.block_bytes
+        arr = np.empty((rows.size, 3), dtype=np.int64)
+        arr[:, 0] = pool.data.data_ptr() + rows * rb
+        arr[:, 1] = rb
+        arr[:, 2] = dev
+        try:
+            descs = agent.get_xfer_descs(arr, mem)
+        except (TypeError, ValueError, IndexError):
+            descs = None
+        if descs is None:  # older nixl: a list of (addr, len, dev) tuples only
+            descs = agent.get_xfer_descs([tuple(r) for r in arr.tolist()], mem)
+        if descs is None:
+            raise RuntimeError(f"nixl get_xfer_descs returned None for {rows.size} {mem} descriptors")
+        return descs
+
+    def _prepare(self, plan):
+        key = id(plan.src_pool)
+        if key not in self._src_regs:
+            self._src_regs[key] = (plan.src_pool, self.initiator.register_memory(plan.src_pool.data))
+        local = self._descs(self.initiator, plan.src_pool, plan.src_rows)
+        remote = self._descs(self.target, self.pool, plan.dst_rows)
+        handle = self.initiator.initialize_xfer("WRITE", local, remote, self.target_name, b"")
+        if not handle:
+            raise RuntimeError("nixl initialize_xfer failed (no handle)")
+        self._handles.append(handle)
+        plan.extra["handle"] = handle
+        self.config.update(descriptors=plan.rows, src_mem=self._mem(plan.src_pool.device))
+        try:
+            self.config["chosen_backend"] = self.initiator.query_xfer_backend(handle)
+        except Exception:  # older nixl: no query; the configured backend is the only one
+            self.config["chosen_backend"] = self.opts["backend"]
+        c = self.config
+        self._note(f"nixl {c['nixl_version']}, backend {c['chosen_backend']}, {plan.rows:,} descriptors "
+                   f"({c['src_mem']}→{c['dst_mem']}), one prepared {c['operation']} request between 2 agents")
+
+    def _copy(self, plan, lo, hi):
+        if (lo, hi) != (0, plan.rows):
+            raise ValueError("nixl transport sends whole plans only")
+        agent, handle = self.initiator, plan.extra["handle"]
+        state = agent.transfer(handle)
+        while state == "PROC":
+            state = agent.check_xfer_state(handle)
+        if state != "DONE":
+            raise RuntimeError(f"nixl transfer ended in state {state!r}")
+
+    def send(self, src_pool, src_table, dst_table=None) -> Landing:
+        plan = self.prepare(src_pool, src_table, dst_table)
+        if self.cuda:
+            torch.cuda.current_stream(self.src_device).synchronize()  # NIXL does not follow torch streams
+        self._copy(plan, 0, plan.rows)
+        return Landing(self.spec.layers)
+
+    def close(self):
+        if getattr(self, "_closed", True):  # never set up, or already closed
+            return
+        self._closed = True
+        for h in self._handles:
+            try:
+                self.initiator.release_xfer_handle(h)
+            except Exception:
+                pass
+        self._handles.clear()
+        for _, reg in self._src_regs.values():
+            self.initiator.deregister_memory(reg)
+        self._src_regs.clear()
+        self.target.deregister_memory(self._dst_reg)
+        try:
+            self.initiator.remove_remote_agent(self.target_name)
+        except Exception:
+            pass
+        super().close()
