@@ -811,7 +811,7 @@ def _cmd_analyse(args) -> int:
                      "(see `kvlab trace nsys --help`)"))
 def _cmd_trace(args) -> int:
     """Take or read a timeline into kvlab's events table. Where Nsight Systems cannot make a report,
-    it says so: torch.profiler (kvlab.trace.capture, notebook 03) is the path that always works."""
+    it says so: torch.profiler (kvlab.tracefmt.capture, notebook 03) is the path that always works."""
     from kvlab import trace
 
     return trace.trace_main(args.rest or ["--help"])

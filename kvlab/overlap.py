@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from .trace import GPU_KINDS, REGION, TraceError, _check_events
+from .tracefmt import GPU_KINDS, REGION, TraceError, check_events
 
 __all__ = [
     "NO_GPU_MESSAGE", "NoGPUActivity", "has_gpu_activity", "compute_stream", "copies", "compute_ops",
@@ -64,7 +64,7 @@ class NoGPUActivity(TraceError):
 
 def has_gpu_activity(events: pd.DataFrame) -> bool:
     """True when the trace holds at least one kernel, memcpy or memset."""
-    _check_events(events)
+    check_events(events)
     return bool(events.kind.isin(GPU_KINDS).any())
 
 
@@ -116,7 +116,7 @@ def copies(events: pd.DataFrame, compute: tuple[int, int] | None = None,
     host) — so the k-th of n·layers copies belongs to layer k // n, since every mode issues layers in
     order; "none").
     """
-    _check_events(events)
+    check_events(events)
     if not has_gpu_activity(events):
         return events.iloc[0:0].assign(engine=pd.Series(dtype=object), layer_source=pd.Series(dtype=object))
     cs = compute or compute_stream(events)
@@ -764,7 +764,7 @@ def host_findings(colocated: pd.DataFrame, layerwise: pd.DataFrame, wall_co_ms: 
                   wall_lw_ms: float | None = None) -> list[str]:
     """Sentences for traces without GPU activity (a CPU run): the no-GPU notice, then what the hooks'
     host ranges show (per-layer host time, send time, which on a CPU holds the synchronous copy)."""
-    from .trace import host_layers
+    from .tracefmt import host_layers
 
     out = [NO_GPU_MESSAGE[0].upper() + NO_GPU_MESSAGE[1:] + "."]
     if wall_co_ms is not None and wall_lw_ms is not None:
@@ -843,7 +843,7 @@ def gantt(events: pd.DataFrame, ax=None, title: str | None = None, label_layers:
     hooks' ranges. Returns the Axes."""
     import matplotlib.pyplot as plt
 
-    _check_events(events)
+    check_events(events)
     if ax is None:
         _, ax = plt.subplots(figsize=(11, 2.8))
     even, odd, engine_c, sm_c, grey = _layer_colors()
@@ -960,7 +960,7 @@ def host_chart(colocated: pd.DataFrame, layerwise: pd.DataFrame, ax=None, title:
     import matplotlib.pyplot as plt
 
     from . import plots
-    from .trace import host_layers
+    from .tracefmt import host_layers
 
     co, lw = host_layers(colocated), host_layers(layerwise)
     if ax is None:

@@ -1,7 +1,7 @@
 """kvlab.overlap: the Δwall decomposition on synthetic two-layer timelines whose answer is known.
 
 The runs are written as Kineto traces (the categories and args torch.profiler emits) and read back with
-kvlab.trace.load_kineto, so these tests go through the same path as a real GPU trace.
+kvlab.tracefmt.load_kineto, so these tests go through the same path as a real GPU trace.
 
 Colocated (µs on the GPU, one compute stream 7):
     embed 20–30 | L0: qkv 30–40, attn 40–50, mlp 50–70 | L1: qkv 70–80, attn 80–90, mlp 90–110 | head 110–120
@@ -22,8 +22,8 @@ import pandas as pd
 import pytest
 import torch
 
-from kvlab import clocks, overlap, trace
-from kvlab.trace import TraceError
+from kvlab import clocks, overlap, trace, tracefmt
+from kvlab.tracefmt import TraceError
 
 US = 1000  # ns
 
@@ -35,7 +35,7 @@ def _num(ns):
 def _write(path, events):
     doc = {"schemaVersion": 1, "traceEvents": events}
     path.write_text(re.sub(r'"__NUM__([0-9.]+)"', r"\1", json.dumps(doc)))
-    return trace.load_kineto(path)
+    return tracefmt.load_kineto(path)
 
 
 def _x(cat, name, start_us, dur_us, pid, tid, **args):
@@ -340,7 +340,7 @@ def test_the_notebooks_gpu_branch_runs_on_a_synthetic_gpu_trace(tmp_path, pair):
     run = results.start("overlap_timeline", {"model": "synthetic"}, run_dir=str(tmp_path / "run"))
     path = Path(__file__).resolve().parent.parent / "notebooks" / "03_overlap_timeline.ipynb"
     code = [c.source for c in nbformat.read(str(path), as_version=4).cells if c.cell_type == "code"]
-    ns = dict(trace=fake_trace, overlap=overlap, plots=plots, nbtools=nbtools, results=results, run=run,
+    ns = dict(trace=fake_trace, tracefmt=tracefmt, overlap=overlap, plots=plots, nbtools=nbtools, results=results, run=run,
               lm=None, n_tokens=1024, dest="pinned", transport="copy", send_mode="auto", repeats=1,
               device=torch.device("cuda"), events="auto", event_rounds=1, on_gpu=True, torch=torch, clocks=clocks,
               clock_interval_ms=5.0, patterns="auto", pattern_list=None, pattern_rounds=9,
@@ -393,7 +393,7 @@ def test_clock_samples_are_placed_on_a_run_by_its_region(tmp_path):
     lw = run_events(tmp_path, "lw_r", LW_GPU, LW_COPIES, region=(0, 141))
     samples = pd.DataFrame({"t_ns": [1_000_000, 1_050_000, 1_050_000], "gpu": [0, 0, 1],
                             "sm_mhz": [1500.0, 1400.0, 300.0], "power_w": [690.0, 700.0, 80.0]})
-    region = lw[(lw.kind == "range") & (lw.name == trace.REGION)].start_ns.min()
+    region = lw[(lw.kind == "range") & (lw.name == tracefmt.REGION)].start_ns.min()
     on = overlap.clock_on_trace(samples, 0, 1_000_000, lw)
     assert on.trace_ns.tolist() == [region, region + 50_000] and on.sm_mhz.tolist() == [1500.0, 1400.0]
     assert overlap.clock_on_trace(samples, 0, 0, run_events(tmp_path, "no_region", LW_GPU)).empty

@@ -18,8 +18,8 @@ import pandas as pd
 import pytest
 import torch
 
-from kvlab import trace
-from kvlab.trace import TraceError
+from kvlab import nsys, trace, tracefmt
+from kvlab.tracefmt import TraceError
 
 BASE_NS = 1_700_000_000_000_000_123  # an absolute epoch-like origin: µs with 3 decimals overflow a double's ns
 
@@ -82,8 +82,8 @@ def gpu_trace(tmp_path):
 
 
 def test_kineto_gpu_events_are_typed_timed_and_attributed(gpu_trace):
-    ev = trace.load_kineto(gpu_trace)
-    assert list(ev.columns) == trace.EVENT_COLUMNS
+    ev = tracefmt.load_kineto(gpu_trace)
+    assert list(ev.columns) == tracefmt.EVENT_COLUMNS
     counts = ev.kind.value_counts().to_dict()
     assert counts == {"range": 5, "runtime": 5, "kernel": 4, "memcpy": 2, "memset": 1, "cpu_op": 1}
     # times: ns relative to the first event (layer0 at +10 µs from BASE), exact to the ns
@@ -117,7 +117,7 @@ def test_kineto_keeps_nanoseconds_of_absolute_microsecond_timestamps(tmp_path):
     doc = {"traceEvents": [X("cpu_op", "a", 0, 1, 1, 1), X("cpu_op", "b", 1_234_567_891, 7, 1, 1)]}
     path = tmp_path / "t.json"
     path.write_text(_dump(doc))
-    ev = trace.load_kineto(path)
+    ev = tracefmt.load_kineto(path)
     b = ev[ev.name == "b"].iloc[0]
     # BASE_NS + 1_234_567_891 ns as 16-digit µs with 3 decimals: a float parse would drift by tens of ns
     assert (b.start_ns, b.dur_ns) == (1_234_567_891, 7)
@@ -126,55 +126,55 @@ def test_kineto_keeps_nanoseconds_of_absolute_microsecond_timestamps(tmp_path):
 def test_kineto_gzip_reads_the_same_as_plain(gpu_trace, tmp_path):
     gz = tmp_path / "trace_gpu.json.gz"
     gz.write_bytes(gzip.compress(gpu_trace.read_bytes()))
-    a, b = trace.load_kineto(gpu_trace), trace.load_kineto(gz)
+    a, b = tracefmt.load_kineto(gpu_trace), tracefmt.load_kineto(gz)
     pd.testing.assert_frame_equal(a, b)
-    assert trace.load(gz).equals(a)
+    assert tracefmt.load(gz).equals(a)
 
 
 def test_kineto_bad_input_says_what_is_wrong(gpu_trace, tmp_path):
     with pytest.raises(FileNotFoundError, match="no trace at"):
-        trace.load_kineto(tmp_path / "missing.json")
+        tracefmt.load_kineto(tmp_path / "missing.json")
     notjson = tmp_path / "notes.txt"
     notjson.write_text("layer 0 took 3 ms\n")
     with pytest.raises(TraceError, match="not JSON"):
-        trace.load_kineto(notjson)
+        tracefmt.load_kineto(notjson)
     text = gpu_trace.read_text()
     cut = tmp_path / "cut.json"
     cut.write_text(text[: len(text) // 2])
     with pytest.raises(TraceError, match="truncated"):
-        trace.load_kineto(cut)
+        tracefmt.load_kineto(cut)
     cutgz = tmp_path / "cut.json.gz"
     cutgz.write_bytes(gzip.compress(text.encode())[:-40])
     with pytest.raises(TraceError, match="truncated"):
-        trace.load_kineto(cutgz)
+        tracefmt.load_kineto(cutgz)
     other = tmp_path / "config.json"
     other.write_text(json.dumps({"model": "qwen", "layers": 28}))
     with pytest.raises(TraceError, match="traceEvents"):
-        trace.load_kineto(other)
+        tracefmt.load_kineto(other)
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps({"traceEvents": [{"ph": "M", "name": "process_name", "pid": 1}]}))
     with pytest.raises(TraceError, match="no events kvlab can read"):
-        trace.load_kineto(empty)
+        tracefmt.load_kineto(empty)
     with pytest.raises(TraceError, match="raw Nsight Systems"):
         (tmp_path / "r.qdstrm").write_bytes(b"\x00qdstrm")
-        trace.load(tmp_path / "r.qdstrm")
+        tracefmt.load(tmp_path / "r.qdstrm")
 
 
 def test_summarize_and_host_layers(gpu_trace):
-    ev = trace.load_kineto(gpu_trace)
-    s = trace.summarize(ev)
+    ev = tracefmt.load_kineto(gpu_trace)
+    s = tracefmt.summarize(ev)
     cp = s[(s.kind == "memcpy") & (s.stream == 13)].iloc[0]
     assert cp["count"] == 2 and cp["bytes"] == 7_500_000
     assert cp["gbps"] == pytest.approx(7_500_000 / 75_000)  # bytes per ns = decimal GB/s
-    h = trace.host_layers(ev)
+    h = tracefmt.host_layers(ev)
     assert h.layer.tolist() == [0, 1]
     assert h.layer_ms.tolist() == pytest.approx([0.05, 0.05])
     assert h.send_ms.tolist() == pytest.approx([0.004, 0.004])
     assert h.gap_ms.tolist() == pytest.approx([0.0, 0.0])
     with pytest.raises(TraceError, match="no kvlab/layer"):
-        trace.host_layers(ev[ev.kind != "range"])
+        tracefmt.host_layers(ev[ev.kind != "range"])
     with pytest.raises(TraceError, match="columns"):
-        trace.summarize(ev.drop(columns=["layer"]))
+        tracefmt.summarize(ev.drop(columns=["layer"]))
 
 
 # ---------------------------------------------------------------------------------------- nsys
@@ -263,8 +263,8 @@ def build_nsys_db(path, with_cuda=True):
 
 
 def test_nsys_sqlite_reads_into_the_same_table(tmp_path):
-    ev = trace.load_nsys_sqlite(build_nsys_db(tmp_path / "r.sqlite"))
-    assert list(ev.columns) == trace.EVENT_COLUMNS
+    ev = nsys.load_nsys_sqlite(build_nsys_db(tmp_path / "r.sqlite"))
+    assert list(ev.columns) == tracefmt.EVENT_COLUMNS
     assert ev.kind.value_counts().to_dict() == {"runtime": 4, "kernel": 3, "range": 3, "memcpy": 1, "memset": 1}
     assert ev.start_ns.min() == 0
     cp = ev[ev.kind == "memcpy"].iloc[0]
@@ -277,7 +277,7 @@ def test_nsys_sqlite_reads_into_the_same_table(tmp_path):
     assert k.iloc[0].launch_ns == 2_000 and k.iloc[0].thread == 0x1000000000A2B
     assert ev[ev.kind == "memset"].iloc[0]["name"] == "Memset (Device)"
     assert set(ev[ev.kind == "range"].name) == {"kvlab/layer0", "kvlab/send0", "kvlab/layer1"}
-    assert trace.load(tmp_path / "r.sqlite").equals(ev)
+    assert tracefmt.load(tmp_path / "r.sqlite").equals(ev)
 
 
 def test_nsys_sqlite_without_enum_tables_uses_cupti_numbers(tmp_path):
@@ -287,19 +287,19 @@ def test_nsys_sqlite_without_enum_tables_uses_cupti_numbers(tmp_path):
                      "UPDATE CUPTI_ACTIVITY_KIND_MEMCPY SET copyKind = 8, srcKind = 3, dstKind = 3;")
     db.commit()
     db.close()
-    cp = trace.load_nsys_sqlite(path).query("kind == 'memcpy'").iloc[0]
+    cp = nsys.load_nsys_sqlite(path).query("kind == 'memcpy'").iloc[0]
     assert (cp["name"], cp.copy_kind) == ("Memcpy DtoD (Device -> Device)", "DtoD")
 
 
 def test_nsys_sqlite_bad_input(tmp_path):
     with pytest.raises(TraceError, match="no CUDA tables"):
-        trace.load_nsys_sqlite(build_nsys_db(tmp_path / "nocuda.sqlite", with_cuda=False))
+        nsys.load_nsys_sqlite(build_nsys_db(tmp_path / "nocuda.sqlite", with_cuda=False))
     bogus = tmp_path / "x.sqlite"
     bogus.write_text("not a database")
     with pytest.raises(TraceError, match="not an SQLite database"):
-        trace.load_nsys_sqlite(bogus)
+        nsys.load_nsys_sqlite(bogus)
     with pytest.raises(FileNotFoundError):
-        trace.load_nsys_sqlite(tmp_path / "none.sqlite")
+        nsys.load_nsys_sqlite(tmp_path / "none.sqlite")
 
 
 def _fake_nsys(tmp_path, mode: str):
@@ -331,43 +331,43 @@ sys.exit(2)
 
 
 def test_run_nsys_without_a_report_points_at_torch_profiler(tmp_path):
-    nsys = _fake_nsys(tmp_path, "qdstrm")
-    with pytest.raises(trace.NsysUnavailable, match=r"\.qdstrm.*capture"):
-        trace.run_nsys(["python", "-c", "pass"], tmp_path / "out", nsys=nsys)
+    binary = _fake_nsys(tmp_path, "qdstrm")
+    with pytest.raises(nsys.NsysUnavailable, match=r"\.qdstrm.*capture"):
+        nsys.run_nsys(["python", "-c", "pass"], tmp_path / "out", nsys=binary)
     assert (tmp_path / "env.txt").read_text() == "1"
 
 
 def test_run_nsys_loads_the_export(tmp_path):
-    nsys = _fake_nsys(tmp_path, "ok")
-    ev, path = trace.run_nsys(["python", "-c", "pass"], tmp_path / "out", nsys=nsys, name="r1")
+    binary = _fake_nsys(tmp_path, "ok")
+    ev, path = nsys.run_nsys(["python", "-c", "pass"], tmp_path / "out", nsys=binary, name="r1")
     assert path == tmp_path / "out" / "r1.sqlite"
     assert (ev.kind == "kernel").sum() == 3
     with pytest.raises(ValueError, match="capture_range"):
-        trace.run_nsys(["x"], tmp_path, capture_range="always", nsys=nsys)
+        nsys.run_nsys(["x"], tmp_path, capture_range="always", nsys=binary)
     with pytest.raises(ValueError, match="list of strings"):
-        trace.run_nsys("python run.py", tmp_path, nsys=nsys)
+        nsys.run_nsys("python run.py", tmp_path, nsys=binary)
 
 
 def test_nsys_available_reports_missing_and_report_less_installs(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    info = trace.nsys_available(globs=(str(tmp_path / "nowhere" / "nsys"),))
+    info = nsys.nsys_available(globs=(str(tmp_path / "nowhere" / "nsys"),))
     assert not info and info.path is None and "torch.profiler" in info.reason
     # an nsys with no QdstrmImporter beside it records but cannot report: not usable
-    nsys = _fake_nsys(tmp_path, "qdstrm")
-    info = trace.nsys_available(nsys=nsys)
-    assert info.path == nsys and "2099.1.1" in info.version and not info.can_export
+    binary = _fake_nsys(tmp_path, "qdstrm")
+    info = nsys.nsys_available(nsys=binary)
+    assert info.path == binary and "2099.1.1" in info.version and not info.can_export
     assert "QdstrmImporter" in info.reason
     (tmp_path / "host-linux-x64").mkdir()
     (tmp_path / "host-linux-x64" / "QdstrmImporter").write_text("")
-    assert trace.nsys_available(nsys=nsys)
+    assert nsys.nsys_available(nsys=binary)
 
 
 def test_run_nsys_with_no_nsys_anywhere(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr(trace, "_NSYS_GLOBS", ())
-    monkeypatch.setattr(trace, "_find_nsys", lambda globs=(): None)
-    with pytest.raises(trace.NsysUnavailable, match="not installed"):
-        trace.run_nsys(["python"], tmp_path / "o")
+    monkeypatch.setattr(nsys, "_NSYS_GLOBS", ())
+    monkeypatch.setattr(nsys, "_find_nsys", lambda globs=(): None)
+    with pytest.raises(nsys.NsysUnavailable, match="not installed"):
+        nsys.run_nsys(["python"], tmp_path / "o")
 
 
 # ---------------------------------------------------------------------------------------- CLI
@@ -389,7 +389,7 @@ def test_trace_main_load_and_errors(gpu_trace, tmp_path, capsys):
 
 
 def test_trace_main_nsys_unavailable_exit_code(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(trace, "_find_nsys", lambda globs=(): None)
+    monkeypatch.setattr(nsys, "_find_nsys", lambda globs=(): None)
     assert trace.trace_main(["nsys", "--out", str(tmp_path / "o"), "--", "python", "-c", "pass"]) == 3
     assert "torch.profiler" in capsys.readouterr().err
 
@@ -417,7 +417,7 @@ def test_capture_on_cpu_records_ops_and_ranges(tmp_path, one_thread):
         with torch.profiler.record_function("kvlab/layer1"):
             torch.relu(y)
 
-    ev, path = trace.capture(region, device="cpu", out_dir=tmp_path, name="trace_unit")
+    ev, path = tracefmt.capture(region, device="cpu", out_dir=tmp_path, name="trace_unit")
     assert path == tmp_path / "trace_unit.json.gz" and path.read_bytes()[:2] == b"\x1f\x8b"
     assert not list(tmp_path.glob(".*.json"))  # the uncompressed export was removed
     assert set(ev.kind) == {"cpu_op", "range"}
@@ -426,9 +426,9 @@ def test_capture_on_cpu_records_ops_and_ranges(tmp_path, one_thread):
     assert ev[ev.name == "aten::clone"].iloc[0].range_name == "kvlab/send0"
     assert ev[ev.name == "aten::relu"].iloc[0].layer == 1
     with pytest.raises(ValueError, match="file stem"):
-        trace.capture(region, device="cpu", out_dir=tmp_path, name="../escape")
+        tracefmt.capture(region, device="cpu", out_dir=tmp_path, name="../escape")
     with pytest.raises(ValueError, match="warmup"):
-        trace.capture(region, device="cpu", warmup=-1)
+        tracefmt.capture(region, device="cpu", warmup=-1)
 
 
 def test_trace_handoff_on_cpu_with_the_tiny_model(tmp_path, one_thread):
@@ -444,12 +444,12 @@ def test_trace_handoff_on_cpu_with_the_tiny_model(tmp_path, one_thread):
     assert len(w) == 8 and set(w.variant) == {"colocated", "layerwise"} and (w.wall_ms > 0).all()
     # the layer-wise trace shows each layer's send range with its copy inside; the colocated one has
     # layer ranges (for splitting) but no sends
-    lw = trace.host_layers(ht.layerwise)
+    lw = tracefmt.host_layers(ht.layerwise)
     assert lw.layer.tolist() == [0, 1] and (lw.send_ms > 0).all()
-    co = trace.host_layers(ht.colocated)
+    co = tracefmt.host_layers(ht.colocated)
     assert co.send_ms.isna().all() and (co.layer_ms > 0).all()
     for ev in (ht.colocated, ht.layerwise):  # the timed region is marked once in each traced run
-        assert (ev.name == trace.REGION).sum() == 1
+        assert (ev.name == tracefmt.REGION).sum() == 1
     copies = ht.layerwise[(ht.layerwise.name == "aten::copy_") & ht.layerwise.range_name.astype(str).str.startswith("kvlab/send")]
     assert sorted(copies.layer.unique().tolist()) == [0, 1]
     oh = ht.overhead()
