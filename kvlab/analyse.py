@@ -130,7 +130,7 @@ def _overlap_timeline(run: Path, record: dict, tables: dict, out: _Out) -> None:
 
 
 def _handoff(run: Path, record: dict, tables: dict, out: _Out) -> None:
-    from . import handoff, plots
+    from . import handoff_report, plots
 
     plots.style()
     timings = _need(tables, run, "results")
@@ -142,12 +142,12 @@ def _handoff(run: Path, record: dict, tables: dict, out: _Out) -> None:
         entry = (c.get("paths") or {}).get(path) if isinstance(c, dict) else None
         if isinstance(entry, dict) and entry.get("ceiling_gbps") is not None:
             ceil[dest] = float(entry["ceiling_gbps"])
-    summary = handoff.summarize(timings, ceil or None, paths or None)
-    goals = handoff.goals(summary)
+    summary = handoff_report.summarize(timings, ceil or None, paths or None)
+    goals = handoff_report.goals(summary)
     out.table(summary, "summary")
     out.table(goals, "goals")
-    out.meta["findings"] += handoff.findings(summary, goals)
-    out.figure(handoff.plot_bars(summary, title=f"Moving the KV cache, as a share of prefill ({out.device_tag})"),
+    out.meta["findings"] += handoff_report.findings(summary, goals)
+    out.figure(handoff_report.plot_bars(summary, title=f"Moving the KV cache, as a share of prefill ({out.device_tag})"),
                "handoff_bars")
 
 

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
 
-from kvlab import handoff, steps
+from kvlab import handoff, handoff_report, steps
 from kvlab.hooks import LayerHooks
 from kvlab.kvcache import KVBuffer, KVLayout, layout_for
 from kvlab.transfer import Destination, Transport
@@ -157,7 +157,7 @@ def test_run_handoff_tidy_tables(tiny):
     assert set(timings.columns) == {"context", "kv_bytes", "destination", "method", "measure", "repeat", "ms"}
     assert checks.tokens_match.all() and checks.logits_equal.all() and (checks.poison_left == 0).all()
     assert len(checks) == 2 * (1 + 2 * 2)
-    summary = handoff.summarize(timings, ceilings={"same-device": 10.0})
+    summary = handoff_report.summarize(timings, ceilings={"same-device": 10.0})
     assert list(summary.context) == [8, 8, 16, 16]
     # 3 interleaved rounds at the short context, `repeats` rounds above it
     assert list(summary.rounds) == [3, 3, 2, 2]
@@ -174,7 +174,7 @@ def test_run_handoff_tidy_tables(tiny):
     assert (summary.copy_pct_ref_lo <= summary.copy_pct_ref).all() and (summary.copy_pct_ref <= summary.copy_pct_ref_hi).all()
     assert (summary.extra_ci_lo_ms <= summary.layerwise_extra_ms).all()
     assert (summary.layerwise_extra_ms <= summary.extra_ci_hi_ms).all()
-    g = handoff.goals(summary)
+    g = handoff_report.goals(summary)
     assert set(g.goal) >= {"hook host time ≤ 0.5 ms", "bulk ≥ 95 % of ceiling"}
 
 
@@ -198,17 +198,17 @@ def test_bulk_goal_uses_the_paired_same_bytes_copy(pct, want):
     # the size sweep's ceiling says 80 %; the paired copy of the same bytes decides, and both are shown
     rows = [_summary_row(context=32768, copy_pct_ceiling=80.0, copy_pct_ref=pct, copy_pct_ref_lo=pct - 2,
                          copy_pct_ref_hi=pct + 2), _summary_row(context=1024)]
-    g = handoff.goals(pd.DataFrame(rows))
+    g = handoff_report.goals(pd.DataFrame(rows))
     row = g[g.goal == "bulk ≥ 95 % of ceiling"].iloc[0]
     assert row.met is want and f"{pct:.1f} %" in row.value and "80.0 % of the size sweep" in row.value
     assert "paired" in row.how
     # the 0.5 ms hook goals belong to the host-bound 1k regime: a run of long contexts only has none
-    long_only = handoff.goals(pd.DataFrame([_summary_row(context=32768, copy_pct_ref=pct, copy_pct_ref_lo=pct,
+    long_only = handoff_report.goals(pd.DataFrame([_summary_row(context=32768, copy_pct_ref=pct, copy_pct_ref_lo=pct,
                                                          copy_pct_ref_hi=pct)]))
     assert "hook host time ≤ 0.5 ms" not in set(long_only.goal) and "bulk ≥ 95 % of ceiling" in set(long_only.goal)
     assert "hook host time ≤ 0.5 ms" in set(g.goal)
     # a summary without paired copies (runs before they existed) falls back to the sweep's ceiling
-    old = handoff.goals(pd.DataFrame([_summary_row(context=32768, copy_pct_ceiling=96.0), _summary_row(context=1024)]))
+    old = handoff_report.goals(pd.DataFrame([_summary_row(context=32768, copy_pct_ceiling=96.0), _summary_row(context=1024)]))
     assert old[old.goal == "bulk ≥ 95 % of ceiling"].iloc[0].met is True
 
 
@@ -225,10 +225,10 @@ def test_never_worse_than_bulk_is_decided_by_the_interval(lo, hi, want):
     import pandas as pd
 
     summary = pd.DataFrame([_summary_row(extra_ci_lo_ms=lo, extra_ci_hi_ms=hi), _summary_row(context=1024)])
-    g = handoff.goals(summary)
+    g = handoff_report.goals(summary)
     row = g[g.goal == "layer-wise never worse than bulk"].iloc[0]
-    assert handoff.goal_state(row.met) is want
-    lines = handoff.findings(pd.DataFrame([_summary_row(extra_ci_lo_ms=lo, extra_ci_hi_ms=hi, copy_min_ms=0.5,
+    assert handoff_report.goal_state(row.met) is want
+    lines = handoff_report.findings(pd.DataFrame([_summary_row(extra_ci_lo_ms=lo, extra_ci_hi_ms=hi, copy_min_ms=0.5,
                                                         copy_max_ms=0.6, copy_gbps=1.0, ceiling_gbps=2.0,
                                                         copy_pct_prefill=0.1, copy_tensor_ms=0.6,
                                                         extra_min_ms=-2, extra_max_ms=3)]), g)
@@ -276,13 +276,13 @@ def test_attribution_on_cpu_is_tidy_and_explained(tiny):
     # no stream memory operations on a CPU: no "signal only"
     assert set(rows.variant) == {"colocated", "layer-wise", "layer-wise, attention hooks"}
     assert len(rows) == 2 * 3 * 3 and (rows.ms > 0).all()
-    summary = handoff.attribution_summary(rows)
+    summary = handoff_report.attribution_summary(rows)
     assert list(summary.variant) == ["layer-wise", "layer-wise, attention hooks"] * 2
     assert (summary.rounds == 3).all()
     assert (summary.extra_ci_lo_ms <= summary.extra_ms).all() and (summary.extra_ms <= summary.extra_ci_hi_ms).all()
-    lines = handoff.attribution_findings(summary)
+    lines = handoff_report.attribution_findings(summary)
     assert len(lines) == 2 and "the real send (cpu, cache)" in lines[0] and "attention-module hooks" in lines[0]
-    fig = handoff.plot_attribution(summary)
+    fig = handoff_report.plot_attribution(summary)
     assert fig.axes[0].get_xlabel().startswith("extra prefill time")
 
 
@@ -364,14 +364,14 @@ def test_the_peer_goals_follow_the_interval_rule(lo, hi, exp_max, want, want_exp
                        layerwise_extra_ms=(lo + hi) / 2, exposed_ms=exp_max, exposed_min_ms=exp_min,
                        exposed_max_ms=exp_max, copy_pct_ceiling=97.9, copy_gbps=386.0, ceiling_gbps=394.0,
                        copy_ms=4.74)
-    g = handoff.goals(pd.DataFrame([row])).set_index("goal")
-    assert handoff.goal_state(g.loc["layer-wise TTFT extra ≤ 0.5 ms over colocated (peer)", "met"]) is want
-    assert handoff.goal_state(g.loc["layer-wise exposed ≤ 0.5 ms (peer)", "met"]) is want_exp
-    assert handoff.goal_state(g.loc["bulk peer send ≥ 98 % of the peer ceiling", "met"]) is False  # 97.9 %
+    g = handoff_report.goals(pd.DataFrame([row])).set_index("goal")
+    assert handoff_report.goal_state(g.loc["layer-wise TTFT extra ≤ 0.5 ms over colocated (peer)", "met"]) is want
+    assert handoff_report.goal_state(g.loc["layer-wise exposed ≤ 0.5 ms (peer)", "met"]) is want_exp
+    assert handoff_report.goal_state(g.loc["bulk peer send ≥ 98 % of the peer ceiling", "met"]) is False  # 97.9 %
     # a same-GPU row at 32k has none of these goals, and a peer row gets "never worse than bulk" at 1k too
-    same = handoff.goals(pd.DataFrame([dict(row, destination="same-gpu")]))
+    same = handoff_report.goals(pd.DataFrame([dict(row, destination="same-gpu")]))
     assert not same.goal.str.contains("peer").any()
-    short = handoff.goals(pd.DataFrame([dict(row, context=1024)]))
+    short = handoff_report.goals(pd.DataFrame([dict(row, context=1024)]))
     assert "layer-wise never worse than bulk" in set(short.goal)
 
 

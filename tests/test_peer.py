@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab import clocks, handoff, steps
+from kvlab import clocks, handoff, handoff_report, steps
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -44,7 +44,7 @@ def test_peer_handoff_decodes_on_the_destination_gpu(tiny_gpu, policy):
     assert checks.tokens_match.all() and checks.logits_equal.all() and (checks.poison_left == 0).all()
     assert moved.decode_gpu_logits_equal.all() and moved.bytes_equal.all()
     assert (timings[(timings.destination == "peer-cuda:1") & (timings.measure == "decode_step")].ms > 0).all()
-    summary = handoff.summarize(timings)
+    summary = handoff_report.summarize(timings)
     assert list(summary.destination) == ["peer-cuda:1"]
 
 
