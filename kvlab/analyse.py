@@ -79,7 +79,7 @@ def _prefill_gpu(record: dict) -> int:
 
 
 def _overlap_timeline(run: Path, record: dict, tables: dict, out: _Out) -> None:
-    from . import clocks, overlap, plots
+    from . import clocks, overlap, overlap_report, plots
 
     plots.style()
     walls = _need(tables, run, "walls")
@@ -99,14 +99,14 @@ def _overlap_timeline(run: Path, record: dict, tables: dict, out: _Out) -> None:
             dec = overlap.decompose(co, lw, ceiling_gbps=record.get("ceiling_gbps"),
                                     wall_co_ns=int(round(w.wall_ms["colocated"] * 1e6)),
                                     wall_lw_ns=int(round(w.wall_ms["layerwise"] * 1e6)), **kw)
-            backlog = overlap.backlog_comparison(dec, layer_copy_ms=record.get("layer_copy_ms"))
+            backlog = overlap_report.backlog_comparison(dec, layer_copy_ms=record.get("layer_copy_ms"))
             out.table(dec.summary(), "decomposition")
             out.table(dec.segments, "segments")
             out.table(overlap.causes(dec), "causes")
             out.table(backlog, "backlog")
             out.meta["decomposition_totals"] = {k: v for k, v in dec.totals.items() if not isinstance(v, tuple)}
             out.meta["findings"] += overlap.findings(dec, backlog)
-            ax = overlap.decomposition_chart(dec, title=f"Δ time per layer vs colocated ({record.get('context', '')} "
+            ax = overlap_report.decomposition_chart(dec, title=f"Δ time per layer vs colocated ({record.get('context', '')} "
                                                         f"tokens → {record.get('destination_label', '')})")
             out.figure(ax.figure, "decomposition")
     rounds = tables.get("pattern_rounds")

@@ -22,7 +22,7 @@ import pandas as pd
 import pytest
 import torch
 
-from kvlab import clocks, overlap, trace, tracefmt
+from kvlab import clocks, overlap, overlap_report, trace, tracefmt
 from kvlab.tracefmt import TraceError
 
 US = 1000  # ns
@@ -163,36 +163,36 @@ def test_layer_table_windows_lags_rates_and_backlog(pair):
 def test_backlog_against_the_pipelined_model(pair):
     co, lw = pair
     d = overlap.decompose(co, lw, ceiling_gbps=100.0)
-    b = overlap.backlog_comparison(d, layer_copy_ms=0.030)
+    b = overlap_report.backlog_comparison(d, layer_copy_ms=0.030)
     # colocated layers end at 70 and 110 µs from the first op at 20: 50 and 40 µs of compute
     assert b.compute_ms.tolist() == pytest.approx([0.050, 0.040])
     assert b.measured_backlog_ms.tolist() == pytest.approx([0.006, 0.022])
     # model: ready 50, send 50–80 (backlog 30); ready 90, send 90–120 (30)
     assert b.predicted_backlog_ms.tolist() == pytest.approx([0.030, 0.030])
     assert b.predicted_wait_ms.tolist() == pytest.approx([0.0, 0.0])
-    by_bytes = overlap.backlog_comparison(d)  # bytes at the 100 GB/s ceiling: 30 and 45 µs
+    by_bytes = overlap_report.backlog_comparison(d)  # bytes at the 100 GB/s ceiling: 30 and 45 µs
     assert by_bytes.transfer_ms.tolist() == pytest.approx([0.030, 0.045])
 
 
 def test_predicted_backlog_follows_the_calculator():
-    p = overlap.predicted_backlog([1.0, 1.0, 1.0], [2.0, 2.0, 2.0])  # link slower than compute
+    p = overlap_report.predicted_backlog([1.0, 1.0, 1.0], [2.0, 2.0, 2.0])  # link slower than compute
     assert p.send_start_s.tolist() == [1.0, 3.0, 5.0]
     assert p.backlog_s.tolist() == [2.0, 3.0, 4.0] and p.wait_s.tolist() == [0.0, 1.0, 2.0]
-    q = overlap.predicted_backlog([2.0, 2.0], [0.5, 0.5])  # link keeps up: backlog is one transfer
+    q = overlap_report.predicted_backlog([2.0, 2.0], [0.5, 0.5])  # link keeps up: backlog is one transfer
     assert q.backlog_s.tolist() == [0.5, 0.5]
     # by hand: compute ends at 1, 4, 4.5; sends run 1→3, 4→4.1, 4.5→8.5
-    via = overlap.predicted_backlog([1.0, 3.0, 0.5], [2.0, 0.1, 4.0])
+    via = overlap_report.predicted_backlog([1.0, 3.0, 0.5], [2.0, 0.1, 4.0])
     assert via.send_end_s.tolist() == pytest.approx([3.0, 4.1, 8.5])
     with pytest.raises(ValueError, match="one compute and one transfer"):
-        overlap.predicted_backlog([1.0], [1.0, 2.0])
+        overlap_report.predicted_backlog([1.0], [1.0, 2.0])
     with pytest.raises(ValueError, match="finite"):
-        overlap.predicted_backlog([float("nan")], [1.0])
+        overlap_report.predicted_backlog([float("nan")], [1.0])
 
 
 def test_findings_rank_the_causes_from_the_numbers(tmp_path, pair):
     co, lw = pair
     d = overlap.decompose(co, lw, ceiling_gbps=200.0)
-    f = overlap.findings(d, overlap.backlog_comparison(d, layer_copy_ms=0.03))
+    f = overlap.findings(d, overlap_report.backlog_comparison(d, layer_copy_ms=0.03))
     assert f[0].startswith("Layer-wise prefill took 21 µs longer than colocated")
     assert f[1].startswith("The largest cause: exposed tail after the last kernel added 12 µs (57 % of Δwall)")
     assert f[2].startswith("Next: kernels stretched inside copy windows added 5.0 µs")
@@ -248,7 +248,7 @@ def test_cpu_traces_degrade_with_the_no_gpu_message(tmp_path):
     with pytest.raises(overlap.NoGPUActivity, match="no GPU activity in this trace; run on a GPU"):
         overlap.decompose(ev, ev)
     assert overlap.copies(ev).empty
-    f = overlap.host_findings(ev, ev, wall_co_ms=1.0, wall_lw_ms=1.5)
+    f = overlap_report.host_findings(ev, ev, wall_co_ms=1.0, wall_lw_ms=1.5)
     assert f[0] == "No GPU activity in this trace; run on a GPU for the timeline."
     assert "+0.50 ms" in f[1] and "send hooks took 0.003 ms of the 0.01 ms" in f[2]
 
@@ -289,18 +289,18 @@ def test_figures_draw_gpu_and_cpu_timelines(tmp_path, pair):
 
     co, lw = pair
     d = overlap.decompose(co, lw)
-    fig = overlap.gantt_pair(co, lw)
+    fig = overlap_report.gantt_pair(co, lw)
     labels = [t.get_text() for t in fig.axes[1].get_yticklabels()]
     assert labels == ["copy\n(gpu 0, stream 13)", "compute\n(gpu 0, stream 7)"]
     assert {t.get_text() for t in fig.axes[1].texts} == {"L0", "L1"}
-    ax = overlap.decomposition_chart(d)
+    ax = overlap_report.decomposition_chart(d)
     assert len(ax.patches) == 5 * len(d.segments)
-    ax2 = overlap.backlog_chart(overlap.backlog_comparison(d, layer_copy_ms=0.03))
+    ax2 = overlap_report.backlog_chart(overlap_report.backlog_comparison(d, layer_copy_ms=0.03))
     assert len(ax2.lines) == 3
     cpu = _write(tmp_path / "cpu.json", [_x("user_annotation", "kvlab/layer0", 0, 10, 9, 1),
                                          _x("cpu_op", "aten::mm", 1, 3, 9, 1), _x("cpu_op", "aten::mul", 1.5, 1, 9, 1),
                                          _x("cpu_op", "aten::add", 5, 1, 9, 1)])
-    axc = overlap.gantt(cpu)
+    axc = overlap_report.gantt(cpu)
     assert [t.get_text() for t in axc.get_yticklabels()] == ["hook ranges", "host ops\n(thread 1)"]
     plt.close("all")
 
@@ -340,7 +340,7 @@ def test_the_notebooks_gpu_branch_runs_on_a_synthetic_gpu_trace(tmp_path, pair):
     run = results.start("overlap_timeline", {"model": "synthetic"}, run_dir=str(tmp_path / "run"))
     path = Path(__file__).resolve().parent.parent / "notebooks" / "03_overlap_timeline.ipynb"
     code = [c.source for c in nbformat.read(str(path), as_version=4).cells if c.cell_type == "code"]
-    ns = dict(trace=fake_trace, tracefmt=tracefmt, overlap=overlap, plots=plots, nbtools=nbtools, results=results, run=run,
+    ns = dict(trace=fake_trace, tracefmt=tracefmt, overlap=overlap, overlap_report=overlap_report, plots=plots, nbtools=nbtools, results=results, run=run,
               lm=None, n_tokens=1024, dest="pinned", transport="copy", send_mode="auto", repeats=1,
               device=torch.device("cuda"), events="auto", event_rounds=1, on_gpu=True, torch=torch, clocks=clocks,
               clock_interval_ms=5.0, patterns="auto", pattern_list=None, pattern_rounds=9,
@@ -381,7 +381,7 @@ def test_a_lower_clock_takes_its_share_of_the_stretch(pair):
     summary = d.summary().set_index("term")
     assert summary.loc[overlap.CLOCK_TERM, "ms"] == pytest.approx(0.010)
     assert overlap.causes(d).cause.iloc[1] == overlap.CLOCK_TERM  # second to the 12 µs tail
-    assert overlap.decomposition_chart(d).get_legend_handles_labels()[1][0] == "kernels, lower SM clock"
+    assert overlap_report.decomposition_chart(d).get_legend_handles_labels()[1][0] == "kernels, lower SM clock"
     # an unchanged clock explains nothing, and one clock without the other is refused
     same = overlap.decompose(co, lw, clock_co=clock_co, clock_lw=clock_co)
     assert same.totals["clock_ns"] == 0 and same.totals["kernel_inside_ns"] == 5 * US

@@ -465,7 +465,7 @@ def test_trace_handoff_on_cpu_with_the_tiny_model(tmp_path, one_thread):
 
 
 def test_event_table_places_every_layer_from_event_times():
-    from kvlab import overlap
+    from kvlab import overlap_report
 
     # 3 layers: signals at 10, 20, 30 ms; copies of 2 MB take 1 ms, the last lands after prefill's end (31 ms)
     t = trace.event_table([10, 20, 30], [10.5, 20.2, 30.6], [11.5, 21.2, 31.6], 31.0, 2_000_000)
@@ -473,7 +473,7 @@ def test_event_table_places_every_layer_from_event_times():
     assert list(t.lag_ms.round(3)) == [0.5, 0.2, 0.6]
     assert list(t.gbps.round(1)) == [2.0, 2.0, 2.0]
     assert list(t.backlog_ms.round(3)) == [-8.5, -8.8, 0.6]  # the last row is the exposed tail
-    fig = overlap.event_gantt(t, 31.0)
+    fig = overlap_report.event_gantt(t, 31.0)
     assert fig.axes[0].get_xlabel().startswith("ms since the request started")
     with pytest.raises(ValueError, match="one time per layer"):
         trace.event_table([1, 2], [1], [2], 3.0, 10)
