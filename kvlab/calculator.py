@@ -550,7 +550,7 @@ def deadline_release(compute_s_per_layer: Sequence[float], transfer_s_per_layer:
     """The latest layer whose end can release every earlier layer's send at once without exposing more
     than eager, layer-by-layer sending — with every transfer `margin` (≥ 1) times slower than given, so a
     link that runs slower than modelled still finishes in time. Hold copies this long, and the link is
-    busy only near prefill's end (kvlab.transfer.release_plan's "deadline" policy)."""
+    busy only near prefill's end (kvlab.sends.release_plan's "deadline" policy)."""
     if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not margin >= 1:
         raise ValueError(f"margin={margin!r}: expected a number ≥ 1 (how much slower than modelled the link may be)")
     t = [x * margin for x in _times("transfer_s_per_layer", transfer_s_per_layer)]

@@ -15,7 +15,7 @@ whether that is the cause. Two tools:
 
 `send_patterns` — one context, colocated prefill against layer-wise sends that differ in one thing each
     (where the bytes go, how many bytes, how often, who issues the copy, copy engine or SMs, and the send
-    policies of kvlab.transfer.release_plan), in balanced rounds, with the sampler running. Its analysis
+    policies of kvlab.sends.release_plan), in balanced rounds, with the sampler running. Its analysis
     (`pattern_summary`) sets each variant's extra prefill time beside what its lower SM clock alone
     predicts: prefill × (f_colocated / f_variant − 1) — if the two agree across the variants, the clock
     is the cause and the copies themselves are not.
@@ -247,14 +247,14 @@ class PatternRun:
 
 class _Armed:
     """Work queued on `stream` before prefill, each job behind a flag the prefill's per-layer signal
-    writes (the flag mode of kvlab.transfer.LayerwiseSend), for probe sends that are not a whole cache:
+    writes (the flag mode of kvlab.sends.LayerwiseSend), for probe sends that are not a whole cache:
     pings, a subset of layers, copy kernels. jobs: [(release layer, callable that queues the job)]."""
 
     def __init__(self, device, stream, jobs, layers: int, dst_stream=None):
         import torch
         from cuda.bindings import driver as cu
 
-        from .transfer import FlagWriter
+        from .sends import FlagWriter
 
         self.cu, self.device, self.stream, self.jobs, self.layers = cu, device, stream, jobs, layers
         self.dst_stream = dst_stream
@@ -272,7 +272,7 @@ class _Armed:
     def arm(self):
         import torch
 
-        from .transfer import _dst_stream
+        from .transfer import dst_stream_context
 
         cu = self.cu
         self.gen += 1
@@ -284,7 +284,7 @@ class _Armed:
         self.base = self.gen * self.layers
         handle = cu.CUstream(self.stream.cuda_stream)
         geq = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-        with torch.cuda.stream(self.stream), _dst_stream(self.dst_stream):
+        with torch.cuda.stream(self.stream), dst_stream_context(self.dst_stream):
             for rel, job in self.jobs:
                 (err,) = cu.cuStreamWaitValue32(handle, self.ptr, self.base + rel + 1, geq)
                 if err != cu.CUresult.CUDA_SUCCESS:
@@ -403,7 +403,8 @@ def send_patterns(model, context: int, peer: str = "cuda:1", variants=None, roun
     from .hooks import LayerHooks
     from .kvcache import KVBuffer, layout_for
     from .timing import schedule
-    from .transfer import Transport, release_plan, stream_memops_available
+    from .sends import release_plan, stream_memops_available
+    from .transfer import Transport
 
     variants = list(PATTERNS) if variants is None else list(variants)
     unknown = [v for v in variants if v not in PATTERNS]

@@ -38,7 +38,8 @@ from .steps import (Replicas, check_moved, correctness_check, decode, make_promp
                     prefill_or_abort, time_copy, time_decode_step, time_layerwise_round,
                     time_plain_copy, time_prefill)
 from .timing import free_device as _free, schedule
-from .transfer import Destination, HookCostProbe, Transport, check_policy, release_plan, stream_memops_available
+from .sends import HookCostProbe, check_policy, release_plan, stream_memops_available
+from .transfer import Destination, Transport
 
 __all__ = ["HandoffConfig", "run_handoff", "attribute_extra", "check_request", "ceiling_path", "config_dict",
            "ATTRIBUTION_VARIANTS"]
@@ -67,7 +68,7 @@ class HandoffConfig:
     seed: int = 0
     ranges: bool = False            # trace ranges in the hooks (off for timing)
     point: str = "cache"            # where layer i is signalled: "cache" (kvlab's KV arena) or "attention" (module hook)
-    policy: str = "eager"           # when layers go: "eager", "deadline" or "batch:N" (kvlab.transfer.release_plan)
+    policy: str = "eager"           # when layers go: "eager", "deadline" or "batch:N" (kvlab.sends.release_plan)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -289,7 +290,7 @@ def attribute_extra(model, context: int, destinations, rounds: int = 30, warmup:
     cyclically, so each variant followed the same neighbour in most rounds):
         colocated                     prefill alone
         signal only                   the per-layer signal from the KV arena making the flag send's one
-                                      driver call to a flag nothing waits on (kvlab.transfer.HookCostProbe):
+                                      driver call to a flag nothing waits on (kvlab.sends.HookCostProbe):
                                       the host cost of signalling, nothing sent
         layer-wise                    the real send (flag, or staged for pageable host), signalled from
                                       the KV arena (the default point)

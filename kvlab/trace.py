@@ -36,7 +36,7 @@ class HandoffTrace:
     ceiling_gbps: the whole cache in one copy on the same path, timed alone in this run (bytes/time).
     layer_copy_ms: one layer's K and V copied alone (the per-layer transfer time, fixed cost included).
     paths: {"colocated": [...], "layerwise": [...]} trace files, one per repeat.
-    extra: send_mode (kvlab.transfer.LayerwiseSend's mode: "flag", "staged", "event", "thread" or "cpu") and
+    extra: send_mode (kvlab.sends.LayerwiseSend's mode: "flag", "staged", "event", "thread" or "cpu") and
         hook_host_ms_last (host ms inside the send hooks in the last traced layer-wise run).
     """
 
@@ -128,7 +128,7 @@ def trace_handoff(model, context: int, destination: str, transport: str = "copy"
     ids = make_prompt(cfg.vocab_size, context, dev, seed)
     src = KVBuffer(layout, device=dev)
     t = Transport(layout, destination, dev, granularity="buffer")
-    sender = t.layerwise(src, send_mode)  # send_mode: see kvlab.transfer.LayerwiseSend
+    sender = t.layerwise(src, send_mode)  # send_mode: see kvlab.sends.LayerwiseSend
     send_hooks = {False: LayerHooks(model, sender.on_layer, ranges=False, bytes_per_layer=layout.bytes_per_layer),
                   True: LayerHooks(model, sender.on_layer, ranges=True, bytes_per_layer=layout.bytes_per_layer)}
     range_hooks = LayerHooks(model, None, ranges=True)

@@ -1,5 +1,5 @@
 """kvlab.clocks (NVML samples and the send-pattern experiment's analysis), the send policies of
-kvlab.transfer.release_plan and the calculator's deadline, all on a CPU; the two-GPU runs are in
+kvlab.sends.release_plan and the calculator's deadline, all on a CPU; the two-GPU runs are in
 test_peer.py."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import torch
 from kvlab import calculator, clocks, handoff, steps
 from kvlab.hooks import LayerHooks
 from kvlab.kvcache import KVBuffer, layout_for
-from kvlab.transfer import Transport, release_plan
+from kvlab.sends import release_plan
+from kvlab.transfer import Transport
 
 
 def test_release_plans():
@@ -31,7 +32,7 @@ def test_release_plans():
 
 
 def test_check_policy():
-    from kvlab.transfer import check_policy
+    from kvlab.sends import check_policy
 
     assert check_policy(" Batch:04 ") == "batch:4" and check_policy("deadline") == "deadline"
     for bad in ("batch:0", "batch:-1", "batch:", "batch:two", "soon"):

@@ -296,7 +296,7 @@ def test_attribution_refuses_bad_input(tiny):
 @settings(max_examples=60, deadline=None)
 @given(layers=st.integers(1, 200), plan=st.sampled_from(["halving", "layer"]))
 def test_wake_groups_cover_every_layer_once_and_end_alone(layers, plan):
-    from kvlab.transfer import wake_groups
+    from kvlab.sends import wake_groups
 
     g = wake_groups(layers, plan)
     covered = [i for a, b in g for i in range(a, b + 1)]
@@ -307,7 +307,7 @@ def test_wake_groups_cover_every_layer_once_and_end_alone(layers, plan):
 
 
 def test_wake_plan_is_validated():
-    from kvlab.transfer import wake_groups
+    from kvlab.sends import wake_groups
 
     with pytest.raises(ValueError, match="wake plan 'sometimes'"):
         wake_groups(4, "sometimes")
@@ -332,7 +332,7 @@ def test_gpu_attribution_has_every_variant(tiny):
 
 
 def test_flag_writer_validates_its_api():
-    from kvlab.transfer import FlagWriter
+    from kvlab.sends import FlagWriter
 
     with pytest.raises(ValueError, match="flag-write api 'nvml'"):
         FlagWriter(torch.zeros(1, dtype=torch.int32), "nvml")
@@ -340,7 +340,7 @@ def test_flag_writer_validates_its_api():
 
 @pytest.mark.gpu
 def test_flag_writer_apis_write_in_stream_order():
-    from kvlab.transfer import FlagWriter, signal_costs
+    from kvlab.sends import FlagWriter, signal_costs
 
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     for api in ("ctypes", "cuda-bindings"):
