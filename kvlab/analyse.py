@@ -152,13 +152,13 @@ def _handoff(run: Path, record: dict, tables: dict, out: _Out) -> None:
 
 
 def _paged(run: Path, record: dict, tables: dict, out: _Out) -> None:
-    from . import paged_bench
+    from . import paged_report
 
     df = _need(tables, run, "results")
-    out.table(paged_bench.summary(df), "summary")
-    goals = paged_bench.goals(df)
+    out.table(paged_report.summary(df), "summary")
+    goals = paged_report.goals(df)
     out.table(goals, "goals")
-    out.meta["findings"] += [paged_bench.finding(df)]
+    out.meta["findings"] += [paged_report.finding(df)]
 
 
 _DISPATCH = {"overlap_timeline": _overlap_timeline, "handoff": _handoff, "paged_transfer": _paged}

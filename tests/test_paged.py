@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlab import paged, paged_bench, paged_triton, paged_xport
+from kvlab import paged, paged_bench, paged_report, paged_triton, paged_xport
 from kvlab.handoff import decode, make_prompt, prefill
 from kvlab.hooks import LayerHooks
 from kvlab.kvcache import KVBuffer, KVLayout, layout_for
@@ -423,20 +423,20 @@ def test_too_slow_methods_are_skipped_with_the_reason():
 
 
 def test_summary_goals_finding_and_figure(bench, tmp_path):
-    s = paged_bench.summary(bench)
+    s = paged_report.summary(bench)
     # headline: the longest context, 16-token blocks
     assert set(s.context) == {70} and set(s.block_size) == {16}
-    assert set(paged_bench.summary(bench, 32, 8).block_size) == {8}
+    assert set(paged_report.summary(bench, 32, 8).block_size) == {8}
     ceil = s[s.method == "contiguous"]
     assert np.allclose(ceil.pct_of_ceiling, 100)
     tri = s[s.method == "triton"].iloc[0]
     assert tri.pieces == 2 * 2 * 5 and "(" in tri.time and tri.gbps > 0
-    assert isinstance(paged_bench.goals(bench), pd.DataFrame)
-    text = paged_bench.finding(bench)
+    assert isinstance(paged_report.goals(bench), pd.DataFrame)
+    text = paged_report.finding(bench)
     assert "70 tokens in 16-token blocks" in text and "GB/s" in text
-    pct = paged_bench.pct_table(bench)
+    pct = paged_report.pct_table(bench)
     assert {"destination", "context", "block_size", "triton"} <= set(pct.columns) and len(pct) == 8
-    fig = paged_bench.plot_gbps_vs_block_size(bench)
+    fig = paged_report.plot_gbps_vs_block_size(bench)
     assert len(fig.axes) == 2
     fig.savefig(tmp_path / "f.png")
 
@@ -444,11 +444,11 @@ def test_summary_goals_finding_and_figure(bench, tmp_path):
 def test_merge_replaces_and_adds_method_rows(bench):
     extra = bench[bench.method.isin(["contiguous", "torch-index"])].copy()
     extra.loc[extra.method == "torch-index", "ms"] = 1.0
-    merged = paged_bench.merge(bench, extra)
+    merged = paged_report.merge(bench, extra)
     assert len(merged) == len(bench)
     assert (merged[merged.method == "torch-index"].ms == 1.0).all()
     with pytest.raises(ValueError, match="columns"):
-        paged_bench.merge(bench, extra.drop(columns=["ms"]))
+        paged_report.merge(bench, extra.drop(columns=["ms"]))
 
 
 def test_resolve_auto_on_cpu():
@@ -593,7 +593,7 @@ def test_triton_bulk_in_every_order_is_byte_exact(order):
 def test_access_patterns_need_a_gpu_and_say_nothing_on_a_cpu():
     df = paged_bench.access_patterns(64, 16, device="cpu", layout="tiny")
     assert df.empty and {"pattern", "ms", "gbps"} <= set(df.columns)
-    assert paged_bench.pattern_summary(df).empty
+    assert paged_report.pattern_summary(df).empty
 
 
 @pytest.mark.gpu
@@ -602,9 +602,9 @@ def test_access_patterns_on_a_gpu(monkeypatch):
     df = paged_bench.access_patterns(256, 16, device="cuda", layout="tiny", repeats=3, warmup=1)
     names = [p for p, _ in paged_bench.PATTERNS]
     assert list(dict.fromkeys(df.pattern)) == names and (df.ms > 0).all()
-    s = paged_bench.pattern_summary(df)
+    s = paged_report.pattern_summary(df)
     assert s.set_index("pattern").pct_of_contiguous["contiguous copy_"] == pytest.approx(100)
-    paged_bench.plot_patterns(s)
+    paged_report.plot_patterns(s)
 
 
 def test_tuning_table_flattens_the_transport_records():
@@ -614,9 +614,9 @@ def test_tuning_table_flattens_the_transport_records():
                                           "tuning": [{"block": 256, "ms": 0.5, "order": "layer"},
                                                      {"block": 512, "ms": 0.4, "order": "src"}]}},
                               {"context": 32, "block_size": 16, "destination": "pinned", "method": "mapped-pinned"}]
-    t = paged_bench.tuning_table(df)
+    t = paged_report.tuning_table(df)
     assert len(t) == 2 and list(t.chosen_order) == ["layer", "layer"] and list(t.order) == ["layer", "src"]
-    assert paged_bench.tuning_table(pd.DataFrame()).empty
+    assert paged_report.tuning_table(pd.DataFrame()).empty
 
 
 def test_pattern_summary_and_plot_from_a_table():
@@ -625,10 +625,10 @@ def test_pattern_summary_and_plot_from_a_table():
         for r, jitter in enumerate((0.0, 0.01, -0.005)):
             rows.append(dict(pattern=name, description=dict(paged_bench.PATTERNS)[name], repeat=r, ms=ms + jitter,
                              gbps=1e9 / (ms + jitter) / 1e6, bytes=10**9, rows=10, config="{}"))
-    s = paged_bench.pattern_summary(pd.DataFrame(rows))
+    s = paged_report.pattern_summary(pd.DataFrame(rows))
     assert list(s.pattern) == ["contiguous copy_", "kernel: rows in place", "kernel: gather → packed"]
     assert s.pct_of_contiguous.iloc[2] == pytest.approx(100 / 1.025)
-    fig = paged_bench.plot_patterns(s, title="t")
+    fig = paged_report.plot_patterns(s, title="t")
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["rows in place", "gather → packed"]
 
 
@@ -676,8 +676,8 @@ def test_the_peer_paged_goal():
         rows.append(dict(context=32768, block_size=16, method=method, destination="peer-cuda:1", pieces=114688,
                          bytes=1879048192, repeat=0, ms=ms, gbps=1879048192 / ms / 1e6, verified=True, status="ok",
                          note="", backend="", plan_ms=float("nan"), pool_layout="nhd", dtype="bf16"))
-    g = paged_bench.goals(pd.DataFrame(rows))
+    g = paged_report.goals(pd.DataFrame(rows))
     assert list(g.goal) == ["chunked-gather-peer ≥ 98 % of contiguous to peer-cuda:1"]
     assert g.value.iloc[0] == "96.7 %" and not g.met.iloc[0]
     rows[1]["ms"] = 4.80
-    assert paged_bench.goals(pd.DataFrame(rows)).met.iloc[0]
+    assert paged_report.goals(pd.DataFrame(rows)).met.iloc[0]

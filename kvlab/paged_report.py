@@ -1,0 +1,264 @@
+"""The paged study's analysis: from the rows kvlab.paged_bench measured to its summary (`summary`,
+`pct_table`), the goals (`goals`), a finding, the tuning records and the access-pattern table, and figures.
+Reads tables; never measures.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from . import timing
+from .paged_bench import COLUMNS, METHODS
+
+__all__ = ["merge", "summary", "pct_table", "goals", "finding", "plot_gbps_vs_block_size", "tuning_table",
+           "pattern_summary", "plot_patterns"]
+
+
+def merge(df: pd.DataFrame, extra: pd.DataFrame) -> pd.DataFrame:
+    """Add the method rows of another run of measure() (e.g. run_nixl_only's CSV) to `df`.
+
+    Its own "contiguous" rows are dropped: every method is compared with the ceiling of the main run.
+    A method already in `df` for the same (context, block_size, destination) is replaced by the extra rows.
+    """
+    missing = set(COLUMNS) - set(extra.columns)
+    if missing:
+        raise ValueError(f"the extra results lack columns {sorted(missing)}; expected measure()'s columns")
+    extra = extra[extra.method != "contiguous"]
+    key = ["context", "block_size", "method", "destination"]
+    have = df.set_index(key).index
+    drop = have.isin(extra.set_index(key).index)
+    out = pd.concat([df[~drop], extra[COLUMNS]], ignore_index=True)
+    out.attrs = dict(df.attrs)  # the transports' configurations (tuning tables) stay with the results
+    return out
+
+
+def _pick(df: pd.DataFrame, context=None, block_size=None) -> tuple[int, int]:
+    if context is None:
+        context = int(df.context.max())
+    if block_size is None:
+        sizes = sorted(df.block_size.unique())
+        block_size = 16 if 16 in sizes else int(sizes[0])
+    return int(context), int(block_size)
+
+
+def summary(df: pd.DataFrame, context: int | None = None, block_size: int | None = None) -> pd.DataFrame:
+    """The headline table at one context and block size (default: the longest context, 16-token blocks).
+
+    One row per (destination, method): pieces, repeats, ms median/min/max, time "median (min–max)",
+    gbps (at the median), ceiling_gbps (the contiguous copy, same destination, same run), pct_of_ceiling,
+    verified, status, note. Skipped or failed methods appear with their reason.
+    """
+    context, block_size = _pick(df, context, block_size)
+    sub = df[(df.context == context) & (df.block_size == block_size)]
+    out = []
+    for dest, g in sub.groupby("destination", sort=False):
+        ceil_ms = g[(g.method == "contiguous") & (g.status == "ok")].ms
+        ceiling = float(g.bytes.iloc[0] / (ceil_ms.median() * 1e6)) if len(ceil_ms) else float("nan")
+        for method, m in g.groupby("method", sort=False):
+            ok = m[m.status == "ok"]
+            row = dict(context=context, block_size=block_size, destination=dest, method=method,
+                       pieces=int(m.pieces.iloc[0]), repeats=len(ok), verified=bool(m.verified.all()),
+                       status=m.status.iloc[0], backend=_text(m.backend.iloc[0]), note=_text(m.note.iloc[0]))
+            if len(ok):
+                med = float(ok.ms.median())
+                gbps = float(ok.bytes.iloc[0] / (med * 1e6))
+                row.update(ms=med, ms_min=float(ok.ms.min()), ms_max=float(ok.ms.max()),
+                           time=f"{timing.fmt_ms(med)} ({timing.fmt_ms(float(ok.ms.min()))}–"
+                                f"{timing.fmt_ms(float(ok.ms.max()))})",
+                           gbps=gbps, ceiling_gbps=ceiling, pct_of_ceiling=100 * gbps / ceiling)
+            else:
+                row.update(ms=float("nan"), ms_min=float("nan"), ms_max=float("nan"), time="—",
+                           gbps=float("nan"), ceiling_gbps=ceiling, pct_of_ceiling=float("nan"))
+            out.append(row)
+    cols = ["context", "block_size", "destination", "method", "pieces", "time", "ms", "ms_min", "ms_max", "gbps",
+            "ceiling_gbps", "pct_of_ceiling", "repeats", "verified", "status", "backend", "note"]
+    return pd.DataFrame(out, columns=cols)
+
+
+def _text(v) -> str:
+    # CSV round trips turn empty strings into NaN
+    return "" if v is None or (isinstance(v, float) and v != v) else str(v)
+
+
+def pct_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Every configuration at a glance: % of the contiguous ceiling (median), one row per (destination,
+    context, block_size), one column per method."""
+    parts = [summary(df, c, b) for c, b in df[["context", "block_size"]].drop_duplicates().itertuples(index=False)]
+    s = pd.concat(parts, ignore_index=True)
+    s = s[(s.method != "contiguous") & s.pct_of_ceiling.notna()]
+    if s.empty:
+        return pd.DataFrame()
+    t = s.pivot_table(index=["destination", "context", "block_size"], columns="method", values="pct_of_ceiling",
+                      sort=False)
+    t = t[[m for m in METHODS if m in t.columns]]
+    t.columns.name = None
+    return t.reset_index()
+
+
+# the issue's goals at the headline configuration: kvlab's transport per destination kind and its target
+_GOALS = {"same-gpu": ("triton", 95.0), "pinned-host": ("chunked-gather-d2h", 98.0)}
+
+
+# issue 14: 114,688 blocks of 16 KiB to a peer GPU at ≥ 98 % of the contiguous peer copy of the same run
+_PEER_GOAL = ("chunked-gather-peer", 98.0)
+
+
+def goals(df: pd.DataFrame, context: int | None = None, block_size: int | None = None) -> pd.DataFrame:
+    """Issue 5's goals at the headline configuration: triton ≥ 95 % of the contiguous copy to the same GPU,
+    chunked-gather-d2h ≥ 98 % of it to pinned host (and the best host method, for reference)."""
+    s = summary(df, context, block_size)
+    rows = []
+    goals_here = dict(_GOALS)
+    for dest in s.destination.unique():
+        if str(dest).startswith("peer-"):
+            goals_here[dest] = _PEER_GOAL
+    for dest, (method, target) in goals_here.items():
+        r = s[(s.destination == dest) & (s.method == method)]
+        if not len(r) or r.pct_of_ceiling.isna().all():
+            continue
+        pct = float(r.pct_of_ceiling.iloc[0])
+        rows.append(dict(goal=f"{method} ≥ {target:g} % of contiguous to {dest}", context=int(r.context.iloc[0]),
+                         block_size=int(r.block_size.iloc[0]), value=f"{pct:.1f} %", met=bool(pct >= target)))
+    return pd.DataFrame(rows, columns=["goal", "context", "block_size", "value", "met"])
+
+
+def finding(df: pd.DataFrame, context: int | None = None, block_size: int | None = None) -> str:
+    """A few sentences derived from the numbers at the headline configuration."""
+    s = summary(df, context, block_size)
+    if s.empty:
+        return "No results."
+    ctx, bs = int(s.context.iloc[0]), int(s.block_size.iloc[0])
+    parts = []
+    for dest, g in s.groupby("destination", sort=False):
+        ok = g[(g.method != "contiguous") & g.gbps.notna()]
+        ceiling = float(g.ceiling_gbps.iloc[0])
+        if ok.empty or ceiling != ceiling:
+            continue
+        best = ok.loc[ok.gbps.idxmax()]
+        worst = ok.loc[ok.gbps.idxmin()]
+        how = f" ({best.backend})" if best.backend and best.backend != best.method else ""
+        text = (f"To {dest}, the contiguous copy of the same {g.pieces.max():,} blocks' bytes ran at {ceiling:,.0f} GB/s; "
+                f"the fastest paged method, {best.method}{how}, reached {best.gbps:,.3g} GB/s "
+                f"({best.pct_of_ceiling:.1f} % of it, {best.time})")
+        if worst.method != best.method:
+            text += (f", and the slowest, {worst.method}, {worst.gbps:,.3g} GB/s "
+                     f"({best.gbps / worst.gbps:,.0f}× slower than {best.method})")
+        parts.append(text + ".")
+    skipped = s[s.status != "ok"]
+    if len(skipped):
+        parts.append("Not measured here: " + "; ".join(f"{r.method} to {r.destination} ({r.note})"
+                                                     for r in skipped.drop_duplicates("method").itertuples()) + ".")
+    return f"At {ctx:,} tokens in {bs}-token blocks: " + " ".join(parts)
+
+
+def plot_gbps_vs_block_size(df: pd.DataFrame, context: int | None = None):
+    """GB/s (median) against block size, one line per method, the contiguous copy as the dashed ceiling,
+    one panel per destination, at one context (default the longest). Returns the matplotlib Figure."""
+    import matplotlib.pyplot as plt
+
+    context = int(df.context.max()) if context is None else int(context)
+    sub = df[(df.context == context) & (df.status == "ok")]
+    dests = list(dict.fromkeys(sub.destination))
+    fig, axes = plt.subplots(1, max(len(dests), 1), figsize=(5.2 * max(len(dests), 1), 4.2), squeeze=False,
+                             sharey=True)
+    med = (sub.groupby(["destination", "method", "block_size"], sort=False)
+           .apply(lambda g: g.bytes.iloc[0] / (g.ms.median() * 1e6), include_groups=False)
+           .rename("gbps").reset_index())
+    methods = [m for m in METHODS if m in set(med.method)]
+    from .plots import palette
+
+    colors = palette(methods)
+    # a method that ran through a fallback (e.g. triton on a CPU without the interpreter) says so in the legend
+    labels = {}
+    for m in methods:
+        backends = set(sub[sub.method == m].backend.dropna().astype(str)) - {"", m}
+        labels[m] = f"{m} ({', '.join(sorted(backends))})" if any("fallback" in b for b in backends) else m
+    for ax, dest in zip(axes[0], dests):
+        d = med[med.destination == dest]
+        for m in methods:
+            line = d[d.method == m].sort_values("block_size")
+            if line.empty:
+                continue
+            if m == "contiguous":
+                ax.plot(line.block_size, line.gbps, "--", color=colors[m], lw=1.8, label="contiguous copy (ceiling)")
+            else:
+                ax.plot(line.block_size, line.gbps, "o-", color=colors[m], label=labels[m])
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        sizes = sorted(d.block_size.unique())
+        ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.set_xlabel("block size (tokens)")
+        ax.set_title(dest)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("GB/s (median, decimal)")
+    handles, labels = {}, {}
+    for ax in axes[0]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    fig.legend(list(handles.values()), list(handles.keys()), loc="lower center", ncol=min(len(handles), 4),
+               frameon=False, bbox_to_anchor=(0.5, -0.02))
+    fig.suptitle(f"Paged KV transfer at {context:,} tokens: GB/s vs block size")
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    return fig
+
+
+def tuning_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The kernel tunings behind measure()'s Triton rows, tidy: one row per (configuration, destination,
+    method, tuned candidate) with its median ms, from df.attrs["transports"]. Empty when nothing was tuned."""
+    rows = []
+    for rec in df.attrs.get("transports", []):
+        cfg = rec.get("config") or {}
+        for cand in cfg.get("tuning") or []:
+            rows.append({"context": rec.get("context"), "block_size": rec.get("block_size"),
+                         "destination": rec.get("destination"), "method": rec.get("method"),
+                         "tuned_rows": cfg.get("tuned_rows"), "chosen_order": cfg.get("order"), **cand})
+    return pd.DataFrame(rows)
+
+
+def pattern_summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Median (min–max) per pattern and its share of the contiguous copy's GB/s."""
+    if df.empty:
+        return df
+    ceil = df[df.pattern == "contiguous copy_"].ms.median()
+    out = []
+    for name, g in df.groupby("pattern", sort=False):
+        med = g.ms.median()
+        out.append(dict(pattern=name, time=f"{timing.fmt_ms(med)} ({timing.fmt_ms(g.ms.min())}–{timing.fmt_ms(g.ms.max())})",
+                        ms=med, gbps=float(g.bytes.iloc[0] / med / 1e6), pct_of_contiguous=100 * ceil / med,
+                        repeats=len(g), config=g.config.iloc[0], description=g.description.iloc[0]))
+    return pd.DataFrame(out)
+
+
+def plot_patterns(summary: pd.DataFrame, title: str = ""):
+    """Dots: GB/s per access pattern (median), the contiguous copy as the ceiling line and
+    each dot labelled with its share of it. The axis is zoomed on the data: the differences are a few %."""
+    import textwrap
+
+    import matplotlib.pyplot as plt
+
+    from . import plots
+
+    fig, ax = plt.subplots(figsize=(7.0, 0.42 * len(summary) + 1.6))
+    kern = summary[summary.pattern != "contiguous copy_"].reset_index(drop=True)
+    ceil = summary[summary.pattern == "contiguous copy_"].gbps
+    y = np.arange(len(kern))
+    ax.scatter(kern.gbps, y, color=plots.BLUE, zorder=3, s=28)
+    for yi, (g, p) in enumerate(zip(kern.gbps, kern.pct_of_contiguous)):
+        ax.annotate(f"{p:.1f} %", (g, yi), xytext=(0, 7), textcoords="offset points", ha="center", fontsize=8)
+    lo = float(kern.gbps.min())
+    hi = float(kern.gbps.max())
+    if len(ceil):
+        c = float(ceil.iloc[0])
+        hi = max(hi, c)
+        ax.axvline(c, color=plots.GREY, ls="--", lw=1)
+        ax.annotate("contiguous copy_", (c, len(kern) - 0.5), xytext=(-4, 0), textcoords="offset points",
+                    ha="right", va="center", fontsize=7, color=plots.GREY)
+    pad = 0.15 * (hi - lo) + 1.0
+    ax.set_xlim(lo - pad, hi + pad)
+    ax.set_ylim(len(kern) - 0.4, -0.6)
+    ax.set_yticks(y, [p.removeprefix("kernel: ") for p in kern.pattern], fontsize=8)
+    ax.set_xlabel("GB/s (decimal), median of the timed launches")
+    ax.set_title("\n".join(textwrap.wrap(title or "The same bytes, rows in different orders", 62)), fontsize=10)
+    fig.tight_layout()
+    return fig
