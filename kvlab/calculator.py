@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab import models as _models
+from kvlab.units import fmt_bytes  # part of this module's interface: calculator.fmt_bytes
 
 __all__ = [
     "DTYPE_BYTES",
@@ -49,7 +50,6 @@ __all__ = [
     "fmt_bytes",
 ]
 
-KiB, MiB, GiB = 1024, 1024**2, 1024**3
 
 # Bytes per stored KV element. fp8 variants differ in range/precision, not in size.
 DTYPE_BYTES: dict[str, int] = {
@@ -658,13 +658,3 @@ def handoff_estimate(model: Any, tokens: int, link_: Any, kv_dtype: Any = "bf16"
         prefill_flops=fl.total, prefill_s=prefill_s, transfer_s=bulk, ratio=bulk / prefill_s,
         exposed_s=timeline.exposed_s, bulk_exposed_s=bulk, link_bound=timeline.link_bound,
         timeline=timeline, shard=shard)
-
-
-def fmt_bytes(n: float) -> str:
-    """Binary-prefixed size for tables: 524288 → ``"512 KiB"``, 4294967296 → ``"4 GiB"``."""
-    if not _is_real(n) or not math.isfinite(n) or n < 0:
-        raise ValueError(f"fmt_bytes({n!r}): need a number of bytes ≥ 0")
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= size:
-            return f"{n / size:.4g} {unit}"
-    return f"{n:g} B"

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from kvlab import __version__, results
+from kvlab.units import fmt_bytes
 
 
 class UsageError(Exception):
@@ -681,14 +682,6 @@ Every point is validated before the first run; -p NAME VALUE fixes a parameter f
 # ------------------------------------------------------------------------------------ calc
 
 
-def _human_bytes(n: float) -> str:
-    """Binary units, as everywhere in kvlab: 524288 → "512 KiB"."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:,.4g} {unit}"
-    return f"{n:,.0f} B"
-
-
 def _show(name: str, value) -> str:
     from kvlab.nbtools import format_number
 
@@ -697,7 +690,7 @@ def _show(name: str, value) -> str:
     if isinstance(value, (int, float)):
         text = format_number(value, 4)
         if "bytes" in name and abs(value) >= 1024:
-            return f"{text} ({_human_bytes(value)})"
+            return f"{text} ({fmt_bytes(value)})"
         if "flops" in name and name != "tflops":
             return f"{text} ({value / 1e12:,.4g} TFLOP)"
         return text
@@ -749,7 +742,7 @@ def _cmd_calc(args) -> int:
 def format_info(info: Mapping) -> str:
     """``devices.describe()`` as text: host, GPUs, P2P matrix, driver/CUDA, versions."""
     h = info["host"]
-    memory = _human_bytes(h["memory_bytes"]) if h.get("memory_bytes") else "unknown"
+    memory = fmt_bytes(h["memory_bytes"]) if h.get("memory_bytes") else "unknown"
     lines = [
         f"host      {h['hostname']}  ({h['os']})",
         f"cpu       {h['cpu_model']}  ({h['cpu_usable']} of {h['cpu_count']} logical CPUs usable)",
@@ -762,7 +755,7 @@ def format_info(info: Mapping) -> str:
     lines.append("")
     if gpus:
         lines.append(_summary([{"gpu": g["index"], "name": g["name"],
-                                "memory": _human_bytes(g["memory_bytes"]),
+                                "memory": fmt_bytes(g["memory_bytes"]),
                                 "cc": g["compute_capability"], "SMs": g["sm_count"]}
                                for g in gpus]))
         lines += ["", "P2P access (row → column): Y = direct peer access, . = none"]

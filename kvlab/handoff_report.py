@@ -253,7 +253,7 @@ def predictions(summary: pd.DataFrame, layers: int, ceilings=None, links=("100G"
     """What the models predict beside what was measured, per context (and destination for the fit).
 
     links: the calculator's network predictions (bytes / link rate, no fixed cost) — seed 000's NICs.
-    ceilings: a kvlab.ceilings.Ceilings of the same run; the fitted fixed + bytes model predicts one copy
+    ceilings: a kvlab.ceilings_fit.Ceilings of the same run; the fitted fixed + bytes model predicts one copy
     and 2 × layers copies (seed 004's 56 tensors) for each destination's path.
     Columns: context, destination, model, ms, pct_prefill.
     """

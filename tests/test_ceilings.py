@@ -16,7 +16,10 @@ import pytest
 import torch
 
 from kvlab import ceilings as C
-from kvlab.ceilings import KiB, MiB, GiB, Ceilings, fit, fit_model, measure, parse_size
+from kvlab import ceilings_fit as CF
+from kvlab.ceilings import measure, parse_size
+from kvlab.ceilings_fit import Ceilings, fit, fit_model
+from kvlab.units import GiB, KiB, MiB
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 REPO = Path(__file__).resolve().parent.parent
@@ -253,20 +256,20 @@ def test_ceilings_load(tmp_path):
 def test_summary_table():
     df = synth({"a": (11.8, 2000.0), "b": (8.5, 55.0)}, sizes=[16 * KiB, MiB, GiB], n=3)
     f = fit(df)
-    t = C.summary_table(df, f)
+    t = CF.summary_table(df, f)
     assert len(t) == 6
     assert list(t["size"][:3]) == ["16 KiB", "1 MiB", "1 GiB"]
     assert t.groupby("path")["pct_of_ceiling"].max().tolist() == pytest.approx([100.0, 100.0])
     assert t["fit_err_pct"].abs().max() < 1e-6  # exact model data
     assert t["time per copy"].iloc[0] == "11.8 (11.8–11.8) µs"  # 16 KiB at 2000 GB/s adds 8 ns
-    assert C._fmt_time_range(826.0, 800.0, 1200.0) == "826 (800–1,200) ms"
+    assert CF._fmt_time_range(826.0, 800.0, 1200.0) == "826 (800–1,200) ms"
     # the fit table alone is accepted too (e.g. read back from fit.csv)
-    assert C.summary_table(df, f.table)["pct_of_ceiling"].equals(t["pct_of_ceiling"])
+    assert CF.summary_table(df, f.table)["pct_of_ceiling"].equals(t["pct_of_ceiling"])
 
 
 def test_plot_one_series_per_path():
     df = synth({"a": (11.8, 2000.0), "b": (8.5, 55.0)}, sizes=[16 * KiB, MiB, GiB], n=3)
-    fig = C.plot(df, fit(df).ceilings)
+    fig = CF.plot(df, fit(df).ceilings)
     ax = fig.axes[0]
     assert len(ax.containers) == 2  # one errorbar series per path
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
@@ -279,11 +282,11 @@ def test_plot_one_series_per_path():
 
 def test_finding_text_names_launch_bound():
     df = synth({"d2d": (11.8, 2000.0)})
-    text = C.finding_text(df, fit(df))
+    text = CF.finding_text(df, fit(df))
     assert "16 KiB copy takes 11.8 µs (0.071% of the ceiling)" in text
     assert "launch-bound (11.8 µs fixed vs 0.00819 µs of bytes)" in text
     assert "ceiling **1,957 GB/s**" in text  # 1 GiB / (11.8 µs + 1 GiB / 2000 GB/s) = 1 GiB / 548.7 µs
-    big = C.finding_text(df, fit(df), probe_bytes=GiB)
+    big = CF.finding_text(df, fit(df), probe_bytes=GiB)
     assert "bandwidth-bound" in big
 
 
