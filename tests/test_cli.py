@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from kvlab import cli, results
+from kvlab import params as nbparams
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -121,9 +122,9 @@ run_dir: str = ""  # kvlab run sets it; empty = a new data/<study>/<run_id>/
 
 
 def test_parameter_cell_parsing_keeps_unions_comments_and_multiline_values():
-    params = cli.parse_parameter_cell(CELL)
+    params = nbparams.parse_parameter_cell(CELL)
     assert list(params) == ["model", "size", "contexts", "dtype", "maybe", "plain", "run_dir"]
-    assert params["size"] == cli.Parameter("size", "int | str", '"auto"',
+    assert params["size"] == nbparams.Parameter("size", "int | str", '"auto"',
                                            'tokens, or "auto" (papermill\'s own inspector drops '
                                            'this line)')
     assert ast.literal_eval(params["contexts"].default) == [1024, 4096]
@@ -131,7 +132,7 @@ def test_parameter_cell_parsing_keeps_unions_comments_and_multiline_values():
     assert params["plain"].annotation is None and params["plain"].help == ""
     assert params["run_dir"].default == '""'
     with pytest.raises(cli.UsageError, match="not valid Python"):
-        cli.parse_parameter_cell("x: int = (")
+        nbparams.parse_parameter_cell("x: int = (")
 
 
 @pytest.mark.parametrize("name, raw, value", [
@@ -140,8 +141,8 @@ def test_parameter_cell_parsing_keeps_unions_comments_and_multiline_values():
     ("maybe", "null", None), ("maybe", "2", 2), ("plain", "[1, {a: 2}]", [1, {"a": 2}]),
 ])
 def test_values_are_yaml_checked_against_annotations(name, raw, value):
-    declared = cli.parse_parameter_cell(CELL)
-    got = cli.parse_params([(name, raw)], declared, "nb")[name]
+    declared = nbparams.parse_parameter_cell(CELL)
+    got = nbparams.parse_params([(name, raw)], declared, "nb")[name]
     assert got == value and type(got) is type(value)
 
 
@@ -152,15 +153,15 @@ def test_values_are_yaml_checked_against_annotations(name, raw, value):
     ("run_dir", "/tmp/x", "--run-dir"),
 ])
 def test_bad_values_and_names_are_refused(name, raw, match):
-    declared = cli.parse_parameter_cell(CELL)
+    declared = nbparams.parse_parameter_cell(CELL)
     with pytest.raises(cli.UsageError, match=match):
-        cli.parse_params([(name, raw)], declared, "nb")
+        nbparams.parse_params([(name, raw)], declared, "nb")
 
 
 def test_bool_is_not_a_number():
-    declared = cli.parse_parameter_cell("n: int = 1  # count\n")
+    declared = nbparams.parse_parameter_cell("n: int = 1  # count\n")
     with pytest.raises(cli.UsageError, match="n = True"):
-        cli.parse_params([("n", "true")], declared, "nb")
+        nbparams.parse_params([("n", "true")], declared, "nb")
 
 
 # --------------------------------------------------------------------- finding notebooks
@@ -169,14 +170,14 @@ def test_bool_is_not_a_number():
 def test_notebooks_are_found_by_path_stem_study_or_number(toy_project, make_notebook, tmp_path):
     toy = toy_project / "notebooks" / "00_toy.ipynb"
     for ref in ("toy", "00_toy", "00_toy.ipynb", "0", "00", str(toy)):
-        assert cli.find_notebook(ref) == toy, ref
+        assert nbparams.find_notebook(ref) == toy, ref
     with pytest.raises(cli.UsageError, match=r"known: 00_toy \(toy\)"):
-        cli.find_notebook("handoff")
+        nbparams.find_notebook("handoff")
     with pytest.raises(cli.UsageError, match="does not exist"):
-        cli.find_notebook(str(tmp_path / "missing.ipynb"))
+        nbparams.find_notebook(str(tmp_path / "missing.ipynb"))
     make_notebook(toy_project / "notebooks" / "00_other.ipynb", "run_dir: str = ''  # x\n")
     with pytest.raises(cli.UsageError, match="ambiguous"):
-        cli.find_notebook("00")
+        nbparams.find_notebook("00")
 
 
 # ------------------------------------------------------------------ refusing before writing

@@ -11,6 +11,7 @@ import nbformat
 import pytest
 
 from kvlab import cli, results
+from kvlab import params as nbparams
 
 # Small parameters per notebook (by file stem) so that each runs on a CPU in seconds. A notebook
 # not listed runs with {}: its "auto" defaults resolve to the CPU preset (KVLAB_PRESET=cpu below).
@@ -47,14 +48,14 @@ def test_committed_without_outputs(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_one_parameters_cell_every_parameter_annotated_and_commented(path):
     nb = nbformat.read(str(path), as_version=4)
-    cells = cli.parameter_cells(nb)
+    cells = nbparams.parameter_cells(nb)
     assert len(cells) == 1, f"{path.name} has {len(cells)} cells tagged parameters; need one"
     source = cells[0].source
     for node in ast.parse(source).body:
         assert isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name), (
             f"{path.name}: parameters cell line {node.lineno} is not an annotated assignment "
             f"(name: type = value  # comment): {ast.get_source_segment(source, node)!r}")
-    declared = cli.parse_parameter_cell(source)
+    declared = nbparams.parse_parameter_cell(source)
     for param in declared.values():
         assert param.annotation, f"{path.name}: {param.name} has no type annotation"
         assert param.default is not None, f"{path.name}: {param.name} has no default"
@@ -68,7 +69,7 @@ def test_one_parameters_cell_every_parameter_annotated_and_commented(path):
 def test_executes_on_cpu_with_small_parameters(path, kvlab_dirs, monkeypatch):
     # Small sizes even on a GPU machine: this is the logic check, not a measurement.
     monkeypatch.setenv("KVLAB_PRESET", "cpu")
-    declared = cli.notebook_parameters(path)
+    declared = nbparams.notebook_parameters(path)
     [params] = cli.check_points([SMALL.get(path.stem, {})], declared, path.name)
     outcome = cli.execute(path, params, progress=False,
                           invocation={"argv": ["pytest", path.name], "command": "test"})
