@@ -468,12 +468,12 @@ def measure(
             copies < 1, or a size that does not fit in free device/host memory
             — all before anything is allocated.
     """
-    from .timing import _check_int
+    from .timing import check_int
 
-    n = _check_int("n", n, 1)
-    warmup = _check_int("warmup", warmup, 0)
+    n = check_int("n", n, 1)
+    warmup = check_int("warmup", warmup, 0)
     if not (isinstance(copies, str) and copies == "auto"):
-        copies = _check_int("copies", copies, 1)
+        copies = check_int("copies", copies, 1)
     dev = resolve_device(device)
     names = resolve_paths(paths, dev)
     size_list = resolve_sizes(sizes, dev)

@@ -165,10 +165,10 @@ class Ceilings:
             ValueError: unknown path, a path without a fit, ``nbytes < 0``, or
                 ``copies`` not an int >= 1.
         """
-        from .timing import _check_int
+        from .timing import check_int
 
         pc = self[path]
-        copies = _check_int("copies", copies, 1)
+        copies = check_int("copies", copies, 1)
         if not (isinstance(nbytes, (int, float, np.integer, np.floating)) and math.isfinite(nbytes) and nbytes >= 0):
             raise ValueError(f"nbytes={nbytes!r}: expected a finite number of bytes >= 0")
         if not pc.has_fit:

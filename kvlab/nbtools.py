@@ -35,6 +35,20 @@ def preset() -> str:
     return "gpu" if devices.has_cuda() else "cpu"
 
 
+def parameters(namespace, notebook: str) -> dict:
+    """The values of every parameter `notebook` declares (its ``parameters`` cell, read by kvlab.params),
+    taken from `namespace` (the notebook's ``globals()``), ``run_dir`` left out: what ``results.start``
+    records, so no notebook retypes its parameter list. `notebook`: a path or short name ("02_handoff").
+    Raises KeyError naming a declared parameter the namespace lacks."""
+    from kvlab import params
+
+    declared = params.notebook_parameters(params.find_notebook(notebook))
+    missing = [n for n in declared if n != "run_dir" and n not in namespace]
+    if missing:
+        raise KeyError(f"the parameters {missing} of {notebook} are not defined here: run its parameters cell first")
+    return {n: namespace[n] for n in declared if n != "run_dir"}
+
+
 def resolve(value, *, gpu, cpu):
     """``value`` unless it is the string ``"auto"``; then ``gpu`` or ``cpu`` by ``preset()``.
 

@@ -225,7 +225,7 @@ def free_device(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
+def check_int(name: str, value: object, minimum: int) -> int:
     # bool is an int subclass; True as a repeat count is almost certainly a bug
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name}={value!r}: expected an int >= {minimum}")
@@ -281,8 +281,8 @@ def time_fn(
             device (see :func:`resolve_device`).
     """
     _check_callable("fn", fn)
-    n = _check_int("n", n, 1)
-    warmup = _check_int("warmup", warmup, 0)
+    n = check_int("n", n, 1)
+    warmup = check_int("warmup", warmup, 0)
     dev = resolve_device(device)
     if dev.type == "cpu":
         for _ in range(warmup):
@@ -463,8 +463,8 @@ def balanced_orders(k: int, rounds: int) -> list[list[int]]:
 
     Raises ValueError for k < 1 or rounds < 0.
     """
-    k = _check_int("k", k, 1)
-    rounds = _check_int("rounds", rounds, 0)
+    k = check_int("k", k, 1)
+    rounds = check_int("rounds", rounds, 0)
     first, lo, hi = [0], 1, k - 1
     while len(first) < k:
         if len(first) % 2:
@@ -490,8 +490,8 @@ def schedule(names, rounds: int, warmup: int = 0) -> list[tuple[int, str]]:
     names = list(names)
     if not names or len(set(names)) != len(names):
         raise ValueError(f"names={names!r}: expected one or more distinct names")
-    rounds = _check_int("rounds", rounds, 1)
-    warmup = _check_int("warmup", warmup, 0)
+    rounds = check_int("rounds", rounds, 1)
+    warmup = check_int("warmup", warmup, 0)
     orders = balanced_orders(len(names), warmup + rounds)
     return [(r - warmup, names[i]) for r in range(warmup + rounds) for i in orders[r]]
 
@@ -530,8 +530,8 @@ def interleave(
         if not isinstance(name, str) or not name:
             raise ValueError(f"fns key {name!r}: expected a non-empty str")
         _check_callable(f"fns[{name!r}]", fn)
-    rounds = _check_int("rounds", rounds, 1)
-    warmup = _check_int("warmup", warmup, 0)
+    rounds = check_int("rounds", rounds, 1)
+    warmup = check_int("warmup", warmup, 0)
     dev = resolve_device(device)
     names = list(fns)
     k = len(names)
