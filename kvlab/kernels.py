@@ -9,7 +9,7 @@ one operation:
     out[i, :]          = src[src_idx[i], :]      (dst_idx=None: a gather into consecutive rows)
 
 Why one kernel instead of R `copy_` calls: each `copy_` costs launch and driver work (11.8 µs for one
-16 KiB copy in ../shared/MEASURED.md; the per-block loop over 114,688 blocks took 1.08 s in run
+16 KiB copy in docs/REFERENCE.md; the per-block loop over 114,688 blocks took 1.08 s in run
 20261129-092633-h200); one kernel launch reads and writes the same bytes in close to the time of one
 contiguous copy (94 % of it in run 20261129-093127-h200).
 

@@ -27,7 +27,7 @@ Copies: memcpy records (on any stream other than the compute stream, or launched
 ran on a copy engine; copy kernels (names with "copy" / "elementwise" on a non-compute stream, or
 launched from a send range) ran on SMs, competing with prefill's kernels for SM time as well as HBM.
 On one H200, same-GPU device→device copies slowed concurrent GEMMs by half while device→host copies
-did not (shared/MEASURED.md) — the "stretch inside copy windows" term measures that directly.
+did not (docs/REFERENCE.md) — the "stretch inside copy windows" term measures that directly.
 
 Every timestamp and duration in the tables here is in ns (``_ns``) unless the column says ``_ms``.
 """
@@ -44,7 +44,7 @@ from .tracefmt import GPU_KINDS, REGION, TraceError, check_events
 
 __all__ = ["NO_GPU_MESSAGE", "NoGPUActivity", "has_gpu_activity", "compute_stream", "copies", "compute_ops",
            "layer_table", "match_kernels", "Decomposition", "decompose", "clock_on_trace", "mean_clock", "causes",
-           "findings", "on_stream", "CLOCK_TERM"]
+           "findings", "on_stream", "CLOCK_TERM", "TERMS"]
 
 NO_GPU_MESSAGE = "no GPU activity in this trace; run on a GPU for the timeline"
 _COPY_KERNEL_RE = re.compile(r"copy|elementwise|memcpy", re.IGNORECASE)
@@ -361,14 +361,8 @@ class Decomposition:
         """The decomposition as a small table: term, ms, share of Δwall (%)."""
         t = self.totals
         d = t["delta_wall_ns"]
-        rows = [("Δwall", d)]
-        if t.get("clock_term"):
-            rows.append((CLOCK_TERM, t["clock_ns"]))
-        rows += [("kernels stretched inside copy windows", t["kernel_inside_ns"]),
-                ("kernels stretched outside copy windows", t["kernel_outside_ns"]),
-                ("GPU idle gaps (waiting for the host)", t["idle_ns"]), ("exposed tail after the last kernel", t["tail_ns"]),
-                ("host work before the first kernel (lead-in)", t["lead_ns"]),
-                ("unexplained remainder", t["remainder_ns"])]
+        rows = [("Δwall", d)] + [(words, t[key]) for term, words, _, key in TERMS
+                                  if term != "clock" or t.get("clock_term")]
         return pd.DataFrame([{"term": name, "ms": ns / 1e6, "pct_of_delta": 100 * ns / d if d else np.nan}
                              for name, ns in rows])
 
@@ -552,26 +546,32 @@ def decompose(colocated: pd.DataFrame, layerwise: pd.DataFrame, *, ceiling_gbps:
 # ============================================================================== findings
 
 
+# the terms of Δwall: key (what the code tests), the words a reader sees, the segments' column, the totals' key
+TERMS = (("clock", CLOCK_TERM, "clock_ms", "clock_ns"),
+         ("inside", "kernels stretched inside copy windows", "kernel_inside_ms", "kernel_inside_ns"),
+         ("outside", "kernels stretched outside copy windows", "kernel_outside_ms", "kernel_outside_ns"),
+         ("idle", "GPU idle gaps (waiting for the host)", "idle_ms", "idle_ns"),
+         ("tail", "exposed tail after the last kernel", "tail_ms", "tail_ns"),
+         ("lead", "host work before the first kernel (lead-in)", "lead_ms", "lead_ns"),
+         ("remainder", "unexplained remainder", None, "remainder_ns"))
+
+
 def causes(decomp: Decomposition) -> pd.DataFrame:
-    """The terms of Δwall ranked by size (largest |ms| first): cause, ms, pct_of_delta, where (the
-    segment contributing most to that term)."""
+    """The terms of Δwall ranked by size (largest |ms| first): term (a key from TERMS), cause (its words), ms,
+    pct_of_delta, largest_in (the segment contributing most to that term)."""
     t = decomp.totals
     seg = decomp.segments
     rows = []
-    terms = [(CLOCK_TERM, "clock_ms", "clock_ns")] if t.get("clock_term") else []
-    for term, col, key in terms + [("kernels stretched inside copy windows", "kernel_inside_ms", "kernel_inside_ns"),
-                           ("kernels stretched outside copy windows", "kernel_outside_ms", "kernel_outside_ns"),
-                           ("GPU idle gaps (waiting for the host)", "idle_ms", "idle_ns"),
-                           ("exposed tail after the last kernel", "tail_ms", "tail_ns"),
-                           ("host work before the first kernel (lead-in)", "lead_ms", "lead_ns"),
-                           ("unexplained remainder", None, "remainder_ns")]:
+    for term, words, col, key in TERMS:
+        if term == "clock" and not t.get("clock_term"):
+            continue
         ns = t[key]
         where = ""
         if col is not None and len(seg):
             s = seg.loc[seg[col].abs().idxmax()]
             if abs(s[col]) > 0:
                 where = f"{s.segment} ({s[col]:+.3f} ms)"
-        rows.append({"cause": term, "ms": ns / 1e6,
+        rows.append({"term": term, "cause": words, "ms": ns / 1e6,
                      "pct_of_delta": 100 * ns / t["delta_wall_ns"] if t["delta_wall_ns"] else np.nan,
                      "largest_in": where})
     df = pd.DataFrame(rows)
@@ -598,7 +598,7 @@ def findings(decomp: Decomposition, backlog: pd.DataFrame | None = None) -> list
     out.append(f"Layer-wise prefill took {_ms(abs(d))} {'longer' if d >= 0 else 'less'} than colocated "
                f"({t['wall_lw_ns'] / 1e6:.2f} vs {t['wall_co_ns'] / 1e6:.2f} ms, {rel:+.1f} %).")
     ranked = causes(decomp)
-    ranked = ranked[ranked.cause != "unexplained remainder"]
+    ranked = ranked[ranked.term != "remainder"]
     shown = 0
     cost_said = False
     for r in ranked.itertuples():
@@ -608,21 +608,21 @@ def findings(decomp: Decomposition, backlog: pd.DataFrame | None = None) -> list
         lead = "The largest cause" if shown == 0 else "Next"
         sign = "added" if r.ms >= 0 else "saved"
         text = f"{lead}: {r.cause} {sign} {_ms(abs(r.ms * 1e6))} ({share})"
-        if r.cause.startswith("kernels stretched inside"):
+        if r.term == "inside":
             text += (f"; {t['ops_inside']} of {t['ops']} compute ops overlapped a copy, median "
                      f"{t['stretch_inside']:.2f}× their colocated time (outside: {t['stretch_outside']:.2f}×)")
-        if r.cause.startswith("kernels stretched") and "copy_cost_ns" in t and not cost_said:
+        if r.term in ("inside", "outside") and "copy_cost_ns" in t and not cost_said:
             cost_said = True
             text += (f"; taking off the run-wide drift ({100 * t['drift_rate']:+.2f} % on every kernel, from the "
                      f"ops outside copy windows), the copies cost the kernels they overlapped "
                      f"{_ms(abs(t['copy_cost_ns']))}{'' if t['copy_cost_ns'] >= 0 else ' less than nothing (noise)'}")
-        elif r.cause.startswith("GPU idle"):
+        elif r.term == "idle":
             text += (f"; the compute stream sat idle {_ms(t['idle_lw_ns'])} in total against "
                      f"{_ms(t['idle_co_ns'])} colocated")
-        elif r.cause.startswith("host work before"):
+        elif r.term == "lead":
             text += (f"; prefill's first kernel started {_ms(t['lead_lw_ns'])} after the start event, against "
                      f"{_ms(t['lead_co_ns'])} colocated")
-        if r.largest_in and not r.cause.startswith(("exposed tail", "host work before")):
+        if r.largest_in and r.term not in ("tail", "lead"):
             text += f", most of it in {r.largest_in}"
         out.append(text + ".")
         shown += 1
