@@ -87,6 +87,7 @@ def _overlap_timeline(run: Path, record: dict, tables: dict, out: _Out) -> None:
     samples = tables.get("clock_samples")
     kept = record.get("analysed_repeat")
     gpu = _prefill_gpu(record)
+    totals = None
     if timeline is not None and kept is not None and "variant" in timeline.columns:
         co = timeline[timeline.variant == "colocated"].drop(columns="variant")
         lw = timeline[timeline.variant == "layerwise"].drop(columns="variant")
@@ -105,10 +106,14 @@ def _overlap_timeline(run: Path, record: dict, tables: dict, out: _Out) -> None:
             out.table(overlap.causes(dec), "causes")
             out.table(backlog, "backlog")
             out.meta["decomposition_totals"] = {k: v for k, v in dec.totals.items() if not isinstance(v, tuple)}
+            totals = dec.totals
             out.meta["findings"] += overlap.findings(dec, backlog)
             ax = overlap_report.decomposition_chart(dec, title=f"Δ time per layer vs colocated ({record.get('context', '')} "
                                                         f"tokens → {record.get('destination_label', '')})")
             out.figure(ax.figure, "decomposition")
+    goal_table = overlap_report.goals(overlap_report.goal_summary(overlap_report.tracing_overhead(walls), totals,
+                                                                  tables.get("event_overhead")))
+    out.table(goal_table, "goals")
     rounds = tables.get("pattern_rounds")
     if rounds is not None and len(rounds):
         meta = record.get("patterns_meta") or {}

@@ -10,7 +10,7 @@ import pandas as pd
 from .timing import median_ci
 
 __all__ = ["summarize", "goals", "goal_state", "predictions", "plot_bars", "findings", "attribution_summary",
-           "attribution_findings", "plot_attribution", "HOST_BOUND_CONTEXT", "PEER_GOAL_CONTEXT"]
+           "attribution_findings", "plot_attribution"]
 
 
 def attribution_summary(rows: pd.DataFrame) -> pd.DataFrame:
@@ -110,13 +110,14 @@ def summarize(timings: pd.DataFrame, ceilings: dict | None = None, paths: dict |
     ceilings: {destination label: ceiling GB/s measured in the same run} (optional);
     paths: {destination label: the kvlab.ceilings path behind it} (optional, carried into the table).
     Columns: context, kv_mib, destination, prefill_ms, prefill_spread_ms, copy_ms, copy_min_ms, copy_max_ms,
-    copy_pct_prefill, copy_gbps, ceiling_gbps, copy_pct_ceiling (against `ceilings`, the run's size sweep),
+    copy_pct_prefill, copy_gbps, ceiling_gbps, copy_pct_ceiling (against `ceilings`, the run's size sweep) with
+    copy_pct_ceiling_lo / _hi (the slowest and fastest copy against it),
     ref_copy_ms (a plain copy_ of the same bytes over the same path, interleaved with the bulk copies),
     copy_pct_ref (median of the per-round ratios ref / copy, in %) with copy_pct_ref_lo / _hi (its 95 %
     bootstrap interval), copy_tensor_ms, copy_layer_ms,
     layerwise_extra_ms (median of paired B − A), layerwise_extra_pct, extra_min_ms, extra_max_ms,
     extra_ci_lo_ms / extra_ci_hi_ms (95 % bootstrap interval of that median),
-    exposed_ms, exposed_min_ms, exposed_max_ms, hook_host_ms, decode_step_ms.
+    exposed_ms, exposed_min_ms, exposed_max_ms, hook_host_ms (and its min / max over the rounds), decode_step_ms.
     """
     out = []
     for (context, dest), g in timings[timings.destination != "colocated"].groupby(["context", "destination"],
@@ -145,6 +146,8 @@ def summarize(timings: pd.DataFrame, ceilings: dict | None = None, paths: dict |
             copy_ms=copy_ms, copy_min_ms=float(copy.min()), copy_max_ms=float(copy.max()),
             copy_pct_prefill=100 * copy_ms / prefill_ms, copy_gbps=gbps,
             ceiling_gbps=ceil, copy_pct_ceiling=(100 * gbps / ceil) if ceil else None,
+            copy_pct_ceiling_lo=(100 * kv / (float(copy.max()) / 1e3) / 1e9 / ceil) if ceil else None,
+            copy_pct_ceiling_hi=(100 * kv / (float(copy.min()) / 1e3) / 1e9 / ceil) if ceil else None,
             ref_copy_ms=_med(ref), copy_pct_ref=_med(ratio), copy_pct_ref_lo=r_lo, copy_pct_ref_hi=r_hi,
             copy_tensor_ms=_med(sel("bulk", "copy_tensor")), copy_layer_ms=_med(sel("bulk", "copy_layer")),
             layerwise_extra_ms=_med(paired), extra_min_ms=float(paired.min()), extra_max_ms=float(paired.max()),
@@ -152,6 +155,8 @@ def summarize(timings: pd.DataFrame, ceilings: dict | None = None, paths: dict |
             layerwise_extra_pct=100 * _med(paired) / prefill_ms,
             exposed_ms=_med(exposed), exposed_min_ms=float(exposed.min()), exposed_max_ms=float(exposed.max()),
             hook_host_ms=_med(sel("layerwise", "hook_host")),
+            hook_host_min_ms=float(sel("layerwise", "hook_host").min()),
+            hook_host_max_ms=float(sel("layerwise", "hook_host").max()),
             arm_host_ms=_med(sel("layerwise", "arm_host")),
             decode_step_ms=_med(sel("bulk", "decode_step")),
             rounds=len(paired),
@@ -160,84 +165,15 @@ def summarize(timings: pd.DataFrame, ceilings: dict | None = None, paths: dict |
     return pd.DataFrame(out)
 
 
-# the cheap-hooks goal (≤ 0.5 ms) is about the host-bound regime: 1k tokens on our H200
-HOST_BOUND_CONTEXT = 1024
-
-
-# issue 14's NVLink goals are stated at 32k tokens
-PEER_GOAL_CONTEXT = 32768
-
-
 def goals(summary: pd.DataFrame) -> pd.DataFrame:
-    """Issue 3's goals, checked row by row: bulk ≥ 95 % of ceiling at the longest context; layer-wise
-    exposed ≤ one layer's send time and never worse than the bulk copy at ≥ 4k; hook host time and the
-    interleaved extra ≤ 0.5 ms at the shortest context, when it is at most HOST_BOUND_CONTEXT tokens (the
-    goal is stated for 1k, where prefill waits for the host; a run of long contexts only has no such row).
+    """The handoff goals (kvlab.goals, study "handoff") judged row by row under the one rule: the link goal
+    and the same-bytes goal beside it at the longest context; exposed ≤ one layer and never worse than bulk
+    from 4k (and at every context to a peer); hook host time and the interleaved extra ≤ 0.5 ms at a
+    host-bound shortest context (≤ 1k); issue 14's NVLink goals at 32k. `met` is True, False or None (not
+    resolved); `verdict` says it in words, `rule` whether an interval or a point value decided."""
+    from . import goals as G
 
-    `met` is True, False, or None where the A/B rounds cannot decide: "never worse than bulk" is met when
-    the 95 % interval of the paired median lies at or below the bulk copy's time, missed when it lies above,
-    and unresolved when it straddles it (at 16k prefill varies by several ms, the bulk copy to the same GPU
-    takes 0.5 ms). The `how` column says which evidence decided.
-    """
-    rows = []
-    longest, shortest = summary.context.max(), summary.context.min()
-    for r in summary.itertuples():
-        ci = f"95 % interval {r.extra_ci_lo_ms:+.2f}…{r.extra_ci_hi_ms:+.2f} ms"
-        pct_ref = getattr(r, "copy_pct_ref", float("nan"))
-        if r.context == longest and pd.notna(pct_ref):
-            sweep = (f"; {r.copy_pct_ceiling:.1f} % of the size sweep's ceiling"
-                     if r.copy_pct_ceiling is not None and pd.notna(r.copy_pct_ceiling) else "")
-            rows.append(dict(goal="bulk ≥ 95 % of ceiling", context=r.context, destination=r.destination,
-                             value=f"{pct_ref:.1f} % [{r.copy_pct_ref_lo:.1f}, {r.copy_pct_ref_hi:.1f}]{sweep}",
-                             met=bool(pct_ref >= 95),
-                             how="paired rounds: the bulk send against a plain copy_ of the same bytes over the "
-                                 "same path, interleaved (median ratio, 95 % interval)"))
-        elif r.context == longest and r.copy_pct_ceiling is not None and pd.notna(r.copy_pct_ceiling):
-            rows.append(dict(goal="bulk ≥ 95 % of ceiling", context=r.context, destination=r.destination,
-                             value=f"{r.copy_pct_ceiling:.1f} %", met=bool(r.copy_pct_ceiling >= 95),
-                             how="median copy time against the ceiling measured in this run"))
-        # over NVLink (issue 14) "never worse than bulk" is a goal at every context, 1k included
-        if r.context >= 4096 or str(r.destination).startswith("peer-"):
-            exp = max(r.exposed_ms, 0.0)
-            rows.append(dict(goal="layer-wise exposed ≤ one layer's send", context=r.context,
-                             destination=r.destination, value=f"{exp:.2f} vs {r.copy_layer_ms:.2f} ms",
-                             met=bool(exp <= r.copy_layer_ms), how="CUDA events, median of the rounds"))
-            if r.extra_ci_hi_ms <= r.copy_ms:
-                met = True
-            elif r.extra_ci_lo_ms > r.copy_ms:
-                met = False
-            else:
-                met = None
-            rows.append(dict(goal="layer-wise never worse than bulk", context=r.context, destination=r.destination,
-                             value=f"{r.layerwise_extra_ms:+.2f} ({ci}) vs {r.copy_ms:.2f} ms",
-                             met=met, how=f"paired A/B rounds ({r.rounds}), counterbalanced order"))
-        if str(r.destination).startswith("peer-") and r.context == longest and r.context >= PEER_GOAL_CONTEXT:
-            # issue 14's goals over NVLink, declared before its runs: the interval rule throughout
-            lo, hi = r.extra_ci_lo_ms, r.extra_ci_hi_ms
-            rows.append(dict(goal="layer-wise TTFT extra ≤ 0.5 ms over colocated (peer)", context=r.context,
-                             destination=r.destination, value=f"{r.layerwise_extra_ms:+.2f} ms ({ci})",
-                             met=True if hi <= 0.5 else (False if lo > 0.5 else None),
-                             how=f"paired A/B rounds ({r.rounds}): met if the whole 95 % interval is ≤ 0.5 ms, "
-                                 "missed if it is wholly above, else not resolved"))
-            rows.append(dict(goal="layer-wise exposed ≤ 0.5 ms (peer)", context=r.context, destination=r.destination,
-                             value=f"{r.exposed_ms:+.2f} ms (min–max {r.exposed_min_ms:+.2f}…{r.exposed_max_ms:+.2f})",
-                             met=True if r.exposed_max_ms <= 0.5 else (False if r.exposed_min_ms > 0.5 else None),
-                             how="CUDA events: met if every round's exposed time is ≤ 0.5 ms, missed if every one is above"))
-            if r.copy_pct_ceiling is not None and pd.notna(r.copy_pct_ceiling):
-                rows.append(dict(goal="bulk peer send ≥ 98 % of the peer ceiling", context=r.context,
-                                 destination=r.destination,
-                                 value=f"{r.copy_pct_ceiling:.1f} % ({r.copy_gbps:,.1f} of {r.ceiling_gbps:,.1f} GB/s)",
-                                 met=bool(r.copy_pct_ceiling >= 98),
-                                 how="median bulk copy against the best median of this run's size sweep on the same path"))
-        if r.context == shortest and r.context <= HOST_BOUND_CONTEXT:
-            rows.append(dict(goal="hook host time ≤ 0.5 ms", context=r.context, destination=r.destination,
-                             value=f"{r.hook_host_ms:.3f} ms", met=bool(r.hook_host_ms <= 0.5),
-                             how="perf_counter around every hook call, summed over layers"))
-            rows.append(dict(goal="layer-wise extra ≤ 0.5 ms (interleaved)", context=r.context,
-                             destination=r.destination, value=f"{r.layerwise_extra_ms:+.3f} ms ({ci})",
-                             met=bool(r.layerwise_extra_ms <= 0.5),
-                             how=f"median of {r.rounds} paired A/B rounds, counterbalanced order"))
-    return pd.DataFrame(rows)
+    return G.evaluate(G.for_study("handoff"), summary)
 
 
 def goal_state(value) -> bool | None:

@@ -47,7 +47,8 @@ def summary(df: pd.DataFrame, context: int | None = None, block_size: int | None
 
     One row per (destination, method): pieces, repeats, ms median/min/max, time "median (min–max)",
     gbps (at the median), ceiling_gbps (the contiguous copy, same destination, same run), pct_of_ceiling,
-    verified, status, note. Skipped or failed methods appear with their reason.
+    pct_lo / pct_hi (the slowest and fastest send against the ceiling: the goals' min–max), verified, status,
+    note. Skipped or failed methods appear with their reason.
     """
     context, block_size = _pick(df, context, block_size)
     sub = df[(df.context == context) & (df.block_size == block_size)]
@@ -66,13 +67,16 @@ def summary(df: pd.DataFrame, context: int | None = None, block_size: int | None
                 row.update(ms=med, ms_min=float(ok.ms.min()), ms_max=float(ok.ms.max()),
                            time=f"{timing.fmt_ms(med)} ({timing.fmt_ms(float(ok.ms.min()))}–"
                                 f"{timing.fmt_ms(float(ok.ms.max()))})",
-                           gbps=gbps, ceiling_gbps=ceiling, pct_of_ceiling=100 * gbps / ceiling)
+                           gbps=gbps, ceiling_gbps=ceiling, pct_of_ceiling=100 * gbps / ceiling,
+                           pct_lo=100 * float(ok.bytes.iloc[0] / (ok.ms.max() * 1e6)) / ceiling,
+                           pct_hi=100 * float(ok.bytes.iloc[0] / (ok.ms.min() * 1e6)) / ceiling)
             else:
                 row.update(ms=float("nan"), ms_min=float("nan"), ms_max=float("nan"), time="—",
-                           gbps=float("nan"), ceiling_gbps=ceiling, pct_of_ceiling=float("nan"))
+                           gbps=float("nan"), ceiling_gbps=ceiling, pct_of_ceiling=float("nan"),
+                           pct_lo=float("nan"), pct_hi=float("nan"))
             out.append(row)
     cols = ["context", "block_size", "destination", "method", "pieces", "time", "ms", "ms_min", "ms_max", "gbps",
-            "ceiling_gbps", "pct_of_ceiling", "repeats", "verified", "status", "backend", "note"]
+            "ceiling_gbps", "pct_of_ceiling", "pct_lo", "pct_hi", "repeats", "verified", "status", "backend", "note"]
     return pd.DataFrame(out, columns=cols)
 
 
@@ -96,31 +100,14 @@ def pct_table(df: pd.DataFrame) -> pd.DataFrame:
     return t.reset_index()
 
 
-# the issue's goals at the headline configuration: kvlab's transport per destination kind and its target
-_GOALS = {"same-gpu": ("triton", 95.0), "pinned-host": ("chunked-gather-d2h", 98.0)}
-
-
-# issue 14: 114,688 blocks of 16 KiB to a peer GPU at ≥ 98 % of the contiguous peer copy of the same run
-_PEER_GOAL = ("chunked-gather-peer", 98.0)
-
-
 def goals(df: pd.DataFrame, context: int | None = None, block_size: int | None = None) -> pd.DataFrame:
-    """Issue 5's goals at the headline configuration: triton ≥ 95 % of the contiguous copy to the same GPU,
-    chunked-gather-d2h ≥ 98 % of it to pinned host (and the best host method, for reference)."""
-    s = summary(df, context, block_size)
-    rows = []
-    goals_here = dict(_GOALS)
-    for dest in s.destination.unique():
-        if str(dest).startswith("peer-"):
-            goals_here[dest] = _PEER_GOAL
-    for dest, (method, target) in goals_here.items():
-        r = s[(s.destination == dest) & (s.method == method)]
-        if not len(r) or r.pct_of_ceiling.isna().all():
-            continue
-        pct = float(r.pct_of_ceiling.iloc[0])
-        rows.append(dict(goal=f"{method} ≥ {target:g} % of contiguous to {dest}", context=int(r.context.iloc[0]),
-                         block_size=int(r.block_size.iloc[0]), value=f"{pct:.1f} %", met=bool(pct >= target)))
-    return pd.DataFrame(rows, columns=["goal", "context", "block_size", "value", "met"])
+    """The paged goals (kvlab.goals, study "paged_transfer") judged at the headline configuration: triton ≥ 95 %
+    of the contiguous copy to the same GPU, chunked-gather-d2h ≥ 98 % to pinned host, chunked-gather-peer ≥ 98 %
+    to a peer — each over the min–max of its sends (the one rule)."""
+    from . import goals as G
+
+    return G.evaluate(G.for_study("paged_transfer"), summary(df, context, block_size),
+                      keys=("context", "block_size", "destination"))
 
 
 def finding(df: pd.DataFrame, context: int | None = None, block_size: int | None = None) -> str:

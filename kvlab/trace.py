@@ -65,16 +65,11 @@ class HandoffTrace:
         return int(round(float(row.wall_ms.iloc[0]) * 1e6))
 
     def overhead(self) -> pd.DataFrame:
-        """Tracing overhead per variant: median wall with and without the profiler (+ ranges), and
-        the difference as a percentage of the untraced median (goal: ≤ 5 % of prefill)."""
-        rows = []
-        for variant, g in self.walls.groupby("variant", sort=False):
-            plain = float(g[~g.traced].wall_ms.median())
-            traced = float(g[g.traced].wall_ms.median())
-            rows.append({"variant": variant, "untraced_ms": plain, "traced_ms": traced,
-                         "overhead_ms": traced - plain,
-                         "overhead_pct": 100 * (traced - plain) / plain if plain > 0 else float("nan")})
-        return pd.DataFrame(rows)
+        """Tracing overhead per variant: median wall with and without the profiler (+ ranges), and the
+        difference as a percentage of the untraced median (goal: ≤ 5 % of prefill)."""
+        from .overlap_report import tracing_overhead
+
+        return tracing_overhead(self.walls)
 
 
 def trace_handoff(model, context: int, destination: str, transport: str = "copy", repeats: int = 3,

@@ -175,7 +175,7 @@ def test_run_handoff_tidy_tables(tiny):
     assert (summary.extra_ci_lo_ms <= summary.layerwise_extra_ms).all()
     assert (summary.layerwise_extra_ms <= summary.extra_ci_hi_ms).all()
     g = handoff_report.goals(summary)
-    assert set(g.goal) >= {"hook host time ≤ 0.5 ms", "bulk ≥ 95 % of ceiling"}
+    assert set(g.goal) >= {"hook host time ≤ 0.5 ms", "bulk ≥ 95 % of the link ceiling"}
 
 
 def test_ab_rounds_alternate_their_order(tiny, monkeypatch):
@@ -192,24 +192,27 @@ def test_ab_rounds_alternate_their_order(tiny, monkeypatch):
 
 
 @pytest.mark.parametrize("pct,want", [(97.0, True), (90.0, False)])
-def test_bulk_goal_uses_the_paired_same_bytes_copy(pct, want):
+def test_the_link_goal_keeps_its_yardstick_and_the_same_bytes_goal_stands_beside_it(pct, want):
     import pandas as pd
 
-    # the size sweep's ceiling says 80 %; the paired copy of the same bytes decides, and both are shown
-    rows = [_summary_row(context=32768, copy_pct_ceiling=80.0, copy_pct_ref=pct, copy_pct_ref_lo=pct - 2,
-                         copy_pct_ref_hi=pct + 2), _summary_row(context=1024)]
-    g = handoff_report.goals(pd.DataFrame(rows))
-    row = g[g.goal == "bulk ≥ 95 % of ceiling"].iloc[0]
-    assert row.met is want and f"{pct:.1f} %" in row.value and "80.0 % of the size sweep" in row.value
-    assert "paired" in row.how
+    # issue 12: the link goal is judged against the size sweep's ceiling (here 80–84 %: missed) whatever the
+    # paired same-bytes copy says; that ratio is a goal of its own, beside it, with its own verdict
+    rows = [_summary_row(context=32768, copy_pct_ceiling=82.0, copy_pct_ceiling_lo=80.0, copy_pct_ceiling_hi=84.0,
+                         copy_pct_ref=pct, copy_pct_ref_lo=pct - 2, copy_pct_ref_hi=pct + 2), _summary_row(context=1024)]
+    g = handoff_report.goals(pd.DataFrame(rows)).set_index("goal")
+    link = g.loc["bulk ≥ 95 % of the link ceiling"]
+    same = g.loc["bulk send ≥ 95 % of a plain copy_ of the same bytes"]
+    assert link.met is False and link.verdict == "missed" and link.rule == "interval"
+    assert same.met is want and f"{pct:.1f} %" in same.value and "alternation" in same.how
     # the 0.5 ms hook goals belong to the host-bound 1k regime: a run of long contexts only has none
     long_only = handoff_report.goals(pd.DataFrame([_summary_row(context=32768, copy_pct_ref=pct, copy_pct_ref_lo=pct,
-                                                         copy_pct_ref_hi=pct)]))
-    assert "hook host time ≤ 0.5 ms" not in set(long_only.goal) and "bulk ≥ 95 % of ceiling" in set(long_only.goal)
-    assert "hook host time ≤ 0.5 ms" in set(g.goal)
-    # a summary without paired copies (runs before they existed) falls back to the sweep's ceiling
+                                                                copy_pct_ref_hi=pct)]))
+    assert "hook host time ≤ 0.5 ms" not in set(long_only.goal) and "bulk ≥ 95 % of the link ceiling" in set(long_only.goal)
+    assert "hook host time ≤ 0.5 ms" in set(g.index)
+    # a summary without the copies' min–max (runs before it was kept) is judged on the point value
     old = handoff_report.goals(pd.DataFrame([_summary_row(context=32768, copy_pct_ceiling=96.0), _summary_row(context=1024)]))
-    assert old[old.goal == "bulk ≥ 95 % of ceiling"].iloc[0].met is True
+    row = old[old.goal == "bulk ≥ 95 % of the link ceiling"].iloc[0]
+    assert row.met is True and row.rule == "point"
 
 
 def _summary_row(**kw):
@@ -233,7 +236,7 @@ def test_never_worse_than_bulk_is_decided_by_the_interval(lo, hi, want):
                                                         copy_pct_prefill=0.1, copy_tensor_ms=0.6,
                                                         extra_min_ms=-2, extra_max_ms=3)]), g)
     text = " ".join(lines)
-    assert ("Not resolved" in text) == (want is None)
+    assert ("Not resolved: layer-wise never worse" in text) == (want is None)
     assert ("Not met: layer-wise never worse" in text) == (want is False)
 
 
