@@ -139,14 +139,7 @@ def _handoff(run: Path, record: dict, tables: dict, out: _Out) -> None:
 
     plots.style()
     timings = _need(tables, run, "results")
-    resolved = record.get("resolved") or {}
-    paths = resolved.get("ceiling_paths") or {}
-    ceil = {}
-    c = record.get("ceilings") or {}
-    for dest, path in paths.items():
-        entry = (c.get("paths") or {}).get(path) if isinstance(c, dict) else None
-        if isinstance(entry, dict) and entry.get("ceiling_gbps") is not None:
-            ceil[dest] = float(entry["ceiling_gbps"])
+    ceil, paths = handoff_report.run_ceilings(record)
     summary = handoff_report.summarize(timings, ceil or None, paths or None)
     goals = handoff_report.goals(summary)
     out.table(summary, "summary")

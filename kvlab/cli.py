@@ -6,6 +6,7 @@
     kvlab calc MODEL --tokens N [--link 400G] ...             the KV-cache calculator's answer
     kvlab info                                                hardware, versions, P2P matrix
     kvlab analyse RUN_DIR                                     a committed run's analysis, again
+    kvlab report [--check]                                    the README's tables from the committed runs
 
 Adding a subcommand is one function and its registration, with its options given either as
 ``arg(...)`` entries or by a module's own ``add_arguments(parser)`` (named as "module:function",
@@ -566,6 +567,17 @@ def _cmd_analyse(args) -> int:
     from kvlab import analyse
 
     return analyse.run_args(args)
+
+
+@subcommand("report", "rewrite the README's result tables from the committed runs (--check: only compare)",
+            configure="kvlab.report:add_arguments")
+def _cmd_report(args) -> int:
+    """Regenerate every table the README marks with <!-- kvlab-report:NAME --> from data/ (the runs each
+    block names, the goals' verdicts under kvlab.goals' one rule). --check compares instead and exits 1
+    when the README differs from what the committed runs give (the test suite runs it)."""
+    from kvlab import report
+
+    return report.run_args(args)
 
 
 @subcommand("trace", "timelines: profile a command with Nsight Systems, or load a trace",

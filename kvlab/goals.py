@@ -2,7 +2,7 @@
 
 A goal names a study, the metric of its summary table that it judges (a column), the yardstick (a number, or
 another column: one bulk copy's time, one layer's send), the direction, and — where the measurement has one —
-the interval around the metric (a 95 % bootstrap interval of a paired median, or the min–max of the rounds).
+the interval around the metric (a 95 % bootstrap interval of the median: of paired differences, of a copy or of a send).
 Every verdict in kvlab, in notebooks, in `kvlab analyse`, in the README, comes from `evaluate` under one rule:
 
     with an interval   met     when the whole interval is on the goal's side of the yardstick
@@ -160,26 +160,29 @@ def _peer_32k(r, t) -> bool:
     return _peer(r) and r.context == t.context.max() and r.context >= PEER_GOAL_CONTEXT
 
 
+_MEDIAN_CI = "95 % bootstrap interval of the median over the rounds"
+_COPY_CI = "95 % bootstrap interval of the median bulk copy, against the best median of this run's size sweep"
+_SEND_CI = "95 % bootstrap interval of the median send, against the median contiguous copy of the same bytes"
+
 _HANDOFF = [
     Goal("handoff.bulk_link", "handoff", "bulk ≥ 95 % of the link ceiling", "copy_pct_ceiling", ">=", 95.0,
          lo="copy_pct_ceiling_lo", hi="copy_pct_ceiling_hi", unit=" %", digits=1, applies=_longest,
-         interval="min–max of the bulk copies against the best median of this run's size sweep on the path",
-         declared="issue 3, 2026-11-29"),
+         interval=_COPY_CI, declared="issue 3, 2026-11-29"),
     Goal("handoff.bulk_same_bytes", "handoff", "bulk send ≥ 95 % of a plain copy_ of the same bytes",
          "copy_pct_ref", ">=", 95.0, lo="copy_pct_ref_lo", hi="copy_pct_ref_hi", unit=" %", digits=1,
          applies=_longest, interval="95 % bootstrap interval of the per-round ratio, the two timed in alternation",
          declared="commit 0f2228c, 2026-11-29, after handoff.bulk_link missed to pageable host", beside="handoff.bulk_link",
          note="the send performs that very copy_, so this measures the transport's own overhead, not the link"),
     Goal("handoff.exposed_one_layer", "handoff", "layer-wise exposed ≤ one layer's send", "exposed_ms", "<=",
-         "copy_layer_ms", lo="exposed_min_ms", hi="exposed_max_ms", unit=" ms", applies=_from_4k_or_peer,
-         interval="min–max of the rounds (CUDA events)", declared="issue 3, 2026-11-29"),
+         "copy_layer_ms", lo="exposed_ci_lo_ms", hi="exposed_ci_hi_ms", unit=" ms", applies=_from_4k_or_peer,
+         interval=_MEDIAN_CI, declared="issue 3, 2026-11-29"),
     Goal("handoff.never_worse_than_bulk", "handoff", "layer-wise never worse than bulk", "layerwise_extra_ms", "<=",
          "copy_ms", lo="extra_ci_lo_ms", hi="extra_ci_hi_ms", unit=" ms", applies=_from_4k_or_peer,
          interval="95 % bootstrap interval of the median paired difference (counterbalanced A/B rounds)",
          declared="issue 3, 2026-11-29 (peer destinations at every context: issue 14, 2026-11-30)"),
     Goal("handoff.hook_host", "handoff", "hook host time ≤ 0.5 ms", "hook_host_ms", "<=", 0.5,
-         lo="hook_host_min_ms", hi="hook_host_max_ms", unit=" ms", digits=3, applies=_host_bound,
-         interval="min–max over the rounds of the host time inside the 28 signals", declared="issue 3, 2026-11-29"),
+         lo="hook_host_ci_lo_ms", hi="hook_host_ci_hi_ms", unit=" ms", digits=3, applies=_host_bound,
+         interval=_MEDIAN_CI, declared="issue 3, 2026-11-29"),
     Goal("handoff.extra_short", "handoff", "layer-wise extra ≤ 0.5 ms (interleaved)", "layerwise_extra_ms", "<=", 0.5,
          lo="extra_ci_lo_ms", hi="extra_ci_hi_ms", unit=" ms", digits=3, applies=_host_bound,
          interval="95 % bootstrap interval of the median paired difference", declared="issue 3, 2026-11-29",
@@ -188,12 +191,11 @@ _HANDOFF = [
          "layerwise_extra_ms", "<=", 0.5, lo="extra_ci_lo_ms", hi="extra_ci_hi_ms", unit=" ms", applies=_peer_32k,
          interval="95 % bootstrap interval of the median paired difference", declared="issue 14, 2026-11-30"),
     Goal("handoff.peer_exposed", "handoff", "layer-wise exposed ≤ 0.5 ms (peer)", "exposed_ms", "<=", 0.5,
-         lo="exposed_min_ms", hi="exposed_max_ms", unit=" ms", applies=_peer_32k,
-         interval="min–max of the rounds (CUDA events)", declared="issue 14, 2026-11-30"),
+         lo="exposed_ci_lo_ms", hi="exposed_ci_hi_ms", unit=" ms", applies=_peer_32k,
+         interval=_MEDIAN_CI, declared="issue 14, 2026-11-30"),
     Goal("handoff.peer_bulk", "handoff", "bulk peer send ≥ 98 % of the peer ceiling", "copy_pct_ceiling", ">=", 98.0,
          lo="copy_pct_ceiling_lo", hi="copy_pct_ceiling_hi", unit=" %", digits=1, applies=_peer_32k,
-         interval="min–max of the bulk copies against the best median of this run's size sweep on the path",
-         declared="issue 14, 2026-11-30"),
+         interval=_COPY_CI, declared="issue 14, 2026-11-30"),
 ]
 
 
@@ -208,15 +210,15 @@ def _paged(method: str, dest_prefix: str):
 _PAGED = [
     Goal("paged.triton_same_gpu", "paged_transfer", "triton ≥ 95 % of contiguous to same-gpu", "pct_of_ceiling", ">=",
          95.0, lo="pct_lo", hi="pct_hi", unit=" %", digits=1, applies=_paged("triton", "same-gpu"),
-         interval="min–max of the sends against the median contiguous copy", declared="issue 5, 2026-11-29"),
+         interval=_SEND_CI, declared="issue 5, 2026-11-29"),
     Goal("paged.chunked_pinned", "paged_transfer", "chunked-gather-d2h ≥ 98 % of contiguous to pinned-host",
          "pct_of_ceiling", ">=", 98.0, lo="pct_lo", hi="pct_hi", unit=" %", digits=1,
          applies=_paged("chunked-gather-d2h", "pinned-host"),
-         interval="min–max of the sends against the median contiguous copy", declared="issue 5, 2026-11-29"),
+         interval=_SEND_CI, declared="issue 5, 2026-11-29"),
     Goal("paged.chunked_peer", "paged_transfer", "chunked-gather-peer ≥ 98 % of contiguous to the peer",
          "pct_of_ceiling", ">=", 98.0, lo="pct_lo", hi="pct_hi", unit=" %", digits=1,
          applies=_paged("chunked-gather-peer", "peer-"),
-         interval="min–max of the sends against the median contiguous copy", declared="issue 14, 2026-11-30"),
+         interval=_SEND_CI, declared="issue 14, 2026-11-30"),
 ]
 
 _OVERLAP = [

@@ -9,7 +9,7 @@ import pandas as pd
 
 from .timing import median_ci
 
-__all__ = ["summarize", "goals", "goal_state", "predictions", "plot_bars", "findings", "attribution_summary",
+__all__ = ["run_ceilings", "summarize", "goals", "goal_state", "predictions", "plot_bars", "findings", "attribution_summary",
            "attribution_findings", "plot_attribution"]
 
 
@@ -104,6 +104,18 @@ def _med(s):
     return float(s.median())
 
 
+def run_ceilings(record: dict) -> tuple[dict, dict]:
+    """({destination: the run's own ceiling GB/s}, {destination: its path}) from a handoff run's run.json."""
+    paths = (record.get("resolved") or {}).get("ceiling_paths") or {}
+    c = record.get("ceilings") or {}
+    ceil = {}
+    for dest, p in paths.items():
+        e = (c.get("paths") or {}).get(p)
+        if e and e.get("ceiling_gbps") is not None:
+            ceil[dest] = float(e["ceiling_gbps"])
+    return ceil, paths
+
+
 def summarize(timings: pd.DataFrame, ceilings: dict | None = None, paths: dict | None = None) -> pd.DataFrame:
     """The seed-004 table, one row per (context, destination).
 
@@ -111,13 +123,14 @@ def summarize(timings: pd.DataFrame, ceilings: dict | None = None, paths: dict |
     paths: {destination label: the kvlab.ceilings path behind it} (optional, carried into the table).
     Columns: context, kv_mib, destination, prefill_ms, prefill_spread_ms, copy_ms, copy_min_ms, copy_max_ms,
     copy_pct_prefill, copy_gbps, ceiling_gbps, copy_pct_ceiling (against `ceilings`, the run's size sweep) with
-    copy_pct_ceiling_lo / _hi (the slowest and fastest copy against it),
+    copy_pct_ceiling_lo / _hi (the 95 % bootstrap interval of the median copy, against it),
     ref_copy_ms (a plain copy_ of the same bytes over the same path, interleaved with the bulk copies),
     copy_pct_ref (median of the per-round ratios ref / copy, in %) with copy_pct_ref_lo / _hi (its 95 %
     bootstrap interval), copy_tensor_ms, copy_layer_ms,
     layerwise_extra_ms (median of paired B − A), layerwise_extra_pct, extra_min_ms, extra_max_ms,
     extra_ci_lo_ms / extra_ci_hi_ms (95 % bootstrap interval of that median),
-    exposed_ms, exposed_min_ms, exposed_max_ms, hook_host_ms (and its min / max over the rounds), decode_step_ms.
+    exposed_ms, exposed_min_ms, exposed_max_ms, exposed_ci_lo_ms / _hi_ms, hook_host_ms with hook_host_ci_lo_ms /
+    _hi_ms, decode_step_ms — every _ci_ pair a 95 % bootstrap interval of the median (kvlab.timing.median_ci).
     """
     out = []
     for (context, dest), g in timings[timings.destination != "colocated"].groupby(["context", "destination"],
@@ -139,24 +152,28 @@ def summarize(timings: pd.DataFrame, ceilings: dict | None = None, paths: dict |
         ceil = (ceilings or {}).get(dest)
         ref = sel("bulk", "copy_ref")
         ratio = (100 * ref / copy).dropna()
-        r_lo, r_hi = median_ci(ratio) if len(ratio) else (float("nan"), float("nan"))
+        nan2 = (float("nan"), float("nan"))
+        r_lo, r_hi = median_ci(ratio) if len(ratio) else nan2
+        c_lo, c_hi = median_ci(copy.dropna()) if len(copy.dropna()) else nan2
+        e_lo, e_hi = median_ci(exposed.dropna()) if len(exposed.dropna()) else nan2
+        hook = sel("layerwise", "hook_host").dropna()
+        h_lo, h_hi = median_ci(hook) if len(hook) else nan2
         row = dict(
             context=context, kv_mib=kv / 2**20, destination=dest, ceiling_path=(paths or {}).get(dest),
             prefill_ms=prefill_ms, prefill_spread_ms=float(pre.max() - pre.min()),
             copy_ms=copy_ms, copy_min_ms=float(copy.min()), copy_max_ms=float(copy.max()),
             copy_pct_prefill=100 * copy_ms / prefill_ms, copy_gbps=gbps,
             ceiling_gbps=ceil, copy_pct_ceiling=(100 * gbps / ceil) if ceil else None,
-            copy_pct_ceiling_lo=(100 * kv / (float(copy.max()) / 1e3) / 1e9 / ceil) if ceil else None,
-            copy_pct_ceiling_hi=(100 * kv / (float(copy.min()) / 1e3) / 1e9 / ceil) if ceil else None,
+            copy_pct_ceiling_lo=(100 * kv / (c_hi / 1e3) / 1e9 / ceil) if ceil else None,
+            copy_pct_ceiling_hi=(100 * kv / (c_lo / 1e3) / 1e9 / ceil) if ceil else None,
             ref_copy_ms=_med(ref), copy_pct_ref=_med(ratio), copy_pct_ref_lo=r_lo, copy_pct_ref_hi=r_hi,
             copy_tensor_ms=_med(sel("bulk", "copy_tensor")), copy_layer_ms=_med(sel("bulk", "copy_layer")),
             layerwise_extra_ms=_med(paired), extra_min_ms=float(paired.min()), extra_max_ms=float(paired.max()),
             extra_ci_lo_ms=ci_lo, extra_ci_hi_ms=ci_hi,
             layerwise_extra_pct=100 * _med(paired) / prefill_ms,
             exposed_ms=_med(exposed), exposed_min_ms=float(exposed.min()), exposed_max_ms=float(exposed.max()),
-            hook_host_ms=_med(sel("layerwise", "hook_host")),
-            hook_host_min_ms=float(sel("layerwise", "hook_host").min()),
-            hook_host_max_ms=float(sel("layerwise", "hook_host").max()),
+            exposed_ci_lo_ms=e_lo, exposed_ci_hi_ms=e_hi,
+            hook_host_ms=_med(sel("layerwise", "hook_host")), hook_host_ci_lo_ms=h_lo, hook_host_ci_hi_ms=h_hi,
             arm_host_ms=_med(sel("layerwise", "arm_host")),
             decode_step_ms=_med(sel("bulk", "decode_step")),
             rounds=len(paired),

@@ -364,8 +364,8 @@ def test_the_peer_goals_follow_the_interval_rule(lo, hi, exp_max, want, want_exp
 
     exp_min = -40.0 if want_exp is not False else 0.6
     row = _summary_row(context=32768, destination="peer-cuda:1", extra_ci_lo_ms=lo, extra_ci_hi_ms=hi,
-                       layerwise_extra_ms=(lo + hi) / 2, exposed_ms=exp_max, exposed_min_ms=exp_min,
-                       exposed_max_ms=exp_max, copy_pct_ceiling=97.9, copy_gbps=386.0, ceiling_gbps=394.0,
+                       layerwise_extra_ms=(lo + hi) / 2, exposed_ms=exp_max, exposed_ci_lo_ms=exp_min,
+                       exposed_ci_hi_ms=exp_max, copy_pct_ceiling=97.9, copy_gbps=386.0, ceiling_gbps=394.0,
                        copy_ms=4.74)
     g = handoff_report.goals(pd.DataFrame([row])).set_index("goal")
     assert handoff_report.goal_state(g.loc["layer-wise TTFT extra ≤ 0.5 ms over colocated (peer)", "met"]) is want

@@ -1,0 +1,272 @@
+"""The README's result tables, made from the committed runs — no number copied by hand.
+
+The README marks each generated table with a pair of comments:
+
+    <!-- kvlab-report:NAME -->
+    ...the table, as `render(NAME)` makes it...
+    <!-- /kvlab-report -->
+
+`kvlab report` rewrites every marked block from `data/`; `kvlab report --check` (a test runs it) fails when
+the README differs from what the committed runs give. Each block names its run(s) in `BLOCKS`; the verdicts
+come from kvlab.goals, under its one rule.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pandas as pd
+
+from . import handoff_report, results
+
+__all__ = ["BLOCKS", "render", "update", "check", "add_arguments", "run_args"]
+
+_BLOCK_RE = re.compile(r"(<!-- kvlab-report:([a-z0-9_]+) -->\n)(.*?)(<!-- /kvlab-report -->)", re.S)
+
+# seed 004's 2×H100 numbers (docs/REFERENCE.md): the reference column of the two-GPU table
+SEED_H100 = {1024: (29, 1.1, 0.1), 4096: (109, 1.4, 3.9), 16384: (495, 3.4, 8.6), 32768: (1167, 5.7, 23.3)}
+
+
+def _run(path: str) -> tuple[dict, Path]:
+    d = results.data_root() / path
+    return json.loads((d / "run.json").read_text()), d
+
+
+def _table(path: str, name: str) -> pd.DataFrame:
+    d = results.data_root() / path
+    for f in (d / f"{name}.csv", d / f"{name}.csv.gz"):
+        if f.is_file():
+            return pd.read_csv(f)
+    raise FileNotFoundError(f"{d} has no {name}.csv(.gz)")
+
+
+def _md(df: pd.DataFrame) -> str:
+    head = "| " + " | ".join(df.columns) + " |"
+    rule = "|" + "|".join("---" for _ in df.columns) + "|"
+    body = ["| " + " | ".join(str(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join([head, rule, *body]) + "\n"
+
+
+def _ctx(c) -> str:
+    c = int(c)
+    return f"{c // 1024}k" if c >= 1024 and c % 1024 == 0 else f"{c:,}"
+
+
+def _s(x, fmt: str) -> str:
+    return "—" if x is None or (isinstance(x, float) and x != x) else format(x, fmt)
+
+
+def _g(x, digits: int = 3) -> str:
+    """Significant digits, thousands separated: 1,186.1 / 4.74 / 0.0309."""
+    if x is None or (isinstance(x, float) and x != x):
+        return "—"
+    x = float(x)
+    if abs(x) >= 100:
+        return f"{x:,.1f}"
+    return f"{x:.{digits}g}"
+
+
+# ------------------------------------------------------------------------------------------- blocks
+
+
+def ceilings(path: str) -> str:
+    fit = _table(path, "fit")
+    out = pd.DataFrame({
+        "path": "`" + fit.path + "`", "mechanism": fit.mechanism,
+        "fixed cost per copy (µs, fit)": fit.fixed_us.map(lambda v: f"{v:.2f}"),
+        "bandwidth (GB/s, fit)": fit.bandwidth_gbps.map(lambda v: f"{v:,.1f}"),
+        "ceiling: best median (GB/s)": [f"{c:,.1f} ({lo:,.1f}–{hi:,.1f})" for c, lo, hi in
+                                        zip(fit.ceiling_gbps, fit.ceiling_min_gbps, fit.ceiling_max_gbps)],
+        "at size": fit.ceiling_size_bytes.map(lambda b: f"{b / 2**20:,.0f} MiB")})
+    return _md(out)
+
+
+def handoff_summary(path: str) -> pd.DataFrame:
+    """kvlab.handoff_report.summarize of a committed handoff run, against the ceilings that run measured."""
+    record, _ = _run(path)
+    ceil, paths = handoff_report.run_ceilings(record)
+    return handoff_report.summarize(_table(path, "results"), ceil or None, paths or None)
+
+
+def handoff_table(path: str, reference: bool = False) -> str:
+    s = handoff_summary(path)
+    record, _ = _run(path)
+    ceil, _ = handoff_report.run_ceilings(record)
+    rows = []
+    for r in s.itertuples():
+        cg = ceil.get(r.destination)
+        gb = f"{r.copy_gbps:,.0f} / {cg:,.0f} ({100 * r.copy_gbps / cg:.1f} %)" if cg else f"{r.copy_gbps:,.0f}"
+        row = {"context": _ctx(r.context), "KV MiB": f"{r.kv_mib:,.0f}", "destination": r.destination,
+               "prefill ms (spread)": f"{_g(r.prefill_ms)} ({r.prefill_spread_ms:.1f})"}
+        if reference:
+            row["H100 prefill"] = f"{SEED_H100.get(int(r.context), ('—',))[0]:,}" if int(r.context) in SEED_H100 else "—"
+        row["bulk copy ms (% of prefill)"] = f"{_g(r.copy_ms)} ({r.copy_pct_prefill:.2f} %)"
+        if reference:
+            row["H100 bulk"] = str(SEED_H100[int(r.context)][1]) if int(r.context) in SEED_H100 else "—"
+        row["GB/s vs ceiling"] = gb
+        row["2×28 copies ms"] = _g(r.copy_tensor_ms)
+        row["layer-wise extra ms [95 % interval]"] = (f"{r.layerwise_extra_ms:+.2f} [{r.extra_ci_lo_ms:+.2f}, "
+                                                      f"{r.extra_ci_hi_ms:+.2f}]")
+        if reference:
+            row["H100 extra"] = f"{SEED_H100[int(r.context)][2]}" if int(r.context) in SEED_H100 else "—"
+        row["exposed ms (median)"] = f"{max(r.exposed_ms, 0):.2f} ({r.exposed_ms:+.2f})"
+        if reference:
+            row["first decode step ms"] = f"{r.decode_step_ms:.1f}"
+        else:
+            row["hook host ms"] = f"{r.hook_host_ms:.2f}"
+        rows.append(row)
+    return _md(pd.DataFrame(rows))
+
+
+def policies(eager: str, deadline: str, deadline_32k: str) -> str:
+    e = handoff_summary(eager).set_index("context")
+    d = handoff_summary(deadline).set_index("context")
+    d32 = handoff_summary(deadline_32k).set_index("context")
+    rows = []
+    for c in d.index:
+        iv = lambda t, c: f"{t.loc[c, 'layerwise_extra_ms']:+.2f} [{t.loc[c, 'extra_ci_lo_ms']:+.2f}, {t.loc[c, 'extra_ci_hi_ms']:+.2f}]"  # noqa: E731
+        dl = iv(d, c) + (f"; rerun: {iv(d32, c)}" if c in d32.index else "")
+        rows.append({"context": _ctx(c), f"eager extra ms [95 % interval] ({eager.split('/')[-1]})": iv(e, c) if c in e.index else "—",
+                     "deadline extra ms [95 % interval]": dl,
+                     "deadline exposed ms (max)": f"{d.loc[c, 'exposed_ms']:+.2f} ({d.loc[c, 'exposed_max_ms']:+.2f})",
+                     "bulk copy ms": _g(d.loc[c, "copy_ms"])})
+    return _md(pd.DataFrame(rows))
+
+
+def patterns(path: str) -> str:
+    from . import clocks
+
+    s = clocks.pattern_summary(_table(path, "pattern_rounds"))
+    order = {v: i for i, v in enumerate(clocks.PATTERNS)}
+    s = s[s.variant != "colocated"].sort_values("variant", key=lambda v: v.map(order))
+    out = pd.DataFrame({
+        "sent during prefill": s.variant,
+        "extra prefill ms [95 % interval]": [f"{a:+.1f} [{lo:+.1f}, {hi:+.1f}]" for a, lo, hi in
+                                             zip(s.extra_ms, s.extra_lo_ms, s.extra_hi_ms)],
+        "GPU 0 SM clock vs colocated": [f"{-x:+.0f} MHz" for x in s.clock_drop_mhz],
+        "the clock alone predicts ms": [f"{a:+.1f} [{lo:+.1f}, {hi:+.1f}]" for a, lo, hi in
+                                        zip(s.clock_pred_ms, s.clock_pred_lo_ms, s.clock_pred_hi_ms)],
+        "NVLink GB out of GPU 0": s.nvlink_tx_gb.map(lambda v: _s(v, ".2f"))})
+    return _md(out)
+
+
+def paged(path: str) -> str:
+    from . import paged_report
+
+    s = paged_report.summary(_table(path, "results"))
+    out = pd.DataFrame({
+        "destination": s.destination, "method": s.method, "pieces": s.pieces.map(lambda v: f"{v:,}"),
+        "time median (min–max)": s.time, "GB/s": s.gbps.map(lambda v: _s(v, ",.1f")),
+        "% of contiguous ceiling": s.pct_of_ceiling.map(lambda v: "—" if v != v else f"{v:.1f} %"),
+        "repeats": s.repeats, "verified": s.verified})
+    return _md(out)
+
+
+# the runs whose goals the README reports, by study
+VERDICT_RUNS = {
+    "handoff": ["handoff/20261129-103726-h200", "handoff/20261129-115502-h200", "handoff/20261130-142532-h200",
+                "handoff/20261130-143505-h200", "handoff/20261130-150123-h200"],
+    "paged_transfer": ["paged_transfer/20261129-103427-h200", "paged_transfer/20261129-114123-h200",
+                       "paged_transfer/20261130-145124-h200"],
+    "overlap_timeline": ["overlap_timeline/20261129-104724-h200", "overlap_timeline/20261129-113044-h200",
+                         "overlap_timeline/20261129-114951-h200", "overlap_timeline/20261130-145803-h200"],
+}
+
+
+def _goals_of(study: str, path: str) -> pd.DataFrame:
+    from . import handoff_report, overlap_report, paged_report
+
+    if study == "handoff":
+        g = handoff_report.goals(handoff_summary(path))
+    elif study == "paged_transfer":
+        g = paged_report.goals(_table(path, "results"))
+    else:
+        walls = _table(path, "walls")
+        dec = _table(path, "decomposition").set_index("term").ms
+        totals = None
+        if "Δwall" in dec.index and dec["Δwall"]:
+            totals = {"explained_frac": 1 - abs(dec["unexplained remainder"]) / abs(dec["Δwall"])}
+        try:
+            events = _table(path, "event_overhead")
+        except FileNotFoundError:
+            events = None
+        g = overlap_report.goals(overlap_report.goal_summary(overlap_report.tracing_overhead(walls), totals, events))
+    return g
+
+
+def verdicts() -> str:
+    rows = []
+    for study, runs in VERDICT_RUNS.items():
+        for path in runs:
+            record, _ = _run(path)
+            host = record.get("host", {}).get("hostname") or ""
+            gpus = len(record.get("devices") or [])
+            g = _goals_of(study, path)
+            for r in g.itertuples():
+                where = ", ".join(x for x in (_ctx(r.context) if "context" in g.columns and r.context == r.context else "",
+                                              getattr(r, "destination", "") or "") if x)
+                rows.append({"goal": r.goal, "run": f"[{path.split('/')[-1]}](data/{path}/)",
+                             "host": f"{gpus}×H200" if gpus else host, "where": where or "—", "value": r.value,
+                             "verdict": f"**{r.verdict}**" if r.verdict != "met" else r.verdict})
+    return _md(pd.DataFrame(rows))
+
+
+BLOCKS = {
+    "ceilings_1gpu": lambda: ceilings("link_ceilings/20261129-091839-h200"),
+    "ceilings_2gpu": lambda: ceilings("link_ceilings/20261130-144545-h200"),
+    "handoff_1gpu": lambda: handoff_table("handoff/20261129-103726-h200"),
+    "handoff_2gpu": lambda: handoff_table("handoff/20261130-142532-h200", reference=True),
+    "policies_2gpu": lambda: policies("handoff/20261130-142532-h200", "handoff/20261130-143505-h200",
+                                      "handoff/20261130-150123-h200"),
+    "patterns_2gpu": lambda: patterns("overlap_timeline/20261130-145803-h200"),
+    "paged_1gpu": lambda: paged("paged_transfer/20261129-103427-h200"),
+    "paged_2gpu": lambda: paged("paged_transfer/20261130-145124-h200"),
+    "verdicts": verdicts,
+}
+
+
+def render(name: str) -> str:
+    """The markdown of block `name` (a table and its trailing newline)."""
+    if name not in BLOCKS:
+        raise ValueError(f"unknown report block {name!r}; known: {sorted(BLOCKS)}")
+    return BLOCKS[name]()
+
+
+def update(text: str) -> tuple[str, list[str]]:
+    """`text` with every marked block regenerated; and the names of the blocks that changed."""
+    changed = []
+
+    def sub(m):
+        new = render(m.group(2))
+        if new != m.group(3):
+            changed.append(m.group(2))
+        return m.group(1) + new + m.group(4)
+
+    return _BLOCK_RE.sub(sub, text), changed
+
+
+def check(readme: str | Path | None = None) -> list[str]:
+    """The names of the README's blocks that differ from what the committed runs give (empty: it matches)."""
+    path = Path(readme) if readme is not None else results.repo_root() / "README.md"
+    return update(path.read_text(encoding="utf-8"))[1]
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--check", action="store_true", help="only say which blocks differ; exit 1 if any")
+    parser.add_argument("--readme", default=None, help="the README to read (default: the repository's)")
+
+
+def run_args(args) -> int:
+    path = Path(args.readme) if args.readme else results.repo_root() / "README.md"
+    text = path.read_text(encoding="utf-8")
+    new, changed = update(text)
+    found = [m.group(2) for m in _BLOCK_RE.finditer(text)]
+    if args.check:
+        print(f"{len(found)} blocks; {'differ: ' + ', '.join(changed) if changed else 'all match the committed runs'}")
+        return 1 if changed else 0
+    if changed:
+        path.write_text(new, encoding="utf-8")
+    print(f"{len(found)} blocks; rewritten: {', '.join(changed) or 'none'}")
+    return 0
