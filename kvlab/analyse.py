@@ -46,6 +46,10 @@ class _Out:
         self.meta = {"source_run": record.get("run_id"), "study": record.get("study"),
                      "analysed_utc": when.isoformat(timespec="seconds"), "git": git, "tables": [], "figures": [],
                      "findings": []}
+        from . import provenance
+
+        self.drawn = provenance.drawing()
+        self.meta["drawn_by"] = self.drawn
         self.run_id = record.get("run_id", run.name)
         self.device_tag = record.get("device_tag", "")
 
@@ -58,8 +62,10 @@ class _Out:
 
         from . import plots
 
+        from . import provenance
+
         footer = (f"{plots.footer_text(self.run_id, self.device_tag)} · re-analysed "
-                  f"{self.meta['analysed_utc'][:10]} at {str(self.meta['git'].get('commit'))[:7]}")
+                  f"{self.meta['analysed_utc'][:10]} by {provenance.short(self.drawn)}")
         plots.write(fig, self.dir, name, footer)
         plt.close(fig)
         self.meta["figures"].append(f"{name}.png")

@@ -7,6 +7,7 @@
     kvlab info                                                hardware, versions, P2P matrix
     kvlab analyse RUN_DIR                                     a committed run's analysis, again
     kvlab report [--check]                                    the README's tables from the committed runs
+    kvlab provenance [RUN_DIR ...] [--check]                  which code made each run; can it be rebuilt
 
 Adding a subcommand is one function and its registration, with its options given either as
 ``arg(...)`` entries or by a module's own ``add_arguments(parser)`` (named as "module:function",
@@ -578,6 +579,15 @@ def _cmd_report(args) -> int:
     from kvlab import report
 
     return report.run_args(args)
+
+
+@subcommand("provenance", "say which code made each run and whether it can be reconstructed (--check: exit 1 if not)",
+            configure="kvlab.provenance:add_arguments")
+def _cmd_provenance(args) -> int:
+    """Check each run's recorded code hash against its commit (kvlab.provenance.status)."""
+    from kvlab import provenance
+
+    return provenance.run_args(args)
 
 
 @subcommand("trace", "timelines: profile a command with Nsight Systems, or load a trace",

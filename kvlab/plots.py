@@ -138,9 +138,12 @@ def _run_facts(run) -> tuple[Path, str, str, bool, str]:
             devices.summary(record))
 
 
-def footer_text(run_id: str, device: str) -> str:
-    """The provenance line under every saved figure: ``kvlab · run <run_id> · <device>``."""
-    return f"kvlab · run {run_id} · {device}"
+def footer_text(run_id: str, device: str, drawn: str | None = None) -> str:
+    """The provenance line under every saved figure: ``kvlab · run <run_id> · <device>``, and
+    ``· drawn by <commit>`` (kvlab.provenance.short) when ``drawn`` is given: the data's run and the
+    code that drew it, which need not be the run's own."""
+    text = f"kvlab · run {run_id} · {device}"
+    return f"{text} · drawn by {drawn}" if drawn else text
 
 
 def _set_footer(fig, text: str) -> None:
@@ -193,7 +196,8 @@ def write(fig, folder: Path, name: str, footer: str) -> list[Path]:
 def save(fig, name: str, run, publish: bool = True) -> list[Path]:
     """Write ``fig`` as ``<run_dir>/figures/<name>.png`` and ``.svg`` (``.svgz``, gzipped, above
     SVG_GZIP_BYTES), then publish both to
-    ``<figures_root>/<study>/`` with a sidecar ``<name>.json`` (run id, device, is_gpu).
+    ``<figures_root>/<study>/`` with a sidecar ``<name>.json`` (run id, device, is_gpu, and drawn_by: the
+    commit and code hash of the code that drew it, kvlab.provenance.drawing).
 
     ``run`` is a ``results.Run`` or the path of a run folder (to redraw an older run's figure from
     its data). Publishing is skipped, with a printed note, when this is a CPU run and the published
@@ -207,8 +211,10 @@ def save(fig, name: str, run, publish: bool = True) -> list[Path]:
     if not hasattr(fig, "savefig"):
         raise TypeError(f"fig must be a matplotlib Figure, got {type(fig).__name__}")
     folder, run_id, study, is_gpu, device = _run_facts(run)
+    from kvlab import provenance
 
-    written = write(fig, folder / "figures", name, footer_text(run_id, device))
+    drawn = provenance.drawing()
+    written = write(fig, folder / "figures", name, footer_text(run_id, device, provenance.short(drawn)))
     if not publish:
         return written
 
@@ -232,7 +238,7 @@ def save(fig, name: str, run, publish: bool = True) -> list[Path]:
         written.append(dst)
     sidecar.write_text(
         json.dumps({"figure": name, "study": study, "run_id": run_id, "is_gpu": is_gpu,
-                    "device": device, "run": f"{study}/{run_id}"}, indent=2) + "\n",
+                    "device": device, "run": f"{study}/{run_id}", "drawn_by": drawn}, indent=2) + "\n",
         encoding="utf-8",
     )
     return written

@@ -239,9 +239,16 @@ def git_state(root: str | os.PathLike | None = None) -> dict:
     ``commit`` is None without git, outside a repository or before its first commit; ``dirty``
     is None without git or outside a repository. Changes under the data and figures roots are
     not dirt: they are what runs write, and counting them would mark every second run dirty.
-    ``dirty_paths`` lists at most 20 changed paths, enough to see what was uncommitted.
+    ``dirty_paths`` lists every changed path. ``code_sha256`` is kvlab.provenance's hash of the code
+    files on disk, which `kvlab provenance` later checks against the commit's.
     """
+    from . import provenance
+
     state = _git_state(root)
+    try:
+        code = provenance.tree_hash(root if root is not None else None)
+    except OSError:
+        code = None
     # A copy of the tree sent to a GPU node may have no usable .git, or a stale one (the node's copy kept
     # the .git of an older commit and sees the sent changes as dirt): only the sender can name the commit
     # the tree is, through KVLAB_GIT_COMMIT. It then wins, and what the local git saw is kept beside it.
@@ -250,6 +257,7 @@ def git_state(root: str | os.PathLike | None = None) -> dict:
         local = {"commit": state["commit"], "dirty": state["dirty"], "dirty_paths": state["dirty_paths"]}
         state = {"commit": sent, "dirty": None, "dirty_paths": [], "commit_source": "KVLAB_GIT_COMMIT",
                  "local_git": local}
+    state["code_sha256"] = code
     return state
 
 
@@ -283,7 +291,7 @@ def _git_state(root) -> dict:
     if status is None or status.returncode != 0:
         return {"commit": commit, "dirty": None, "dirty_paths": []}
     changed = [line[3:] for line in status.stdout.splitlines() if line.strip()]
-    return {"commit": commit, "dirty": bool(changed), "dirty_paths": changed[:20]}
+    return {"commit": commit, "dirty": bool(changed), "dirty_paths": changed}
 
 
 # ------------------------------------------------------------------------------------ runs
@@ -407,7 +415,7 @@ def start(study: str, params: Mapping, run_dir: str | os.PathLike = "") -> Run:
     that are not a mapping or hold a value JSON cannot record) raises before anything is written.
 
     run.json holds: schema, run_id, study, status ("running" until ``finish()``), started_utc,
-    finished_utc, duration_s, git (commit, dirty flag, dirty paths), kvlab_version, device_kind
+    finished_utc, duration_s, git (commit, dirty flag, every dirty path, code_sha256; git.diff and its hash where the code is not the commit's), kvlab_version, device_kind
     ("cuda" | "cpu"), device_tag, host, devices (GPUs), p2p, driver_version, cuda_runtime,
     versions, parameters, argv, invocation, host_state_start (devices.host_state()); ``finish()`` adds
     host_state_end and host_usage (busy / iowait / steal % of the machine's CPU time during the run).
@@ -435,6 +443,8 @@ def start(study: str, params: Mapping, run_dir: str | os.PathLike = "") -> Run:
         path.mkdir(parents=True, exist_ok=True)
 
     argv, invocation = _invocation()
+    git = git_state()
+    _record_diff(path, git)
     record = {
         "schema": SCHEMA,
         "run_id": path.name,
@@ -443,7 +453,7 @@ def start(study: str, params: Mapping, run_dir: str | os.PathLike = "") -> Run:
         "started_utc": _iso(_utc_now()),
         "finished_utc": None,
         "duration_s": None,
-        "git": git_state(),
+        "git": git,
         "kvlab_version": __version__,
         **hardware,
         "parameters": parameters,
@@ -454,6 +464,28 @@ def start(study: str, params: Mapping, run_dir: str | os.PathLike = "") -> Run:
     run = Run(path, record)
     run._write()
     return run
+
+
+def _record_diff(run_dir: Path, git: dict) -> None:
+    """Where the code on disk is not its commit's, write the difference to ``<run_dir>/git.diff`` and name
+    it (and its sha256) in ``git``: a reader can then rebuild the code that ran. Nothing when the code is
+    the commit's, or when the commit is not known here (a sent tree whose .git is older): `kvlab provenance`
+    checks the code hash against the commit later, on a machine that has it."""
+    import hashlib
+
+    from . import provenance
+
+    commit, code = git.get("commit"), git.get("code_sha256")
+    if not commit or not code:
+        return
+    expected = provenance.commit_hash(commit)
+    git["code_matches_commit"] = None if expected is None else code == expected
+    if expected is None or code == expected:
+        return
+    patch = provenance.code_diff(base=commit)
+    (run_dir / "git.diff").write_text(patch, encoding="utf-8")
+    git["diff_file"] = "git.diff"
+    git["diff_sha256"] = hashlib.sha256(patch.encode("utf-8")).hexdigest()
 
 
 def record_execution(run_dir: str | os.PathLike, notebook: str, ok: bool, seconds: float,

@@ -20,7 +20,7 @@ import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kvlab import devices, nbtools, plots, results  # noqa: E402
+from kvlab import devices, nbtools, plots, provenance, results  # noqa: E402
 
 RUN_ID = re.compile(r"^\d{8}-\d{6}-[a-z0-9]+(-\d+)?$")
 UTC_STAMP = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z$")
@@ -68,7 +68,7 @@ def test_start_writes_run_json_at_once_with_every_field(kvlab_dirs):
         assert key in record, key
     assert record["study"] == "toy" and record["status"] == "running"
     assert UTC_STAMP.match(record["started_utc"]) and record["finished_utc"] is None
-    assert set(record["git"]) == {"commit", "dirty", "dirty_paths"}
+    assert {"commit", "dirty", "dirty_paths", "code_sha256"} <= set(record["git"])
     assert record["host"]["hostname"] and record["host"]["cpu_count"] >= 1
     assert record["versions"]["python"].count(".") == 2
     assert record["versions"]["torch"] == torch.__version__
@@ -214,7 +214,8 @@ def repo(tmp_path, monkeypatch):
     root = tmp_path / "repo"
     root.mkdir()
     git(root, "init", "-q")
-    (root / "code.py").write_text("x = 1\n")
+    (root / "kvlab").mkdir()
+    (root / "kvlab" / "code.py").write_text("x = 1\n")
     monkeypatch.setenv("KVLAB_ROOT", str(root))
     monkeypatch.setenv("KVLAB_DATA", str(root / "data"))
     monkeypatch.setenv("KVLAB_FIGURES", str(root / "figures"))
@@ -224,29 +225,33 @@ def repo(tmp_path, monkeypatch):
 def test_git_commit_and_dirty_flag(repo):
     state = results.git_state()
     assert state["commit"] is None and state["dirty"] is True  # no commit yet, code.py untracked
-    git(repo, "add", "code.py")
+    git(repo, "add", "kvlab/code.py")
     git(repo, "commit", "-qm", "first")
     head = git(repo, "rev-parse", "HEAD")
 
     run = results.start("toy", {})  # writes data/toy/<id>/run.json inside the repository
-    assert run.record["git"] == {"commit": head, "dirty": False, "dirty_paths": []}
+    code = provenance.tree_hash(repo)
+    assert run.record["git"] == {"commit": head, "dirty": False, "dirty_paths": [], "code_sha256": code,
+                                 "code_matches_commit": True}
     (repo / "figures" / "toy").mkdir(parents=True)
     (repo / "figures" / "toy" / "f.png").write_bytes(b"png")
     assert results.git_state()["dirty"] is False  # what runs write is not dirt
 
-    (repo / "code.py").write_text("x = 2\n")
+    (repo / "kvlab" / "code.py").write_text("x = 2\n")
     state = results.start("toy", {}).record["git"]
     assert state["commit"] == head and state["dirty"] is True
-    assert state["dirty_paths"] == ["code.py"]
+    assert state["dirty_paths"] == ["kvlab/code.py"]
 
 
 def test_git_state_is_null_outside_a_repository_or_without_git(tmp_path, monkeypatch):
     plain = tmp_path / "plain"
     plain.mkdir()
-    assert results.git_state(plain) == {"commit": None, "dirty": None, "dirty_paths": []}
+    assert results.git_state(plain) == {"commit": None, "dirty": None, "dirty_paths": [],
+                                        "code_sha256": provenance.tree_hash(plain)}
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
-    assert results.git_state(Path(__file__).parent) == {"commit": None, "dirty": None,
-                                                        "dirty_paths": []}
+    state = results.git_state(Path(__file__).parent)
+    assert {k: state[k] for k in ("commit", "dirty", "dirty_paths")} == {"commit": None, "dirty": None,
+                                                                         "dirty_paths": []}
 
 
 # -------------------------------------------------------------------------- paths, reading
@@ -356,10 +361,12 @@ def test_save_writes_run_copy_and_publishes_with_footer(kvlab_dirs):
                      published / "line.png", published / "line.svg"]
     assert all(p.stat().st_size > 0 for p in paths)
     assert (published / "line.png").read_bytes() == (run.dir / "figures/line.png").read_bytes()
-    footer = f"kvlab · run {run.run_id} · cpu"
+    drawn = provenance.drawing()
+    footer = f"kvlab · run {run.run_id} · cpu · drawn by {provenance.short(drawn)}"
     assert [t.get_text() for t in fig.texts] == [footer]
     sidecar = read_json(published / "line.json")
     assert sidecar["run_id"] == run.run_id and sidecar["is_gpu"] is False
+    assert sidecar["drawn_by"] == drawn and drawn["code_sha256"] == provenance.tree_hash()
     plots.save(fig, "line", run)  # saving again keeps one footer
     assert len(fig.texts) == 1
     plt.close(fig)
@@ -374,7 +381,7 @@ def test_cpu_run_never_replaces_a_gpu_published_figure(kvlab_dirs, monkeypatch, 
         gpu_run = results.start("toy", {})
         fig = _figure()
         plots.save(fig, "line", gpu_run)
-        assert fig.texts[0].get_text() == f"kvlab · run {gpu_run.run_id} · NVIDIA H200"
+        assert fig.texts[0].get_text().startswith(f"kvlab · run {gpu_run.run_id} · NVIDIA H200 · drawn by ")
     gpu_png = (published / "line.png").read_bytes()
 
     cpu_run = results.start("toy", {})
@@ -390,7 +397,9 @@ def test_cpu_run_never_replaces_a_gpu_published_figure(kvlab_dirs, monkeypatch, 
 
     # Redrawing from the GPU run's folder (an analysis notebook) publishes as that GPU run.
     plots.save(_figure(), "other", gpu_run.dir)
-    assert read_json(published / "other.json") == {
+    sidecar = read_json(published / "other.json")
+    assert sidecar.pop("drawn_by") == provenance.drawing()
+    assert sidecar == {
         "figure": "other", "study": "toy", "run_id": gpu_run.run_id, "is_gpu": True,
         "device": "NVIDIA H200", "run": f"toy/{gpu_run.run_id}"}
     plt.close("all")
@@ -473,16 +482,19 @@ def test_show_table_prints_without_index(capsys):
 
 
 def test_a_sent_commit_wins_over_a_stale_local_git(repo, monkeypatch):
-    git(repo, "add", "code.py")
+    git(repo, "add", "kvlab/code.py")
     git(repo, "commit", "-qm", "first")
     head = git(repo, "rev-parse", "HEAD")
-    (repo / "code.py").write_text("x = 2\n")  # the tree that was sent differs from the local HEAD
+    (repo / "kvlab" / "code.py").write_text("x = 2\n")  # the tree that was sent differs from the local HEAD
+    code = provenance.tree_hash(repo)
     monkeypatch.setenv("KVLAB_GIT_COMMIT", "f" * 40)
     state = results.git_state()
     assert state["commit"] == "f" * 40 and state["commit_source"] == "KVLAB_GIT_COMMIT"
-    assert state["local_git"] == {"commit": head, "dirty": True, "dirty_paths": ["code.py"]}
+    assert state["local_git"] == {"commit": head, "dirty": True, "dirty_paths": ["kvlab/code.py"]}
+    assert state["code_sha256"] == code
     monkeypatch.setenv("KVLAB_GIT_COMMIT", head)  # the same commit: the local state stands
-    assert results.git_state() == {"commit": head, "dirty": True, "dirty_paths": ["code.py"]}
+    assert results.git_state() == {"commit": head, "dirty": True, "dirty_paths": ["kvlab/code.py"],
+                                   "code_sha256": code}
 
 
 def test_host_usage_shares_from_two_readings():
@@ -500,3 +512,75 @@ def test_host_state_cannot_be_overwritten(kvlab_dirs):
     run = results.start("toy", {})
     with pytest.raises(ValueError, match="cannot be updated"):
         run.update(host_usage={"busy_pct": 0})
+
+
+# ------------------------------------------------------------------------------- provenance
+
+
+def test_a_run_from_changed_code_records_the_diff_that_rebuilds_it(repo, tmp_path):
+    git(repo, "add", "kvlab/code.py")
+    git(repo, "commit", "-qm", "first")
+    head = git(repo, "rev-parse", "HEAD")
+    clean = results.start("toy", {})
+    assert provenance.status(clean.record, clean.dir, repo)[0] == "verified"
+    assert not (clean.dir / "git.diff").exists()
+
+    (repo / "kvlab" / "code.py").write_text("x = 2\n")
+    (repo / "kvlab" / "new.py").write_text("y = 3\n")  # untracked code counts too
+    (repo / "notes.txt").write_text("not code\n")  # dirt, but not code
+    run = results.start("toy", {})
+    g = run.record["git"]
+    assert g["dirty"] is True and sorted(g["dirty_paths"]) == ["kvlab/code.py", "kvlab/new.py", "notes.txt"]
+    assert g["code_matches_commit"] is False and g["diff_file"] == "git.diff"
+    assert provenance.status(run.record, run.dir, repo)[0] == "diff"
+
+    # the diff, applied to the commit, gives back exactly the code that ran
+    rebuilt = tmp_path / "rebuilt"
+    subprocess.run(["git", "clone", "-q", str(repo), str(rebuilt)], check=True)
+    git(rebuilt, "checkout", "-q", head)
+    git(rebuilt, "apply", str(run.dir / "git.diff"))
+    assert provenance.tree_hash(rebuilt) == g["code_sha256"]
+
+    # a diff that was edited afterwards no longer vouches for the run
+    (run.dir / "git.diff").write_text("tampered\n")
+    assert provenance.status(run.record, run.dir, repo)[0] == "mismatch"
+
+
+def test_a_sent_commit_is_checked_against_the_code_that_travelled(repo, monkeypatch):
+    git(repo, "add", "kvlab/code.py")
+    git(repo, "commit", "-qm", "first")
+    first = git(repo, "rev-parse", "HEAD")
+    (repo / "kvlab" / "code.py").write_text("x = 2\n")
+    git(repo, "commit", "-qam", "second")
+    second = git(repo, "rev-parse", "HEAD")
+    git(repo, "checkout", "-q", first)  # a node whose .git is older than the tree it was sent
+    (repo / "kvlab" / "code.py").write_text("x = 2\n")
+    monkeypatch.setenv("KVLAB_GIT_COMMIT", second)
+    run = results.start("toy", {})
+    assert provenance.status(run.record, run.dir, repo)[0] == "verified"
+    wrong = dict(run.record, git=dict(run.record["git"], commit=first))  # naming the wrong commit is caught
+    assert provenance.status(wrong, run.dir, repo)[0] == "mismatch"
+    unknown = dict(run.record, git=dict(run.record["git"], commit="e" * 40))
+    assert provenance.status(unknown, run.dir, repo)[0] == "unknown"
+
+
+@pytest.mark.parametrize("git_record, expected", [
+    ({"commit": None, "dirty": True, "dirty_paths": []}, "no commit"),
+    ({"commit": "a" * 40, "dirty": True, "dirty_paths": ["kvlab/x.py"]}, "dirty"),
+    ({"commit": "a" * 40, "dirty": False, "dirty_paths": []}, "clean"),
+    ({"commit": "a" * 40, "dirty": None, "dirty_paths": [], "commit_source": "KVLAB_GIT_COMMIT"}, "unverified"),
+])
+def test_runs_from_before_code_hashes_get_the_status_their_record_allows(git_record, expected):
+    assert provenance.status({"git": git_record})[0] == expected
+    assert (expected in provenance.PUBLISHABLE) == (expected == "clean")
+
+
+def test_every_published_run_has_a_provenance_status():
+    """Every committed run gets one of the known statuses; the README's provenance table lists them."""
+    known = {"verified", "diff", "clean", "unverified", "dirty", "mismatch", "unknown", "no commit"}
+    dirs = sorted(p.parent for p in (Path(__file__).resolve().parents[1] / "data").glob("*/*/run.json"))
+    assert dirs
+    for d in dirs:
+        st, detail = provenance.status(json.loads((d / "run.json").read_text()), d,
+                                       Path(__file__).resolve().parents[1])
+        assert st in known and detail, d

@@ -1,0 +1,213 @@
+"""Which code made a run, and whether a reader can check it.
+
+A commit alone does not say what ran: the tree may have held uncommitted changes, or (on a GPU node that
+received a copy of the tree) the commit may be one the sender named. So every run records a **code hash** —
+sha256 over the files that decide what a run measures (`CODE_PATTERNS`: the package, the notebooks,
+pyproject.toml), each by path and content — and, when those files differ from the commit, the diff itself
+(`<run>/git.diff`, with its sha256 in run.json). Later, anywhere the commit is known to git, `status`
+recomputes the commit's code hash and says whether the run's code was that commit, that commit plus the
+recorded diff, or something nobody can reconstruct.
+
+Statuses (`status(record, run_dir)`), best first:
+
+- ``verified``     the run's code hash equals its commit's: the commit is exactly the code that ran.
+- ``diff``         the code differed from the commit and the diff is recorded beside the run (its hash checks).
+- ``clean``        a run from before code hashes whose git saw a clean tree at that commit.
+- ``unverified``   the commit came from ``KVLAB_GIT_COMMIT`` (a sent tree) and no code hash was recorded.
+- ``dirty``        git saw uncommitted changes and nothing recorded them: the code cannot be reconstructed.
+- ``mismatch``     a code hash was recorded and differs from the commit's, with no diff to explain it.
+- ``unknown``      the commit is not in this repository (cannot be checked here).
+- ``no commit``    the run recorded no commit.
+
+`PUBLISHABLE` are the statuses under which a reader can get the code that ran.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+__all__ = ["CODE_PATTERNS", "PUBLISHABLE", "code_paths", "tree_hash", "commit_hash", "code_diff",
+           "status", "drawing", "short", "add_arguments", "run_args"]
+
+# fnmatch patterns ('*' also crosses '/'): what decides a run's measurement. Tests, docs and data do not.
+CODE_PATTERNS = ("kvlab/*.py", "notebooks/*.ipynb", "pyproject.toml")
+PUBLISHABLE = ("verified", "diff", "clean")
+
+
+def _is_code(path: str) -> bool:
+    return any(fnmatch.fnmatch(path, p) for p in CODE_PATTERNS)
+
+
+def _root(root) -> Path:
+    if root is not None:
+        return Path(root)
+    from . import results
+
+    return results.repo_root()
+
+
+def code_paths(root: str | os.PathLike | None = None) -> list[str]:
+    """The code files of the working tree at ``root`` (default: the repository), relative, sorted."""
+    root = _root(root)
+    out = []
+    for top in ("kvlab", "notebooks"):
+        base = root / top
+        if base.is_dir():
+            out += [p.relative_to(root).as_posix() for p in base.rglob("*") if p.is_file()]
+    if (root / "pyproject.toml").is_file():
+        out.append("pyproject.toml")
+    return sorted(p for p in out if _is_code(p) and "__pycache__" not in p)
+
+
+def _digest(files: dict[str, bytes]) -> str:
+    h = hashlib.sha256()
+    for path in sorted(files):
+        h.update(path.encode() + b"\0" + hashlib.sha256(files[path]).hexdigest().encode() + b"\n")
+    return h.hexdigest()
+
+
+def tree_hash(root: str | os.PathLike | None = None) -> str:
+    """The code hash of the files on disk under ``root``."""
+    root = _root(root)
+    return _digest({p: (root / p).read_bytes() for p in code_paths(root)})
+
+
+def _git(root: Path, *args: str, data: bytes | None = None) -> subprocess.CompletedProcess | None:
+    git = shutil.which("git")
+    if git is None:
+        return None
+    try:
+        return subprocess.run([git, "-C", str(root), *args], input=data, capture_output=True, timeout=120,
+                              check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def commit_hash(commit: str, root: str | os.PathLike | None = None) -> str | None:
+    """The code hash of ``commit``'s tree, or None where git or the commit is not available here."""
+    root = _root(root)
+    if not commit:
+        return None
+    listing = _git(root, "ls-tree", "-r", "-z", "--name-only", commit)
+    if listing is None or listing.returncode != 0:
+        return None
+    paths = [p for p in listing.stdout.decode().split("\0") if p and _is_code(p)]
+    if not paths:
+        return _digest({})
+    # one `git cat-file --batch` for every blob: a `git show` per file would take seconds
+    batch = _git(root, "cat-file", "--batch", data="".join(f"{commit}:{p}\n" for p in paths).encode())
+    if batch is None or batch.returncode != 0:
+        return None
+    out, files, i = batch.stdout, {}, 0
+    for p in paths:
+        nl = out.index(b"\n", i)
+        header = out[i:nl].split()
+        if len(header) < 3 or header[1] != b"blob":
+            return None
+        size = int(header[2])
+        files[p] = out[nl + 1:nl + 1 + size]
+        i = nl + 1 + size + 1
+    return _digest(files)
+
+
+def code_diff(root: str | os.PathLike | None = None, base: str = "HEAD") -> str:
+    """What the code files on disk change against commit ``base``, as a patch (`git apply` takes it): tracked
+    files by `git diff <base>`, untracked code files as new files. Empty when they match or git is missing."""
+    root = _root(root)
+    parts = []
+    tracked = _git(root, "diff", "--binary", base, "--", *CODE_PATTERNS)
+    if tracked is not None and tracked.returncode == 0:
+        parts.append(tracked.stdout.decode(errors="replace"))
+    untracked = _git(root, "ls-files", "--others", "--exclude-standard", "-z", "--", "kvlab", "notebooks")
+    if untracked is not None and untracked.returncode == 0:
+        for p in sorted(x for x in untracked.stdout.decode().split("\0") if x and _is_code(x)):
+            new = _git(root, "diff", "--binary", "--no-index", "--", "/dev/null", p)
+            if new is not None:
+                parts.append(new.stdout.decode(errors="replace"))
+    return "".join(parts)
+
+
+def status(record: dict, run_dir: str | os.PathLike | None = None,
+           root: str | os.PathLike | None = None) -> tuple[str, str]:
+    """(status, one line of detail) of a run's provenance; see the module's docstring for the statuses."""
+    git = record.get("git") or {}
+    commit = git.get("commit")
+    if not commit:
+        return "no commit", "run.json names no commit"
+    recorded = git.get("code_sha256")
+    if recorded:
+        expected = commit_hash(commit, root)
+        if expected is None:
+            return "unknown", f"commit {commit[:10]} is not in this repository"
+        if recorded == expected:
+            return "verified", f"code hash matches commit {commit[:10]}"
+        diff_name = git.get("diff_file")
+        if diff_name and run_dir is not None:
+            f = Path(run_dir) / diff_name
+            if f.is_file() and hashlib.sha256(f.read_bytes()).hexdigest() == git.get("diff_sha256"):
+                return "diff", f"commit {commit[:10]} + {diff_name} ({len(git.get('dirty_paths') or [])} paths)"
+        return "mismatch", f"code hash differs from commit {commit[:10]} and no recorded diff explains it"
+    if git.get("commit_source") == "KVLAB_GIT_COMMIT":
+        return "unverified", f"commit {commit[:10]} sent by KVLAB_GIT_COMMIT; no code hash to check it against"
+    if git.get("dirty") is False:
+        return "clean", f"git saw a clean tree at {commit[:10]}"
+    if git.get("dirty"):
+        paths = [p for p in (git.get("dirty_paths") or []) if _is_code(p)]
+        return "dirty", (f"commit {commit[:10]} with uncommitted changes ({len(paths)} code paths listed"
+                         f"{', list cut at 20' if len(git.get('dirty_paths') or []) >= 20 else ''}), no diff recorded")
+    return "unverified", f"commit {commit[:10]}; whether the tree was clean was not recorded"
+
+
+def drawing() -> dict:
+    """The code drawing a figure now: ``{"commit", "code_sha256", "code_matches_commit"}`` (the last None
+    where it cannot be told). A figure's sidecar and footer carry it, beside the run whose data it shows."""
+    from . import results
+
+    git = results.git_state()
+    commit, code = git.get("commit"), git.get("code_sha256")
+    expected = commit_hash(commit) if commit else None
+    return {"commit": commit, "code_sha256": code,
+            "code_matches_commit": None if expected is None or code is None else code == expected}
+
+
+def short(drawn: dict) -> str:
+    """``abc1234`` (the code is that commit's), ``abc1234+changes`` (it is not), ``abc1234?`` (cannot tell),
+    ``no commit``."""
+    commit = drawn.get("commit")
+    if not commit:
+        return "no commit"
+    tail = {True: "", False: "+changes"}.get(drawn.get("code_matches_commit"), "?")
+    return commit[:7] + tail
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("runs", nargs="*", help="run folders (default: every run under data/)")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 when a run's code cannot be reconstructed (status not in "
+                             + ", ".join(PUBLISHABLE) + ")")
+
+
+def run_args(args) -> int:
+    import json
+
+    from . import results
+
+    dirs = [Path(r) for r in args.runs] or sorted(p.parent for p in results.data_root().glob("*/*/run.json"))
+    bad = 0
+    for d in dirs:
+        f = d / "run.json"
+        if not f.is_file():
+            raise SystemExit(f"kvlab provenance: {d} has no run.json; give a run folder such as "
+                             f"data/handoff/<run_id>")
+        st, detail = status(json.loads(f.read_text(encoding="utf-8")), d)
+        bad += st not in PUBLISHABLE
+        print(f"{st:<11} {d}  {detail}")
+    if args.check and bad:
+        print(f"{bad} of {len(dirs)} runs cannot be reconstructed")
+        return 1
+    return 0
