@@ -116,6 +116,21 @@ def run_ceilings(record: dict) -> tuple[dict, dict]:
     return ceil, paths
 
 
+HOST_BOUND_CONTEXT = 1024  # below a few thousand tokens prefill waits for the host: its rate is the host's
+
+
+def host_bound(summary: pd.DataFrame, context: int = HOST_BOUND_CONTEXT) -> dict | None:
+    """The host-bound regime's prefill rate of a run, for run.json: ``{"context", "colocated_prefill_ms",
+    "tokens_per_s"}`` — the median colocated prefill at ``context`` over its destinations' rounds. At 1k the
+    same GPU gave 29–43 ms on different hosts and processes, so every 1k verdict holds on the host this
+    names. None when the run did not measure ``context``."""
+    rows = summary[summary.context == context]
+    if rows.empty:
+        return None
+    ms = float(rows.prefill_ms.median())
+    return {"context": int(context), "colocated_prefill_ms": round(ms, 3), "tokens_per_s": round(context / ms * 1e3)}
+
+
 def summarize(timings: pd.DataFrame, ceilings: dict | None = None, paths: dict | None = None) -> pd.DataFrame:
     """The seed-004 table, one row per (context, destination).
 
