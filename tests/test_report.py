@@ -1,0 +1,45 @@
+"""The README's result tables are what `kvlab report` makes from the committed runs (issue 12)."""
+
+from pathlib import Path
+
+import pytest
+
+from kvlab import report
+from kvlab.cli import main
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_the_readme_matches_what_the_committed_runs_give():
+    names = [m.group(2) for m in report._BLOCK_RE.finditer(README.read_text(encoding="utf-8"))]
+    assert set(names) == set(report.BLOCKS), "every block is in the README once, and only known blocks"
+    assert len(names) == len(set(names))
+    assert report.check(README) == [], "run `kvlab report` and commit the README"
+
+
+def test_a_hand_edited_number_is_caught(tmp_path):
+    text = README.read_text(encoding="utf-8")
+    old = report.render("handoff_2gpu")
+    assert "+28.97 [+26.63, +31.21]" in old
+    edited = tmp_path / "README.md"
+    edited.write_text(text.replace(old, old.replace("+28.97 [+26.63, +31.21]", "+2.97 [+2.63, +3.21]")),
+                      encoding="utf-8")
+    assert report.check(edited) == ["handoff_2gpu"]
+    assert main(["report", "--check", "--readme", str(edited)]) == 1
+    assert main(["report", "--readme", str(edited)]) == 0  # rewrites it from data/
+    assert edited.read_text(encoding="utf-8") == text
+
+
+def test_verdicts_come_from_the_one_evaluator(monkeypatch):
+    """Were the evaluator to say "met" for everything, the README's verdict table would change."""
+    from kvlab import goals
+
+    real = report.render("verdicts")
+    assert "**missed**" in real and "**not resolved**" in real
+    monkeypatch.setattr(goals, "judge", lambda *a, **k: ("met", "point"))
+    assert report.render("verdicts") != real
+
+
+def test_an_unknown_block_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown report block 'nope'; known: "):
+        report.render("nope")
