@@ -225,6 +225,9 @@ def resolve_paths(paths: None | str | Iterable[str], device: str | int | torch.d
             raise ValueError(f"path 'd2d_peer' needs two or more GPUs; this machine has {_gpu_count(dev)}. Valid: {valid}")
         for q in expanded:
             if q not in valid:
+                if dev.type != "cuda" and q.split(":")[0] in ("d2d_same", "d2d_same_sm", "d2h_pinned", "h2d_pinned",
+                                                              "d2h_pageable", "d2d_peer", "d2d_peer_sm"):
+                    raise ValueError(f"path {q!r} needs a CUDA GPU and torch sees none here; on this machine: {valid}")
                 raise ValueError(f"unknown path {q!r} on this machine; valid: {valid}")
             if q not in out:
                 out.append(q)
@@ -514,18 +517,10 @@ def measure(
 # command line: `kvlab ceilings`
 # --------------------------------------------------------------------------- #
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``kvlab ceilings`` options to ``parser`` (for a CLI subparser)."""
-    parser.add_argument("--paths", nargs="+", default=["auto"],
-                        help="path names (space- or comma-separated), 'd2d_peer' for every GPU pair, or auto")
-    parser.add_argument("--sizes", nargs="+", default=["auto"],
-                        help="bytes per copy, e.g. 4K 1M 1G (binary units), or auto (GPU 4K..1G, CPU 4K..16M)")
-    parser.add_argument("-n", "--repeats", type=int, default=9, help="timed samples per (path, size) (default 9)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed samples first (default 3)")
-    parser.add_argument("--copies", default="auto", help="copies per sample: auto or an int")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: current GPU, else cpu)")
-    parser.add_argument("--run-dir", default="", help="write into this run directory (default: a new one)")
-    parser.add_argument("--no-save", action="store_true", help="print only; write no run")
-    return parser
+    """Add the ``kvlab ceilings`` options to ``parser`` (kept in kvlab.ceilings_args, which imports no torch)."""
+    from .ceilings_args import add_arguments as add
+
+    return add(parser)
 
 
 def _join(values: list[str]) -> str:

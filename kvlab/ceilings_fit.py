@@ -464,7 +464,8 @@ def finding_text(df: pd.DataFrame, ceilings: "Ceilings | Fit | pd.DataFrame", pr
         if pc.has_fit:
             bw = "unbounded" if math.isinf(pc.bandwidth_gbps) else f"{pc.bandwidth_gbps:,.4g} GB/s"
             line += (f"; fit: {pc.fixed_us:.3g} µs fixed per copy + bytes at {bw} "
-                     f"(within {100 * pc.max_rel_err:.0f}% at every size)")
+                     f"(the fit's largest error at any size: {100 * pc.max_rel_err:.0f} % of the measured time"
+                     f"{'; a poor fit' if pc.max_rel_err > 0.2 else ''})")
             if math.isfinite(pc.half_size_bytes):
                 line += f"; copies under {fmt_bytes(pc.half_size_bytes)} get less than half the fitted bandwidth"
         probe = g[g["size_bytes"] == probe_bytes]

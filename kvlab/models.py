@@ -229,7 +229,12 @@ def get(name: str) -> ModelSpec:
         raise ValueError(f"model name {name!r}: expected a non-empty string; known: {names()}")
     key = _alias_table().get(_norm_name(name))
     if key is None:
-        raise ValueError(f"unknown model {name!r}; known models: {', '.join(names())} "
+        import difflib
+
+        close = difflib.get_close_matches(_norm_name(name), list(dict.fromkeys(_alias_table().values())), n=1,
+                                          cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"unknown model {name!r}; {hint}known models: {', '.join(names())} "
                          "(or pass a config.json path to models.from_hf_config)")
     entry = REGISTRY[key]
     # A fresh deep copy each time, so a caller editing spec.hf_config cannot change the registry.

@@ -93,20 +93,22 @@ def default_destinations(device: torch.device | str | None = None) -> list[str]:
 
 
 def _split(value, cast=str) -> list:
-    if isinstance(value, str):
-        items = [v.strip() for v in value.split(",") if v.strip()]
-    else:
-        items = list(value)
+    from .preflight import name_list
+
+    if not isinstance(value, (str, list, tuple)):
+        value = [value]
+    items = name_list(value) if not isinstance(value, (list, tuple)) or value else []
     try:
         return [cast(v) for v in items]
     except (TypeError, ValueError):
-        raise ValueError(f"{value!r} is not a comma-separated list of {cast.__name__} values") from None
+        raise ValueError(f"{value!r} is not a comma-separated list of {getattr(cast, '__name__', 'valid')} values") from None
 
 
 def _tokens(v) -> int:
-    # "32k" / "32K" = 32 × 1024 tokens, as the notebooks write contexts
-    t = str(v).strip().lower()
-    return int(t[:-1]) * 1024 if t.endswith("k") else int(t)
+    # "32k" / "32K" = 32 × 1024 tokens, as the notebooks write contexts (kvlab.preflight.token_list's rule)
+    from .preflight import token_list
+
+    return token_list(str(v))[0]
 
 
 def resolve(contexts="auto", block_sizes="auto", methods="auto", destinations="auto", layout="auto",
@@ -121,7 +123,7 @@ def resolve(contexts="auto", block_sizes="auto", methods="auto", destinations="a
     gpu = dev.type == "cuda"
     out = {
         "contexts": list(GPU_CONTEXTS if gpu else CPU_CONTEXTS) if contexts == "auto" else _split(contexts, _tokens),
-        "block_sizes": list(BLOCK_SIZES) if block_sizes == "auto" else _split(block_sizes, int),
+        "block_sizes": list(BLOCK_SIZES) if block_sizes == "auto" else _split(block_sizes, _tokens),
         "methods": list(METHODS) if methods == "auto" else _split(methods),
         "destinations": default_destinations(dev) if destinations == "auto" else _split(destinations),
         "layout": ("qwen2.5-7b" if gpu else "tiny") if layout == "auto" else layout,

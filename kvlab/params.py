@@ -155,6 +155,11 @@ def coerce(param: Parameter, value, raw: str | None = None):
     if param.annotation is None:
         return value
     node = ast.parse(param.annotation, mode="eval").body
+    if isinstance(value, (list, tuple)) and param.annotation == "str" \
+            and all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
+        # a list given to a comma-separated text parameter (`-p contexts "[1024, 4096]"`, a sweep grid's
+        # `contexts: [[1024, 4096]]`) is that text
+        return ",".join(str(v) for v in value)
     if _accepts(value, node) is not False:
         return value
     if isinstance(value, str):
@@ -200,13 +205,17 @@ def parse_params(pairs, declared: Mapping[str, Parameter], notebook: str) -> dic
     check_names([name for name, _ in pairs], declared, notebook)
     values = {}
     for name, raw in pairs:
-        if declared[name].annotation == "str":
+        if declared[name].annotation == "str" and not raw.strip().startswith("["):
             values[name] = raw
             continue
         try:
             value = yaml.safe_load(raw)
         except yaml.YAMLError as err:
-            raise UsageError(f"-p {name} {raw!r} is not valid YAML: {err}") from None
+            where = getattr(err, "problem_mark", None)
+            what = getattr(err, "problem", None) or str(err).splitlines()[0]
+            at = f" at column {where.column + 1}" if where is not None else ""
+            raise UsageError(f"-p {name} {raw!r} is not valid YAML ({what}{at}); a list is written "
+                             "[1024, 4096] or 1024,4096") from None
         values[name] = coerce(declared[name], value, raw)
     return values
 

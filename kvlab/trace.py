@@ -424,13 +424,21 @@ def trace_main(argv: list[str] | None = None) -> int:
         argv, command = argv[:cut], argv[cut + 1:]
     parser = argparse.ArgumentParser(prog="kvlab trace", description=trace_main.__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
-    p_nsys = sub.add_parser("nsys", help="profile COMMAND (after --) with Nsight Systems")
+    p_nsys = sub.add_parser("nsys", help="profile COMMAND (after --) with Nsight Systems",
+                            description="Profile COMMAND (after --) with Nsight Systems (CUDA + NVTX) and print a "
+                                        "summary of its timeline; needs nsys on PATH and a machine where it can "
+                                        "make reports (exit 3 says why not otherwise).")
     p_nsys.add_argument("--out", default="nsys-trace", help="output folder (default: ./nsys-trace)")
     p_nsys.add_argument("--name", default="nsys", help="report name inside --out")
     p_nsys.add_argument("--capture-range", default="cudaProfilerApi", choices=["cudaProfilerApi", "none"],
                         help="cudaProfilerApi: record inside kvlab.trace.profiler_range() only; none: all")
-    p_load = sub.add_parser("load", help="read a Kineto .json(.gz) or nsys .sqlite and summarise it")
-    p_load.add_argument("file")
+    p_load = sub.add_parser("load", help="read a Kineto .json(.gz) or nsys .sqlite and summarise it",
+                            description="Read a timeline — a torch.profiler (Kineto) trace, .json or .json.gz, or an "
+                                        "Nsight Systems .sqlite export — into kvlab's events table and print a "
+                                        "summary by kind and stream.\n\n"
+                                        "Example: kvlab trace load examples/trace_tiny_cpu.json.gz",
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    p_load.add_argument("file", help="the trace file (.json, .json.gz or .sqlite)")
     p_load.add_argument("--csv", default=None, help="also write the events table to this CSV")
     try:
         args = parser.parse_args(argv)
