@@ -4,6 +4,9 @@
 #   PYTHON      interpreter that creates the venv                    (python3)
 #   TORCH       the torch requirement, installed before kvlab        (torch>=2.4)
 #               e.g. TORCH='torch==2.13.0' for a CPU build whose wheel is on local disk
+#   CPU         CPU=1: install torch's CPU build (a venv of about 2.6 GB, against about 6 GB with the
+#               default CUDA build on Linux) from TORCH_INDEX
+#   TORCH_INDEX the package index torch comes from (with CPU=1: PyTorch's CPU index)
 #   PY_VERSION  Python version of the target of `make wheelhouse`    (3.12)
 #   PLATFORM    platform tag(s) of the target of `make wheelhouse`   (manylinux_2_28_x86_64)
 #   EXTRAS      kvlab extras to add to the wheelhouse, e.g. dev,nixl (none)
@@ -11,6 +14,8 @@
 
 PYTHON      ?= python3
 TORCH       ?= torch>=2.4
+CPU         ?=
+TORCH_INDEX ?= $(if $(CPU),https://download.pytorch.org/whl/cpu,)
 VENV        ?= .venv
 PY_VERSION  ?= 3.12
 PLATFORM    ?= manylinux_2_28_x86_64
@@ -37,7 +42,7 @@ venv: $(STAMP)
 # torch>=2.4 is then already satisfied and pulls nothing more. Nothing is installed globally.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install "$(TORCH)"
+	$(BIN)/python -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) )"$(TORCH)"
 	$(BIN)/python -m pip install -e '.[dev]'
 	touch $@
 
@@ -47,8 +52,9 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# JupyterLab refuses to start as root without --allow-root (containers and cloud notebooks run as root)
 lab: $(STAMP)
-	$(BIN)/jupyter lab --notebook-dir notebooks
+	$(BIN)/jupyter lab --notebook-dir notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # pip matches --platform tags literally, but a node with glibc 2.28 also runs wheels built for any
 # older glibc (manylinux_2_17 = manylinux2014, ...), which is how most packages ship: pass them all.

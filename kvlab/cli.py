@@ -14,7 +14,7 @@ Adding a subcommand is one function and its registration, with its options given
 imported only when that subcommand runs)::
 
     @subcommand("ceilings", "measure link ceilings on this machine",
-                configure="kvlab.ceilings:add_arguments")
+                configure="kvlab.ceilings_args:add_arguments")
     def _cmd_ceilings(args) -> int:
         from kvlab import ceilings   # heavy imports inside, so `kvlab --help` stays fast
         return ceilings.run_args(args)
@@ -147,6 +147,17 @@ def main(argv: list[str] | None = None) -> int:
 # ------------------------------------------------------------------------------- notebooks
 
 
+def _preflight(notebook: Path, params: Mapping) -> None:
+    """Every value given for ``notebook`` checked the way the notebook will read it (kvlab.preflight), before a
+    kernel starts or a folder is made; a bad one is a one-line UsageError."""
+    from kvlab import preflight
+
+    try:
+        preflight.check(results.study_of(notebook), params)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
 @contextlib.contextmanager
 def _environment(**values: str) -> Iterator[None]:
     """Set environment variables for the kernels started inside, restoring them afterwards (the
@@ -225,6 +236,9 @@ def execute(notebook: Path, params: Mapping, run_dir: str | os.PathLike | None =
                 str(notebook), str(output), parameters={**params, "run_dir": str(folder)},
                 kernel_name="python3", cwd=str(notebook.parent), progress_bar=progress,
                 request_save_on_cell_execute=True,
+                # the kernel's own start-up warnings ("running over TCP without encryption": a local
+                # kernel that papermill started for this run) are not the user's business
+                extra_arguments=["--IPKernelApp.log_level=ERROR"],
             )
         except papermill.PapermillExecutionError as err:
             error = f"{err.ename}: {err.evalue} (cell {err.exec_count})"
@@ -287,20 +301,27 @@ _NO_PROGRESS = arg("--no-progress", action="store_true", help="hide papermill's 
     _PARAM,
     arg("--run-dir", default="", metavar="DIR",
         help="the run folder (default: a new data/<study>/<run_id>/)"),
+    arg("--publish", action="store_true",
+        help="also replace the README's figures in figures/<study>/ with this run's (only when the published "
+             "ones came from a run with the same parameters; KVLAB_PUBLISH=force overrides)"),
     _NO_PROGRESS,
 )
 def _cmd_run(args) -> int:
     """Execute NOTEBOOK through papermill with its parameters (-p NAME VALUE) into a run folder.
 
-Every -p name is checked against the notebook's parameters cell before anything is created; the
-executed notebook is written to <run_dir>/<notebook>.ipynb and kept when a cell fails (exit 1).
-The run folder is printed at the end."""
+Every -p name and value is checked before anything is created; the executed notebook is written to
+<run_dir>/<notebook>.ipynb and kept when a cell fails (exit 1). Figures go to the run folder only;
+--publish also puts them in figures/<study>/. The run folder is printed at the end.
+
+Example: kvlab run handoff -p contexts 64,128 -p destinations same-gpu"""
     notebook = find_notebook(args.notebook)
     declared = runnable_parameters(notebook)
     params = parse_params(args.params, declared, notebook.name)
-    outcome = execute(notebook, params, run_dir=args.run_dir or None,
-                      progress=not args.no_progress,
-                      invocation={"argv": args.argv, "command": "run"})
+    _preflight(notebook, params)
+    with _environment(**({"KVLAB_PUBLISH": os.environ.get("KVLAB_PUBLISH") or "1"} if args.publish else {})):
+        outcome = execute(notebook, params, run_dir=args.run_dir or None,
+                          progress=not args.no_progress,
+                          invocation={"argv": args.argv, "command": "run"})
     _report(outcome)
     print(outcome.run_dir)
     return 0 if outcome.ok else 1
@@ -334,6 +355,7 @@ A failed notebook does not stop the rest; the exit code is 1 if any failed. `mak
     for nb in nbs:
         mine = [(n, v) for n, v in args.params if n in declared[nb]]
         plans.append((nb, parse_params(mine, declared[nb], nb.name)))
+        _preflight(nb, plans[-1][1])
     outcomes = []
     for nb, params in plans:
         print(f"== {nb.name}", flush=True)
@@ -422,8 +444,11 @@ def check_points(points: list[dict], declared: Mapping[str, Parameter],
 def _cmd_sweep(args) -> int:
     """Run NOTEBOOK once per point of the grid in FILE, each point in its own run folder.
 
-    contexts: [[1024, 4096], [16384]]     # a list-valued parameter: a list of lists
-    kv_dtype: [bf16, fp8]                 # 2 × 2 = 4 runs
+    # examples/grid.yaml
+    contexts: [[1024, 4096], [16384]]     # each point's contexts: a list per point
+    policy: [eager, deadline]             # 2 × 2 = 4 runs
+
+Example: kvlab sweep handoff --grid examples/grid.yaml --dry-run
 
 Every point is validated before the first run; -p NAME VALUE fixes a parameter for all points
 (a grid value wins over it). A summary table ends the sweep; exit 1 if any point failed."""
@@ -431,6 +456,11 @@ Every point is validated before the first run; -p NAME VALUE fixes a parameter f
     declared = runnable_parameters(notebook)
     fixed = parse_params(args.params, declared, notebook.name)
     points = check_points(load_grid(args.grid), declared, notebook.name)
+    for i, point in enumerate(points):
+        try:
+            _preflight(notebook, {**fixed, **point})
+        except ValueError as err:
+            raise UsageError(f"grid point {i} {json.dumps(point)}: {err}") from None
     print(f"{notebook.name}: {len(points)} point(s) from {args.grid}")
     if args.dry_run:
         print(_summary([{"point": i, "parameters": json.dumps(p)} for i, p in enumerate(points)]))
@@ -454,6 +484,18 @@ Every point is validated before the first run; -p NAME VALUE fixes a parameter f
 # ------------------------------------------------------------------------------------ calc
 
 
+def _one_token_count(text: str) -> int:
+    from kvlab import preflight
+
+    try:
+        counts = preflight.token_list(text, "--tokens", minimum=-2**62)  # the calculator names a bad count
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if len(counts) != 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one prompt length, e.g. 8192 or 8k")
+    return counts[0]
+
+
 def _show(name: str, value) -> str:
     from kvlab.nbtools import format_number
 
@@ -473,7 +515,8 @@ def _show(name: str, value) -> str:
     "calc", "the KV-cache calculator: bytes, link time and exposure for one model and prompt",
     arg("model", metavar="MODEL",
         help="a registry model name, e.g. llama-3.1-8b (case-insensitive)"),
-    arg("--tokens", required=True, type=int, metavar="N", help="prompt length in tokens"),
+    arg("--tokens", required=True, type=_one_token_count, metavar="N",
+        help="prompt length in tokens: 8192 or 8k"),
     arg("--link", default="400G",
         help="the link: a preset (100G, 200G, 400G, 800G, nvlink, pcie5) or a rate (400Gb/s, "
              "50GB/s) (default 400G)"),
@@ -485,10 +528,15 @@ def _show(name: str, value) -> str:
 )
 def _cmd_calc(args) -> int:
     """Print the calculator's answer for MODEL and a prompt of N tokens: KV bytes per token and in
-    all, prefill time, transfer time over the link, and what a layer-by-layer handoff exposes."""
+    all, prefill time, transfer time over the link, and what a layer-by-layer handoff exposes.
+
+Example: kvlab calc qwen2.5-7b --tokens 32k --link nvlink-h100"""
     from kvlab import calculator, models
 
     spec = models.get(args.model)
+    if args.link.strip().replace(".", "", 1).isdigit():
+        raise UsageError(f"--link {args.link!r} has no unit: write {args.link}G for Gb/s (as NICs are quoted) or "
+                         f"{args.link}GB/s for bytes per second, or a preset: 100G, 200G, 400G, 800G, nvlink, pcie5")
     link = calculator.link(args.link)
     estimate = calculator.handoff_estimate(spec, args.tokens, link, kv_dtype=args.kv_dtype,
                                            tp=args.tp, tflops=args.tflops)
@@ -547,7 +595,7 @@ def format_info(info: Mapping) -> str:
 
 
 @subcommand("ceilings", "measure link ceilings: GB/s and fixed cost per copy, for each path here",
-            configure="kvlab.ceilings:add_arguments")
+            configure="kvlab.ceilings_args:add_arguments")
 def _cmd_ceilings(args) -> int:
     """Time plain copies over a size sweep on every path this machine has (same-GPU, peer, pinned and
     pageable host), fit fixed cost + bandwidth per path, and write a link_ceilings run under
@@ -564,7 +612,7 @@ def _cmd_analyse(args) -> int:
     <run>/analysis/<UTC time>-<commit>/ with analysis.json naming the code that drew it; the run's own
     tables and figures stay as they were. Studies: overlap_timeline, handoff, paged_transfer.
 
-    Example: kvlab analyse data/overlap_timeline/20261130-142913-h200"""
+Example: kvlab analyse data/overlap_timeline/20261130-142913-h200 --out /tmp/reanalysis"""
     from kvlab import analyse
 
     return analyse.run_args(args)

@@ -260,7 +260,7 @@ def gantt_pair(colocated: pd.DataFrame, layerwise: pd.DataFrame, title: str | No
     gantt(layerwise, ax=b, title="layer-wise prefill + send", legend=True)
     a.set_xlabel("")
     if title:
-        fig.suptitle(title, x=0.01, ha="left", fontweight="semibold")
+        fig.suptitle(title, x=0.01, ha="left", fontweight="bold")
     fig.tight_layout()
     return fig
 

@@ -109,7 +109,7 @@ def style() -> None:
             "savefig.pad_inches": 0.1,
             "axes.spines.top": False,
             "axes.spines.right": False,
-            "axes.titleweight": "semibold",
+            "axes.titleweight": "bold",
             "axes.titlesize": 13,
             "axes.titlelocation": "left",
             "legend.frameon": False,
@@ -136,6 +136,15 @@ def _run_facts(run) -> tuple[Path, str, str, bool, str]:
         raise TypeError(f"run must be a results.Run or a run folder path, got {type(run).__name__}")
     return (folder, record["run_id"], record["study"], record.get("device_kind") == "cuda",
             devices.summary(record))
+
+
+def _run_parameters(run) -> dict:
+    """The parameters a run was made with, less run_dir (which differs for every run)."""
+    from kvlab import results
+
+    record = run.record if isinstance(run, results.Run) else \
+        json.loads((Path(run) / results.RUN_JSON).read_text(encoding="utf-8"))
+    return {k: v for k, v in (record.get("parameters") or {}).items() if k != "run_dir"}
 
 
 def footer_text(run_id: str, device: str, drawn: str | None = None) -> str:
@@ -193,15 +202,31 @@ def write(fig, folder: Path, name: str, footer: str) -> list[Path]:
     return written
 
 
-def save(fig, name: str, run, publish: bool = True) -> list[Path]:
+PUBLISH_ENV = "KVLAB_PUBLISH"
+
+
+def publishing() -> str | None:
+    """Whether figures are published now: ``"yes"`` when ``KVLAB_PUBLISH`` is 1 / yes / true (``kvlab run
+    --publish`` sets it), ``"force"`` when it is "force", else None — a plain run, an interactive session or
+    `make run` leaves figures/ alone."""
+    v = os.environ.get(PUBLISH_ENV, "").strip().lower()
+    if v == "force":
+        return "force"
+    return "yes" if v in ("1", "yes", "true", "on") else None
+
+
+def save(fig, name: str, run, publish: bool | None = None) -> list[Path]:
     """Write ``fig`` as ``<run_dir>/figures/<name>.png`` and ``.svg`` (``.svgz``, gzipped, above
     SVG_GZIP_BYTES), then publish both to
     ``<figures_root>/<study>/`` with a sidecar ``<name>.json`` (run id, device, is_gpu, and drawn_by: the
     commit and code hash of the code that drew it, kvlab.provenance.drawing).
 
     ``run`` is a ``results.Run`` or the path of a run folder (to redraw an older run's figure from
-    its data). Publishing is skipped, with a printed note, when this is a CPU run and the published
-    figure came from a GPU run. ``name``: lowercase letters, digits, '-' and '_'
+    its data). Publishing happens only when asked: ``publish=True``, or ``publish=None`` (the default)
+    with ``KVLAB_PUBLISH`` set (`publishing()`; ``kvlab run --publish``). Even then it is skipped, with a
+    printed note, when this is a CPU run and the published figure came from a GPU run, or when the
+    published figure's run had other parameters than this one (``KVLAB_PUBLISH=force`` overrides that
+    check): the README's figures change only on purpose, for a run made with the parameters they show. ``name``: lowercase letters, digits, '-' and '_'
     (e.g. ``"exposure_vs_link"``). Returns the paths written: the run's copies, then the published
     ones (if published).
     """
@@ -215,30 +240,51 @@ def save(fig, name: str, run, publish: bool = True) -> list[Path]:
 
     drawn = provenance.drawing()
     written = write(fig, folder / "figures", name, footer_text(run_id, device, provenance.short(drawn)))
-    if not publish:
+    mode = ("yes" if publish else None) if publish is not None else publishing()
+    if not mode:
         return written
+    return written + publish_files(written, name, run, mode=mode, drawn=drawn)
 
-    from kvlab import results
 
+def publish_files(files: list[Path], name: str, run, mode: str = "yes", drawn: dict | None = None,
+                  **extra) -> list[Path]:
+    """Copy a figure's files (``<name>.png`` / ``.svg`` / ``.svgz``, drawn for ``run``) to
+    ``<figures_root>/<study>/<name>.*`` with a sidecar ``<name>.json`` naming the run, its parameters, the code
+    that drew it (``drawn``, default `provenance.drawing()`) and any ``extra`` fields; returns the copies, or
+    [] with a printed note when the rules of `save` keep the published figure. A re-analysis publishes
+    through this too (`kvlab analyse RUN --publish`)."""
+    from kvlab import provenance, results
+
+    folder, run_id, study, is_gpu, device = _run_facts(run)
+    params = _run_parameters(run)
+    drawn = drawn if drawn is not None else provenance.drawing()
     target = results.figures_root() / study
     sidecar = target / f"{name}.json"
-    if sidecar.is_file() and not is_gpu:
+    if sidecar.is_file():
         try:
             published = json.loads(sidecar.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError):
             published = {}
-        if published.get("is_gpu"):
+        if published.get("is_gpu") and not is_gpu:
             print(f"kept {target / name}.png from GPU run {published.get('run_id')}: a CPU run "
-                  f"does not replace it (this run's copy: {written[0]})")
-            return written
+                  f"does not replace it (this run's copy: {files[0]})")
+            return []
+        theirs = published.get("parameters")
+        if mode != "force" and theirs is not None and published.get("run_id") != run_id and theirs != params:
+            differ = sorted(k for k in set(theirs) | set(params) if theirs.get(k) != params.get(k))
+            print(f"kept {target / name}.png from run {published.get('run_id')}: this run's parameters differ "
+                  f"({', '.join(differ)}); publish it anyway with KVLAB_PUBLISH=force (this run's copy: {files[0]})")
+            return []
     target.mkdir(parents=True, exist_ok=True)
-    for src in list(written):
-        dst = target / src.name
+    copies = []
+    for src in files:
+        dst = target / f"{name}{''.join(Path(src).suffixes[-1:])}"
         shutil.copyfile(src, dst)
-        written.append(dst)
+        copies.append(dst)
     sidecar.write_text(
         json.dumps({"figure": name, "study": study, "run_id": run_id, "is_gpu": is_gpu,
-                    "device": device, "run": f"{study}/{run_id}", "drawn_by": drawn}, indent=2) + "\n",
+                    "device": device, "run": f"{study}/{run_id}", "parameters": params, "drawn_by": drawn, **extra},
+                   indent=2) + "\n",
         encoding="utf-8",
     )
-    return written
+    return copies

@@ -27,7 +27,7 @@ __all__ = ["BLOCKS", "render", "update", "check", "add_arguments", "run_args"]
 _BLOCK_RE = re.compile(r"(<!-- kvlab-report:([a-z0-9_]+) -->\n)(.*?)(<!-- /kvlab-report -->)", re.S)
 
 # seed 004's 2×H100 numbers (docs/REFERENCE.md): the reference column of the two-GPU table
-SEED_H100 = {1024: (29, 1.1, 0.1), 4096: (109, 1.4, 3.9), 16384: (495, 3.4, 8.6), 32768: (1167, 5.7, 23.3)}
+SEED_H100 = handoff_report.SEED004_H100
 
 
 def _data() -> Path:
@@ -333,12 +333,29 @@ def verdict_counts() -> str:
     return _md(pd.DataFrame(rows))
 
 
+def _committed_runs() -> list[Path]:
+    """run.json of every run git tracks under data/ (a checkout's own, ignored CPU runs are not published);
+    every run.json under data/ where git cannot say."""
+    import subprocess
+
+    root = results.repo_root()
+    try:
+        done = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--", "data/*/*/run.json"],
+                              capture_output=True, text=True, timeout=60, check=True)
+        tracked = [root / p for p in done.stdout.split("\0") if p]
+        if tracked:
+            return sorted(tracked)
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return sorted(_data().glob("*/*/run.json"))
+
+
 def provenance_table() -> str:
     """Every committed run by provenance status (kvlab.provenance): can a reader get the code that ran?"""
     from . import provenance
 
     rows = {}
-    for f in sorted(_data().glob("*/*/run.json")):
+    for f in _committed_runs():
         st = provenance.status(json.loads(f.read_text(encoding="utf-8")), f.parent)[0]
         rows.setdefault(st, []).append(f"{f.parent.parent.name}/{f.parent.name}")
     order = ["verified", "diff", "clean", "unverified", "dirty", "mismatch", "unknown", "no commit"]

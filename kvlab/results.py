@@ -35,6 +35,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 RUN_JSON = "run.json"
+STOPPED = "STOPPED.txt"  # written into a run folder whose notebook failed or was interrupted
 SCHEMA = 1
 STATUSES = ("running", "finished", "failed")
 
@@ -492,10 +493,17 @@ def record_execution(run_dir: str | os.PathLike, notebook: str, ok: bool, second
                      error: str | None = None) -> bool:
     """Note in a run's run.json how its notebook execution ended (``kvlab run`` calls this).
 
-    A failed execution turns a still-"running" run into "failed", so ``latest()`` skips it.
-    Returns False when the run has no run.json (the notebook failed before ``start()``).
+    A failed execution turns a still-"running" run into "failed", so ``latest()`` skips it, and writes
+    ``STOPPED.txt`` into the folder (also when the notebook failed before ``start()``). Returns False when
+    the run has no run.json.
     """
     path = Path(run_dir) / RUN_JSON
+    if not ok and Path(run_dir).is_dir():
+        # whoever lists the folder sees at once that it is not a result, run.json or not
+        (Path(run_dir) / STOPPED).write_text(
+            f"This run stopped before it finished ({error or 'failed'}).\n"
+            f"Its tables and figures are partial; kvlab's readers skip it (run.json status: failed).\n"
+            f"The executed notebook, {notebook}, shows where it stopped.\n", encoding="utf-8")
     if not path.is_file():
         return False
     record = _read_json(path)

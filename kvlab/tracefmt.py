@@ -334,6 +334,30 @@ def _gzip_file(src: Path, dst: Path) -> None:
         shutil.copyfileobj(f, g)
 
 
+@contextlib.contextmanager
+def native_stderr_muted():
+    """Send what native code writes to file descriptor 2 to /dev/null inside the block: Kineto prints a
+    "USDT: … profiler_start" line (and, on a CUDA build without a GPU, "gpuGetDeviceCount failed") at every
+    start and stop, whatever KINETO_LOG_LEVEL says. Only the profiler's start and stop run inside it, so
+    errors of the code being profiled still show. Python's sys.stderr is flushed first and left alone."""
+    import sys
+
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):
+        yield
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
 def capture(fn, *, device=None, out_dir: str | os.PathLike | None = None, name: str = "trace",
             warmup: int = 1):
     """Run ``fn()`` under torch.profiler and return ``(events, path)``.
@@ -373,9 +397,15 @@ def capture(fn, *, device=None, out_dir: str | os.PathLike | None = None, name: 
         fn()
     sync()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities, record_shapes=False, with_stack=False, profile_memory=False) as prof:
+    prof = profile(activities=activities, record_shapes=False, with_stack=False, profile_memory=False)
+    with native_stderr_muted():  # Kineto's own "USDT: profiler_start" lines, CUPTI's device-count probe
+        prof.__enter__()
+    try:
         fn()
         sync()
+    finally:
+        with native_stderr_muted():
+            prof.__exit__(None, None, None)
     # export plain JSON next to the target, then gzip it ourselves: older torch versions do not
     # compress on export, and the uncompressed file may be large
     plain = out / f".{name}.{os.getpid()}.json"

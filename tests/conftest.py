@@ -3,6 +3,9 @@ the repository, and tests marked ``gpu`` are skipped on a machine without CUDA."
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -91,3 +94,27 @@ def toy_project(tmp_path, monkeypatch):
 def make_notebook():
     """``write_notebook(path, parameters, *cells)`` for tests that need a notebook of their own."""
     return write_notebook
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def kvlab_command(argv: list[str], env_extra: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run ``kvlab ARGV`` as a user would (a new process, the repository as working directory), with the data
+    and figures roots and the published-figure switch taken from ``env_extra``, never the developer's shell."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVLAB_")}
+    env.update(env_extra or {})
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-m", "kvlab", *argv], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+
+
+@pytest.fixture(scope="session")
+def workbook(tmp_path_factory):
+    """`kvlab run-all` — what `make run` does and README shows — once per session, on the CPU preset, into
+    temporary data and figures folders: (completed process, data root, figures root)."""
+    root = tmp_path_factory.mktemp("workbook")
+    data, figures = root / "data", root / "figures"
+    done = kvlab_command(["run-all", "--no-progress"],
+                         {"KVLAB_DATA": str(data), "KVLAB_FIGURES": str(figures), "KVLAB_PRESET": "cpu"})
+    return SimpleNamespace(process=done, data=data, figures=figures)

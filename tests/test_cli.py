@@ -438,6 +438,9 @@ def test_make_takes_torch_from_the_environment():
     lines = plan.splitlines()
     torch_line = lines.index('.venv/bin/python -m pip install "torch==9.9.9"')
     assert lines[torch_line + 1] == ".venv/bin/python -m pip install -e '.[dev]'"
+    cpu = subprocess.run(["make", "-n", "-B", "venv", "CPU=1"], cwd=REPO, env=env, capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    assert '.venv/bin/python -m pip install --index-url https://download.pytorch.org/whl/cpu "torch==9.9.9"' in cpu
     wheels = subprocess.run(["make", "-n", "-B", "wheelhouse", "PY_VERSION=3.11"], cwd=REPO,
                             env=env, capture_output=True, text=True, check=True).stdout
     assert "pip wheel --no-deps --wheel-dir wheelhouse ." in wheels

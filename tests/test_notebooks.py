@@ -1,5 +1,5 @@
 """Every notebook in notebooks/: committed clean with one well-declared parameters cell, and
-executed end to end through papermill on the CPU with small parameters."""
+executed end to end on the CPU preset by `kvlab run-all`, as `make run` does (the session fixture `workbook`)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from kvlab import cli, results
+from kvlab import results
 from kvlab import params as nbparams
-
-# Small parameters per notebook (by file stem) so that each runs on a CPU in seconds. A notebook
-# not listed runs with {}: its "auto" defaults resolve to the CPU preset (KVLAB_PRESET=cpu below).
-SMALL: dict[str, dict] = {
-    "00_calculator": {},
-    "01_link_ceilings": {"sizes": "4K,64K,1M", "repeats": 3, "warmup": 1},
-}
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
@@ -28,11 +21,6 @@ RUN_DIR_LINE = 'run_dir: str = ""  # kvlab run sets it; empty = a new data/<stud
 def test_the_workbook_has_notebooks():
     assert NOTEBOOKS, f"no notebooks in {NOTEBOOK_DIR}"
     assert (NOTEBOOK_DIR / "00_calculator.ipynb") in NOTEBOOKS
-
-
-def test_small_parameters_name_real_notebooks():
-    stems = {nb.stem for nb in NOTEBOOKS}
-    assert set(SMALL) <= stems, f"SMALL names notebooks that do not exist: {set(SMALL) - stems}"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
@@ -61,29 +49,38 @@ def test_one_parameters_cell_every_parameter_annotated_and_commented(path):
         assert param.default is not None, f"{path.name}: {param.name} has no default"
         assert param.help, f"{path.name}: {param.name} has no comment saying what it is"
     assert RUN_DIR_LINE in source.splitlines(), f"{path.name} lacks the line: {RUN_DIR_LINE}"
-    # The test's own small values must still be parameters of the notebook, of the right types.
-    cli.check_points([SMALL.get(path.stem, {})], declared, path.name)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_executes_on_cpu_with_small_parameters(path, kvlab_dirs, monkeypatch):
-    # Small sizes even on a GPU machine: this is the logic check, not a measurement.
-    monkeypatch.setenv("KVLAB_PRESET", "cpu")
-    declared = nbparams.notebook_parameters(path)
-    [params] = cli.check_points([SMALL.get(path.stem, {})], declared, path.name)
-    outcome = cli.execute(path, params, progress=False,
-                          invocation={"argv": ["pytest", path.name], "command": "test"})
-    assert outcome.ok, f"{path.name} failed: {outcome.error}; executed copy: {outcome.output}"
-
-    run_dir = outcome.run_dir
-    assert run_dir.parent == kvlab_dirs.data / results.study_of(path)
+def test_executes_on_cpu_through_run_all(path, workbook):
+    """Each notebook as `kvlab run-all` (make run) executed it on the CPU preset: finished, with tables and
+    figures in its run folder, no error output, and nothing published to figures/."""
+    done = workbook.process
+    assert f"{path.name}" in done.stdout, f"run-all did not run {path.name}:\n{done.stdout}\n{done.stderr}"
+    folders = sorted((workbook.data / results.study_of(path)).glob("*"))
+    assert len(folders) == 1, f"{path.name}: expected one run folder, found {folders}\n{done.stderr[-3000:]}"
+    run_dir = folders[0]
+    executed = nbformat.read(str(run_dir / path.name), as_version=4)
+    errors = [o for c in executed.cells if c.cell_type == "code" for o in c.outputs
+              if o.output_type == "error"]
+    assert errors == [], f"{path.name}: {errors[0].get('ename')}: {errors[0].get('evalue')}" if errors else ""
     record = json.loads((run_dir / "run.json").read_text())
     assert record["status"] == "finished", f"{path.name} never called run.finish()"
     assert record["study"] == results.study_of(path)
     assert record["device_kind"] == "cpu"
+    assert not (run_dir / results.STOPPED).exists()
     assert list(run_dir.glob("*.csv")), f"{path.name} saved no table (Run.save_table)"
     assert list((run_dir / "figures").glob("*.png")), f"{path.name} saved no figure (plots.save)"
-    executed = nbformat.read(str(outcome.output), as_version=4)
-    errors = [o for c in executed.cells if c.cell_type == "code" for o in c.outputs
-              if o.output_type == "error"]
-    assert errors == []
+    assert not workbook.figures.exists(), "a plain run-all published figures; only --publish may"
+    # nothing a user did not cause: no warnings in the cells' stderr (progress bars aside)
+    noise = [o.text for c in executed.cells if c.cell_type == "code" for o in c.outputs
+             if o.output_type == "stream" and o.name == "stderr" and "it/s" not in o.text and "%|" not in o.text
+             and o.text.strip()]
+    assert noise == [], f"{path.name} printed to stderr: {noise[:3]}"
+
+
+def test_run_all_succeeds_and_says_nothing_it_need_not(workbook):
+    done = workbook.process
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+    assert lines == [], f"run-all wrote to stderr: {lines[:5]}"

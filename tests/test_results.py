@@ -197,7 +197,15 @@ def test_record_execution_marks_a_crashed_run_failed(kvlab_dirs):
     assert record["status"] == "failed"
     assert record["execution"] == {"notebook": "00_toy.ipynb", "ok": False, "seconds": 1.5,
                                    "error": "RuntimeError: x"}
+    assert "stopped before it finished (RuntimeError: x)" in (run.dir / results.STOPPED).read_text()
     assert not results.record_execution(kvlab_dirs.data / "nowhere", "x.ipynb", False, 0.0)
+    early = kvlab_dirs.data / "toy" / "20261130-000000-cpu"  # failed before start(): no run.json
+    early.mkdir(parents=True)
+    assert not results.record_execution(early, "00_toy.ipynb", False, 0.2, "interrupted")
+    assert "(interrupted)" in (early / results.STOPPED).read_text()
+    fine = results.start("toy", {})
+    results.record_execution(fine.dir, "00_toy.ipynb", True, 1.0)
+    assert not (fine.dir / results.STOPPED).exists()
 
 
 # ------------------------------------------------------------------------------------- git
@@ -355,7 +363,9 @@ def _figure():
 def test_save_writes_run_copy_and_publishes_with_footer(kvlab_dirs):
     run = results.start("toy", {})
     fig = _figure()
-    paths = plots.save(fig, "line", run)
+    assert plots.save(fig, "line", run) == [run.dir / "figures" / "line.png", run.dir / "figures" / "line.svg"]
+    assert not (kvlab_dirs.figures / "toy").exists(), "a plain run publishes nothing"
+    paths = plots.save(fig, "line", run, publish=True)
     published = kvlab_dirs.figures / "toy"
     assert paths == [run.dir / "figures" / "line.png", run.dir / "figures" / "line.svg",
                      published / "line.png", published / "line.svg"]
@@ -367,13 +377,14 @@ def test_save_writes_run_copy_and_publishes_with_footer(kvlab_dirs):
     sidecar = read_json(published / "line.json")
     assert sidecar["run_id"] == run.run_id and sidecar["is_gpu"] is False
     assert sidecar["drawn_by"] == drawn and drawn["code_sha256"] == provenance.tree_hash()
-    plots.save(fig, "line", run)  # saving again keeps one footer
+    plots.save(fig, "line", run, publish=True)  # saving again keeps one footer
     assert len(fig.texts) == 1
     plt.close(fig)
 
 
 def test_cpu_run_never_replaces_a_gpu_published_figure(kvlab_dirs, monkeypatch, capsys):
     published = kvlab_dirs.figures / "toy"
+    monkeypatch.setenv("KVLAB_PUBLISH", "1")  # what `kvlab run --publish` sets
     with monkeypatch.context() as m:  # a GPU run publishes first
         m.setattr(devices, "has_cuda", lambda: True)
         m.setattr(devices, "gpus", lambda: FAKE_H200["devices"])
@@ -401,7 +412,28 @@ def test_cpu_run_never_replaces_a_gpu_published_figure(kvlab_dirs, monkeypatch, 
     assert sidecar.pop("drawn_by") == provenance.drawing()
     assert sidecar == {
         "figure": "other", "study": "toy", "run_id": gpu_run.run_id, "is_gpu": True,
-        "device": "NVIDIA H200", "run": f"toy/{gpu_run.run_id}"}
+        "device": "NVIDIA H200", "run": f"toy/{gpu_run.run_id}", "parameters": {}}
+
+
+def test_a_published_figure_is_replaced_only_by_a_run_with_its_parameters(kvlab_dirs, monkeypatch, capsys):
+    monkeypatch.setenv("KVLAB_PUBLISH", "1")
+    published = kvlab_dirs.figures / "toy"
+    first = results.start("toy", {"kv_dtype": "bf16", "tokens": 8192})
+    plots.save(_figure(), "line", first)
+    assert read_json(published / "line.json")["parameters"] == {"kv_dtype": "bf16", "tokens": 8192}
+    other = results.start("toy", {"kv_dtype": "fp8", "tokens": 8192})
+    plots.save(_figure(), "line", other)
+    assert read_json(published / "line.json")["run_id"] == first.run_id
+    assert "parameters differ (kv_dtype)" in capsys.readouterr().out
+    same = results.start("toy", {"kv_dtype": "bf16", "tokens": 8192})
+    plots.save(_figure(), "line", same)
+    assert read_json(published / "line.json")["run_id"] == same.run_id
+    monkeypatch.setenv("KVLAB_PUBLISH", "force")
+    plots.save(_figure(), "line", other)
+    assert read_json(published / "line.json")["run_id"] == other.run_id
+    monkeypatch.delenv("KVLAB_PUBLISH")
+    plots.save(_figure(), "line", same)  # no publish asked: figures/ stays as it is
+    assert read_json(published / "line.json")["run_id"] == other.run_id
     plt.close("all")
 
 
