@@ -57,6 +57,21 @@ class _Out:
         df.to_csv(self.dir / f"{name}.csv", index=False)
         self.meta["tables"].append(f"{name}.csv")
 
+    def publish(self, run: Path, suffix: str = "") -> list[Path]:
+        """Copy this analysis's figures to figures/<study>/<name><suffix>.* as the source run's published figures,
+        the sidecar naming this analysis folder and the code that drew them."""
+        from . import plots
+
+        out = []
+        for fig in self.meta["figures"]:
+            stem = fig.removesuffix(".png")
+            files = [p for p in (self.dir / f"{stem}.png", self.dir / f"{stem}.svg", self.dir / f"{stem}.svgz")
+                     if p.is_file()]
+            out += plots.publish_files(files, stem + suffix, run, drawn=self.drawn,
+                                       analysis=self.dir.relative_to(run).as_posix()
+                                       if self.dir.is_relative_to(run) else str(self.dir))
+        return out
+
     def figure(self, fig, name: str) -> None:
         import matplotlib.pyplot as plt
 
@@ -151,8 +166,11 @@ def _handoff(run: Path, record: dict, tables: dict, out: _Out) -> None:
     out.table(summary, "summary")
     out.table(goals, "goals")
     out.meta["findings"] += handoff_report.findings(summary, goals)
-    out.figure(handoff_report.plot_bars(summary, title=f"Moving the KV cache, as a share of prefill ({out.device_tag})"),
-               "handoff_bars")
+    model = (record.get("resolved") or {}).get("model", "")
+    gpus = len(record.get("devices") or [])
+    where = f"{gpus}×{out.device_tag.upper()}" if gpus else out.device_tag
+    out.figure(handoff_report.plot_ttft(summary, title=f"{model} on {where} (run {out.run_id}): what moving the KV "
+                                                      "cache adds to the time to first token"), "handoff_ttft")
 
 
 def _paged(run: Path, record: dict, tables: dict, out: _Out) -> None:
@@ -168,7 +186,7 @@ def _paged(run: Path, record: dict, tables: dict, out: _Out) -> None:
 _DISPATCH = {"overlap_timeline": _overlap_timeline, "handoff": _handoff, "paged_transfer": _paged}
 
 
-def analyse(run_dir, out: str | Path | None = None) -> Path:
+def analyse(run_dir, out: str | Path | None = None, publish: bool = False, suffix: str = "") -> Path:
     """Recompute the analysis of the run in `run_dir` with this checkout's code; returns the folder written
     (default `<run>/analysis/<UTC time>-<commit>/`). Raises FileNotFoundError for a folder that is not a run
     or lacks the tables its analysis reads, ValueError for a study with no analysis here."""
@@ -184,15 +202,26 @@ def analyse(run_dir, out: str | Path | None = None) -> Path:
                          "partial; analyse a finished run")
     o = _Out(run, record, Path(out) if out is not None else None)
     _DISPATCH[study](run, record, tables, o)
-    return o.done()
+    where = o.done()
+    if publish:
+        for p in o.publish(run, suffix):
+            print(f"published {p}")
+    return where
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("run_dir", help="a finished run folder, e.g. data/overlap_timeline/20261130-142913-h200")
     parser.add_argument("--out", default=None, help="where to write (default: <run>/analysis/<UTC>-<commit>/)")
+    parser.add_argument("--publish", action="store_true",
+                        help="also put the figures in figures/<study>/ as this run's published figures")
+    parser.add_argument("--suffix", default="", help="with --publish: append this to each published name, e.g. _nvlink")
 
 
 def run_args(args) -> int:
-    where = analyse(args.run_dir, args.out)
+    import re
+
+    if args.suffix and not re.fullmatch(r"[a-z0-9_-]+", args.suffix):
+        raise ValueError(f"--suffix {args.suffix!r}: use lowercase letters, digits, '-' and '_'")
+    where = analyse(args.run_dir, args.out, publish=args.publish, suffix=args.suffix)
     print(f"analysis written to {where}")
     return 0

@@ -1,6 +1,6 @@
 """The handoff study's analysis: from the tidy rows kvlab.handoff measured to seed 004's table (`summarize`),
 the goals' verdicts (`goals`), the models beside the measurements (`predictions`), sentences (`findings`) and
-figures (`plot_bars`, `plot_attribution`). Reads tables; never measures.
+figures (`plot_ttft`, `plot_attribution`). Reads tables; never measures.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pandas as pd
 
 from .timing import median_ci
 
-__all__ = ["run_ceilings", "summarize", "goals", "goal_state", "predictions", "plot_bars", "findings", "attribution_summary",
+__all__ = ["run_ceilings", "summarize", "goals", "goal_state", "predictions", "plot_ttft", "SEED004_H100", "findings", "attribution_summary",
            "attribution_findings", "plot_attribution"]
 
 
@@ -137,6 +137,7 @@ def summarize(timings: pd.DataFrame, ceilings: dict | None = None, paths: dict |
     ceilings: {destination label: ceiling GB/s measured in the same run} (optional);
     paths: {destination label: the kvlab.ceilings path behind it} (optional, carried into the table).
     Columns: context, kv_mib, destination, prefill_ms, prefill_spread_ms, copy_ms, copy_min_ms, copy_max_ms,
+    copy_ci_lo_ms / copy_ci_hi_ms,
     copy_pct_prefill, copy_gbps, ceiling_gbps, copy_pct_ceiling (against `ceilings`, the run's size sweep) with
     copy_pct_ceiling_lo / _hi (the 95 % bootstrap interval of the median copy, against it),
     ref_copy_ms (a plain copy_ of the same bytes over the same path, interleaved with the bulk copies),
@@ -177,6 +178,7 @@ def summarize(timings: pd.DataFrame, ceilings: dict | None = None, paths: dict |
             context=context, kv_mib=kv / 2**20, destination=dest, ceiling_path=(paths or {}).get(dest),
             prefill_ms=prefill_ms, prefill_spread_ms=float(pre.max() - pre.min()),
             copy_ms=copy_ms, copy_min_ms=float(copy.min()), copy_max_ms=float(copy.max()),
+            copy_ci_lo_ms=c_lo, copy_ci_hi_ms=c_hi,
             copy_pct_prefill=100 * copy_ms / prefill_ms, copy_gbps=gbps,
             ceiling_gbps=ceil, copy_pct_ceiling=(100 * gbps / ceil) if ceil else None,
             copy_pct_ceiling_lo=(100 * kv / (c_hi / 1e3) / 1e9 / ceil) if ceil else None,
@@ -248,64 +250,104 @@ def predictions(summary: pd.DataFrame, layers: int, ceilings=None, links=("100G"
     return pd.DataFrame(rows)
 
 
-def plot_bars(summary: pd.DataFrame, preds: pd.DataFrame | None = None, title: str = ""):
-    """Seed 004's figure: per context, each cost as a percentage of prefill (log scale).
+# Seed 004's numbers on two H100s over NVLink (docs/REFERENCE.md), by context: (prefill, bulk copy, layer-wise
+# extra), ms. A reference drawn beside kvlab's own measurements, never mixed with them.
+SEED004_H100 = {1024: (29, 1.1, 0.1), 4096: (109, 1.4, 3.9), 16384: (495, 3.4, 8.6), 32768: (1167, 5.7, 23.3)}
 
-    Measured bars: the bulk copy alone and the layer-wise extra (paired A/B median, floored at 0.001 %
-    so a zero or negative cost still shows as "nothing") per destination; a whisker on each layer-wise bar
-    spans its 95 % interval where the summary has one (the part below 0.001 % is cut by the log axis).
-    Predicted bars (hatched, dashed edge): the calculator's network links.
+
+def _ctx_label(c: int) -> str:
+    return f"{c // 1024}k" if c >= 1024 and c % 1024 == 0 else str(c)
+
+
+def plot_ttft(summary: pd.DataFrame, preds: pd.DataFrame | None = None, title: str = "",
+              reference: bool | None = None):
+    """The headline figure: what moving the cache adds to the time to first token, by context, one panel per
+    destination.
+
+    Measured (filled markers, 95 % intervals as bars): *bulk* = the one copy after prefill (median, interval of
+    the median copy); *layer-wise* = the request's wall time over colocated prefill, paired A/B rounds (median,
+    interval of the median). Zero is colocated; below zero is faster than colocated (noise, or drift). The
+    y axis is symmetric-log, linear within ±0.1 ms, so 0.03 ms and 145 ms both read. Marked apart (hollow,
+    grey, dashed): seed 004's 2×H100 numbers, drawn in a peer-GPU panel only (``reference``: force on / off),
+    and the prediction of the run's fitted link model for one copy (``preds`` with model "fit, 1 copy").
+    Each context's tick names its colocated prefill time, the rest of the time to first token.
     """
     import matplotlib.pyplot as plt
     import numpy as np
 
     from . import plots
 
-    contexts = sorted(summary.context.unique())
     dests = list(dict.fromkeys(summary.destination))
-    bars = []
-    for d in dests:
-        bars.append((f"bulk copy → {d}", d, "copy_pct_prefill", False))
-        bars.append((f"layer-wise extra → {d}", d, "layerwise_extra_pct", False))
-    net = [] if preds is None or preds.empty else list(dict.fromkeys(preds[preds.destination == "network"].model))
-    n = len(bars) + len(net)
-    fig, ax = plt.subplots(figsize=(max(7.0, 1.6 * len(contexts) + 0.35 * n), 4.6))
-    width = 0.8 / n
+    contexts = sorted(int(c) for c in summary.context.unique())
     x = np.arange(len(contexts))
-    floor = 1e-3
-    k = 0
-    for label, d, col, _ in bars:
-        vals = [float(summary[(summary.context == c) & (summary.destination == d)][col].iloc[0]) for c in contexts]
-        colour = plots.color(d)
-        hatch = None if label.startswith("bulk") else "//"
-        pos = x + (k - n / 2 + 0.5) * width
-        ax.bar(pos, [max(v, floor) for v in vals], width, label=label, color=colour,
-               alpha=1.0 if hatch is None else 0.55, hatch=hatch, edgecolor=colour)
-        if col == "layerwise_extra_pct" and {"extra_ci_lo_ms", "extra_ci_hi_ms"} <= set(summary.columns):
-            for xi, c in zip(pos, contexts):
-                r = summary[(summary.context == c) & (summary.destination == d)].iloc[0]
-                hi = 100 * r.extra_ci_hi_ms / r.prefill_ms
-                if hi > floor:
-                    lo = max(100 * r.extra_ci_lo_ms / r.prefill_ms, floor)
-                    ax.plot([xi, xi], [lo, hi], color="0.2", lw=0.8)
-        k += 1
-    for name in net:
-        vals = [float(preds[(preds.context == c) & (preds.model == name)].pct_prefill.iloc[0]) for c in contexts]
-        ax.bar(x + (k - n / 2 + 0.5) * width, vals, width, label=f"predicted: {name}", fill=False,
-               linestyle="--", edgecolor=plots.color(name), hatch="..")
-        k += 1
-    ax.set_yscale("log")
-    ax.axhline(100, color="0.3", lw=1)
-    ax.text(x[-1] + 0.45, 100, "prefill = 100 %", va="bottom", ha="right", fontsize=8, color="0.3")
-    ax.set_xticks(x, [f"{c // 1024}k" if c >= 1024 else str(c) for c in contexts])
-    ax.set_xlabel("context (tokens)")
-    ax.set_ylabel("% of prefill time (log)")
+    fig, axes = plt.subplots(1, len(dests), figsize=(max(6.4, 3.3 * len(dests)), 3.9), sharey=True, squeeze=False)
+    axes = axes[0]
+    handles = {}
+    for ax, d in zip(axes, dests):
+        g = summary[summary.destination == d].set_index("context")
+        rows = [g.loc[c] if c in g.index else None for c in contexts]
+
+        def series(col, lo_col, hi_col):
+            v = np.array([float(r[col]) if r is not None else np.nan for r in rows])
+            lo = np.array([float(r[lo_col]) if r is not None and lo_col in r and pd.notna(r[lo_col]) else np.nan
+                           for r in rows])
+            hi = np.array([float(r[hi_col]) if r is not None and hi_col in r and pd.notna(r[hi_col]) else np.nan
+                           for r in rows])
+            return v, lo, hi
+
+        copy_lo = "copy_ci_lo_ms" if "copy_ci_lo_ms" in g.columns else "copy_min_ms"
+        copy_hi = "copy_ci_hi_ms" if "copy_ci_hi_ms" in g.columns else "copy_max_ms"
+        for key, (col, lo_col, hi_col), off, fmt in (
+                ("bulk", ("copy_ms", copy_lo, copy_hi), -0.09, "o-"),
+                ("layer-wise", ("layerwise_extra_ms", "extra_ci_lo_ms", "extra_ci_hi_ms"), 0.09, "s")):
+            v, lo, hi = series(col, lo_col, hi_col)
+            err = np.vstack([np.where(np.isnan(lo), 0, v - lo), np.where(np.isnan(hi), 0, hi - v)])
+            # bulk grows with the bytes (a line); layer-wise points are separate A/B medians (no line: a line
+            # would draw noise as a trend)
+            h = ax.errorbar(x + off, v, yerr=np.clip(err, 0, None), fmt=fmt, color=plots.color(key),
+                            ms=5, lw=1.2, elinewidth=1.1, capsize=2.5, label=f"{key}, measured (median, 95 % interval)")
+            handles.setdefault(key, h)
+        if preds is not None and not preds.empty:
+            p = preds[(preds.destination == d) & (preds.model == "fit, 1 copy")].set_index("context")
+            if len(p):
+                y = [float(p.ms.get(c, np.nan)) for c in contexts]
+                handles.setdefault("fit", ax.plot(x, y, ls="--", lw=1, color=plots.GREY,
+                                                  label="bulk, predicted by the run's fitted link model")[0])
+        show_ref = reference if reference is not None else str(d).startswith("peer")
+        if show_ref:
+            ref = [SEED004_H100.get(c) for c in contexts]
+            xs = [xi for xi, r in zip(x, ref) if r]
+            if xs:
+                handles.setdefault("h100b", ax.plot(np.array(xs) - 0.09, [r[1] for r in ref if r], "o", mfc="none",
+                                                    mec=plots.GREY, ms=6, ls="none",
+                                                    label="seed 004 on 2×H100: bulk (reference)")[0])
+                handles.setdefault("h100l", ax.plot(np.array(xs) + 0.09, [r[2] for r in ref if r], "s", mfc="none",
+                                                    mec=plots.GREY, ms=6, ls="none",
+                                                    label="seed 004 on 2×H100: layer-wise (reference)")[0])
+        ax.axhline(0, color="0.25", lw=0.8)
+        ax.set_yscale("symlog", linthresh=0.1, linscale=0.6)
+        ticks = [t for t in (-100, -10, -1, -0.1, 0, 0.1, 1, 10, 100, 1000)]
+        ax.set_yticks(ticks, [f"{t:g}".replace("-", "−") for t in ticks], fontsize=8)
+        ax.yaxis.set_minor_locator(plt.NullLocator())
+        ax.set_title(str(d), fontsize=10)
+        pre = [float(r["prefill_ms"]) if r is not None else np.nan for r in rows]
+        ax.set_xticks(x, [f"{_ctx_label(c)}\n{p:,.0f} ms" for c, p in zip(contexts, pre)], fontsize=8)
+        ax.set_xlim(-0.5, len(contexts) - 0.5)
+        ax.grid(axis="y", lw=0.4, alpha=0.5)
+    lows = [float(v) for c in ("extra_ci_lo_ms", "layerwise_extra_ms") if c in summary for v in summary[c] if pd.notna(v)]
+    highs = [float(v) for c in ("copy_ms", "extra_ci_hi_ms") if c in summary for v in summary[c] if pd.notna(v)]
+    lo_lim = -10 ** np.ceil(np.log10(max(0.1, -min(lows + [0])))) if min(lows + [0]) < -0.1 else -0.2
+    hi_lim = 10 ** np.ceil(np.log10(max(highs + [1]) * 1.05))
+    axes[0].set_ylim(lo_lim * 1.3, hi_lim * 1.3)
+    axes[0].set_ylabel("added to time to first token, ms\n(symlog; 0 = colocated)", fontsize=9)
+    fig.supxlabel("context in tokens, with its colocated prefill time", fontsize=9, y=0.13)
     import textwrap
 
-    ax.set_title("\n".join(textwrap.wrap(title or "Cost of moving the KV cache, as a share of prefill", 80)),
+    fig.suptitle("\n".join(textwrap.wrap(title or "What moving the KV cache adds to the time to first token", 70)),
                  fontsize=11)
-    ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.18), frameon=False)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.legend(handles.values(), [h.get_label() for h in handles.values()], loc="lower center", ncol=2,
+               fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.0))
     return fig
 
 

@@ -37,7 +37,7 @@ def test_handoff_run_reanalysed_with_its_goals(tmp_path):
     goals = pd.read_csv(out / "goals.csv")
     peer = goals[goals.goal == "layer-wise TTFT extra ≤ 0.5 ms over colocated (peer)"]
     assert len(peer) == 1 and peer.met.iloc[0] == False  # noqa: E712 — the eager send missed by ~29 ms
-    assert (out / "handoff_bars.png").is_file()
+    assert (out / "handoff_ttft.png").is_file()
 
 
 def test_analyse_refuses_what_it_cannot_read(tmp_path):
@@ -68,3 +68,38 @@ def test_analyse_reproduces_the_committed_summary(run, tmp_path):
             assert np.allclose(a.astype(float), b.astype(float), rtol=1e-9, atol=1e-12, equal_nan=True), col
         else:
             assert a.fillna("").astype(str).tolist() == b.fillna("").astype(str).tolist(), col
+
+
+def test_reanalysis_publishes_only_when_asked_and_says_who_drew_it(tmp_path, kvlab_dirs):
+    from kvlab import provenance
+
+    analyse.analyse(HANDOFF_EAGER, tmp_path / "quiet")
+    assert not kvlab_dirs.figures.exists()
+    analyse.analyse(HANDOFF_EAGER, tmp_path / "pub", publish=True, suffix="_nvlink")
+    side = json.loads((kvlab_dirs.figures / "handoff" / "handoff_ttft_nvlink.json").read_text())
+    assert side["run_id"] == HANDOFF_EAGER.name and side["is_gpu"] is True
+    assert side["drawn_by"] == provenance.drawing() and side["analysis"] == str(tmp_path / "pub")
+    assert (kvlab_dirs.figures / "handoff" / "handoff_ttft_nvlink.png").is_file()
+
+
+def test_the_ttft_figure_draws_what_was_measured_and_marks_references_apart():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from kvlab import handoff_report, report
+
+    one = report.handoff_summary("handoff/20261129-103726-h200")
+    fig = handoff_report.plot_ttft(one)
+    def title(ax):
+        return "".join(ax.get_title(loc=where) for where in ("left", "center", "right"))
+
+    axes = [ax for ax in fig.axes if title(ax)]
+    assert [title(ax) for ax in axes] == ["same-gpu", "pinned-host", "pageable-host"]
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert not any("seed 004" in t for t in labels), "no H100 reference beside one-GPU destinations"
+    # a negative median stays negative (no floor on a log axis): 32k same-GPU layer-wise was −1.13 ms
+    ys = [y for line in axes[0].lines for y in line.get_ydata()]
+    assert min(ys) < -1
+    peer = handoff_report.plot_ttft(report.handoff_summary("handoff/20261130-142532-h200"))
+    labels = [t.get_text() for t in peer.legends[0].get_texts()]
+    assert any("seed 004 on 2×H100" in t and "reference" in t for t in labels)
