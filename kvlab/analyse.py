@@ -57,14 +57,20 @@ class _Out:
         df.to_csv(self.dir / f"{name}.csv", index=False)
         self.meta["tables"].append(f"{name}.csv")
 
-    def publish(self, run: Path, suffix: str = "") -> list[Path]:
-        """Copy this analysis's figures to figures/<study>/<name><suffix>.* as the source run's published figures,
-        the sidecar naming this analysis folder and the code that drew them."""
+    def publish(self, run: Path, suffix: str = "", only: list[str] | None = None) -> list[Path]:
+        """Copy this analysis's figures (those named in ``only``, default all) to figures/<study>/<name><suffix>.*
+        as the source run's published figures, the sidecar naming this analysis folder and the code that drew
+        them."""
         from . import plots
 
         out = []
-        for fig in self.meta["figures"]:
-            stem = fig.removesuffix(".png")
+        stems = [f.removesuffix(".png") for f in self.meta["figures"]]
+        unknown = sorted(set(only or []) - set(stems))
+        if unknown:
+            raise ValueError(f"--only {', '.join(unknown)}: this analysis drew {', '.join(stems) or 'no figure'}")
+        for stem in stems:
+            if only and stem not in only:
+                continue
             files = [p for p in (self.dir / f"{stem}.png", self.dir / f"{stem}.svg", self.dir / f"{stem}.svgz")
                      if p.is_file()]
             out += plots.publish_files(files, stem + suffix, run, drawn=self.drawn,
@@ -132,6 +138,13 @@ def _overlap_timeline(run: Path, record: dict, tables: dict, out: _Out) -> None:
             ax = overlap_report.decomposition_chart(dec, title=f"Δ time per layer vs colocated ({record.get('context', '')} "
                                                         f"tokens → {record.get('destination_label', '')})")
             out.figure(ax.figure, "decomposition")
+    layers = tables.get("event_layers")
+    if layers is not None and len(layers):
+        res = record.get("resolved") or {}
+        out.figure(overlap_report.event_gantt(
+            layers, overlap_report.prefill_end_of(layers),
+            title=f"{res.get('model', '')}, {int(res.get('context', 0)):,} tokens → {record.get('destination_label', '')}: "
+                  "per-layer timeline from CUDA events (no profiler)"), "event_timeline")
     goal_table = overlap_report.goals(overlap_report.goal_summary(overlap_report.tracing_overhead(walls), totals,
                                                                   tables.get("event_overhead")))
     out.table(goal_table, "goals")
@@ -174,19 +187,40 @@ def _handoff(run: Path, record: dict, tables: dict, out: _Out) -> None:
 
 
 def _paged(run: Path, record: dict, tables: dict, out: _Out) -> None:
-    from . import paged_report
+    from . import paged_report, plots
 
+    plots.style()
     df = _need(tables, run, "results")
     out.table(paged_report.summary(df), "summary")
     goals = paged_report.goals(df)
     out.table(goals, "goals")
     out.meta["findings"] += [paged_report.finding(df)]
+    out.figure(paged_report.plot_gbps_vs_block_size(df), "gbps_vs_block_size")
+    patterns = tables.get("access_patterns")
+    if patterns is not None and len(patterns):
+        pat = paged_report.pattern_summary(patterns)
+        out.table(pat, "access_pattern_summary")
+        out.figure(paged_report.plot_patterns(pat, title=f"{int(df.context.max()):,} tokens in 16-token blocks: what "
+                                                         "the access pattern costs one kernel launch"), "access_patterns")
 
 
-_DISPATCH = {"overlap_timeline": _overlap_timeline, "handoff": _handoff, "paged_transfer": _paged}
+def _link_ceilings(run: Path, record: dict, tables: dict, out: _Out) -> None:
+    from . import ceilings_fit, plots
+
+    plots.style()
+    df = _need(tables, run, "results")
+    fitted = ceilings_fit.fit(df)
+    out.table(fitted.table, "fit")
+    out.meta["findings"] += [ceilings_fit.finding_text(df, fitted.ceilings)]
+    out.figure(ceilings_fit.plot(df, fitted.ceilings), "gbps_vs_size")
 
 
-def analyse(run_dir, out: str | Path | None = None, publish: bool = False, suffix: str = "") -> Path:
+_DISPATCH = {"overlap_timeline": _overlap_timeline, "handoff": _handoff, "paged_transfer": _paged,
+             "link_ceilings": _link_ceilings}
+
+
+def analyse(run_dir, out: str | Path | None = None, publish: bool = False, suffix: str = "",
+            only: list[str] | None = None) -> Path:
     """Recompute the analysis of the run in `run_dir` with this checkout's code; returns the folder written
     (default `<run>/analysis/<UTC time>-<commit>/`). Raises FileNotFoundError for a folder that is not a run
     or lacks the tables its analysis reads, ValueError for a study with no analysis here."""
@@ -204,7 +238,7 @@ def analyse(run_dir, out: str | Path | None = None, publish: bool = False, suffi
     _DISPATCH[study](run, record, tables, o)
     where = o.done()
     if publish:
-        for p in o.publish(run, suffix):
+        for p in o.publish(run, suffix, only):
             print(f"published {p}")
     return where
 
@@ -215,6 +249,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--publish", action="store_true",
                         help="also put the figures in figures/<study>/ as this run's published figures")
     parser.add_argument("--suffix", default="", help="with --publish: append this to each published name, e.g. _nvlink")
+    parser.add_argument("--only", default="", help="with --publish: only these figures (comma-separated names)")
 
 
 def run_args(args) -> int:
@@ -222,6 +257,7 @@ def run_args(args) -> int:
 
     if args.suffix and not re.fullmatch(r"[a-z0-9_-]+", args.suffix):
         raise ValueError(f"--suffix {args.suffix!r}: use lowercase letters, digits, '-' and '_'")
-    where = analyse(args.run_dir, args.out, publish=args.publish, suffix=args.suffix)
+    only = [x.strip() for x in args.only.split(",") if x.strip()] or None
+    where = analyse(args.run_dir, args.out, publish=args.publish, suffix=args.suffix, only=only)
     print(f"analysis written to {where}")
     return 0

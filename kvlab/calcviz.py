@@ -303,7 +303,7 @@ def plot_exposure(df, timelines: dict[str, calc.Exposure] | None = None,
     import matplotlib.pyplot as plt
 
     panels = 2 if timelines else 1
-    fig, axes = plt.subplots(1, panels, figsize=(6.2 * panels, 4.4), squeeze=False)
+    fig, axes = plt.subplots(1, panels, figsize=(5.4 * panels, 4.2), squeeze=False)
     ax = axes[0][0]
     links = list(dict.fromkeys(df["link"]))
     colors = _colors(dict.fromkeys(df["case"]))
@@ -342,23 +342,31 @@ def plot_exposure(df, timelines: dict[str, calc.Exposure] | None = None,
 
 
 def plot_timeline(est: calc.HandoffEstimate):
-    """One handoff, layer by layer: when each layer's KV is final and when it has landed."""
+    """One handoff, layer by layer. Top: when each layer's KV is final and when it has landed. Bottom: the gap
+    between the two (landed − computed), which the top panel hides when the lines coincide: it is what the
+    link adds per layer, and its value at the last layer is what the first token waits for."""
     import matplotlib.pyplot as plt
 
     tl = est.timeline
-    layers = range(len(tl.compute_end_s))
-    fig, ax = plt.subplots(figsize=(7.0, 3.8))
+    layers = list(range(len(tl.compute_end_s)))
+    fig, (ax, gap_ax) = plt.subplots(2, 1, figsize=(7.0, 4.8), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
     done = [v * 1e3 for v in tl.compute_end_s]
     landed = [v * 1e3 for v in tl.send_end_s]
     ax.plot(layers, done, label="layer computed (KV final)", color="#000000")
-    ax.plot(layers, landed, label="layer's KV landed on decode GPU", color="#D55E00")
+    ax.plot(layers, landed, label="layer's KV landed on decode GPU", color="#D55E00", ls="--")
     ax.fill_between(layers, done, landed, color="#D55E00", alpha=0.15)
-    ax.set_xlabel("layer")
-    ax.set_ylabel("time since prefill start (ms)")
+    ax.set_ylabel("ms since prefill start")
     verdict = "link-bound" if est.link_bound else "link keeps up"
     ax.set_title(f"{est.model}, {est.tokens:,} tokens, {est.kv_dtype}, {est.link}, TP={est.tp}: "
                  f"{est.exposed_s * 1e3:.2f} ms exposed ({verdict})", fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
+    gaps = [b - a for a, b in zip(done, landed)]
+    gap_ax.bar(layers, gaps, color="#D55E00", width=0.8)
+    gap_ax.set_ylabel("landed − computed\n(ms)", fontsize=9)
+    gap_ax.set_xlabel("layer")
+    gap_ax.annotate(f"last layer: {gaps[-1]:.2f} ms = the exposed time", (layers[-1], gaps[-1]),
+                    xytext=(-4, 4), textcoords="offset points", ha="right", va="bottom", fontsize=8)
+    gap_ax.set_ylim(0, max(gaps + [1e-3]) * 1.6)
     fig.tight_layout()
     return fig
 
@@ -417,6 +425,8 @@ def calculator_widget(model: str = "llama-2-7b", tokens: int = 8192, kv_dtype: s
         plt.show()
         plt.close(fig)
 
+    for c in controls.values():  # labels at their full width: "prompt tokens", not "prompt to…"
+        c.style = {"description_width": "initial"}
     out = w.interactive_output(redraw, controls)
     boxes = list(controls.values())
     return w.VBox([w.HBox(boxes[:3]), w.HBox(boxes[3:]), out])

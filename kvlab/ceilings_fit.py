@@ -416,13 +416,40 @@ def plot(df: pd.DataFrame, ceilings: "Ceilings | Fit | pd.DataFrame", ax=None, t
         elif pc is not None:
             label = f"{path}: ceiling {pc.ceiling_gbps:,.4g} GB/s"
         yerr = np.vstack([g["gbps"] - g["gbps_min"], g["gbps_max"] - g["gbps"]])
-        ax.errorbar(g["size_bytes"], g["gbps"], yerr=yerr, fmt=marker, ms=4, capsize=3, color=color, label=label)
+        # paths that run alike (0->1 and 1->0, d2h and h2d) would hide each other: each path's points sit a
+        # little to the side of its size (a dodge of ±3 % per path; the fitted curves stay at the true sizes)
+        dodge = 2 ** (0.045 * (k - (len(names) - 1) / 2))
+        ax.errorbar(g["size_bytes"] * dodge, g["gbps"], yerr=yerr, fmt=marker, ms=4, capsize=3, color=color,
+                    label=label)
         if pc is not None and pc.has_fit:
             s = np.geomspace(g["size_bytes"].min(), g["size_bytes"].max(), 200)
             t_s = pc.fixed_us / 1e6 + (0.0 if math.isinf(pc.bandwidth_gbps) else s / (pc.bandwidth_gbps * 1e9))
             ax.plot(s, s / t_s / 1e9, "--", color=color, lw=1.2)
-        if pc is not None:
-            ax.axhline(pc.ceiling_gbps, ls=":", color=color, lw=1)
+    # Ceilings within 5 % of each other (d2h and h2d pinned; the copy engine and SM copy within a GPU) would
+    # draw one dotted line over the other: draw each group once, and name its paths on it.
+    groups: list[list[tuple[str, float]]] = []
+    for path in names:
+        pc = ceil.paths.get(path)
+        if pc is None:
+            continue
+        for grp in groups:
+            if abs(pc.ceiling_gbps / grp[0][1] - 1) <= 0.05:
+                grp.append((path, pc.ceiling_gbps))
+                break
+        else:
+            groups.append([(path, pc.ceiling_gbps)])
+    above = None
+    for grp in sorted(groups, key=lambda g: -max(v for _, v in g)):
+        level = max(v for _, v in grp)
+        color = colors[grp[0][0]] if len(grp) == 1 else "0.35"
+        ax.axhline(level, ls=":", color=color, lw=1)
+        text = "ceiling " + " · ".join(f"{p} {v:,.4g}" for p, v in grp) + " GB/s"
+        # at the left edge, where small copies run far below every ceiling, the label covers no data; a ceiling
+        # close under the one above takes its label under its line, so the two labels do not collide
+        below = above is not None and above / level < 1.25
+        ax.annotate(text, (0.0, level), xycoords=("axes fraction", "data"), xytext=(3, -2 if below else 2),
+                    textcoords="offset points", ha="left", va="top" if below else "bottom", fontsize=7.5, color=color)
+        above = level
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     sizes = sorted(per["size_bytes"].unique())
@@ -434,7 +461,8 @@ def plot(df: pd.DataFrame, ceilings: "Ceilings | Fit | pd.DataFrame", ax=None, t
     ax.set_ylabel("GB/s (decimal, payload bytes)")
     n = df.attrs.get("n", int(df.groupby(["path", "size_bytes"]).size().min()))
     ax.set_title(title or f"Copy bandwidth vs size — {ceil.device or 'device'}\n"
-                          f"median of {n} (bars: min–max); dashed: fit t0 + bytes/B; dotted: ceiling", fontsize=11)
+                          f"median of {n} (bars: min–max; paths side by side); dashed: fit t0 + bytes/B; dotted: ceiling",
+                 fontsize=11)
     ax.grid(True, which="both", alpha=0.3)
     if own_figure:
         fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=2 if len(names) > 3 else 1,

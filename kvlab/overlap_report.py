@@ -351,6 +351,12 @@ def backlog_chart(table: pd.DataFrame, ax=None, title: str | None = None):
     return ax
 
 
+def prefill_end_of(layers: pd.DataFrame) -> float:
+    """Prefill's end (ms) of an event_layers table, as kvlab.trace.event_table recorded it: the last layer's
+    copy end less its backlog."""
+    return float(layers.copy_end_ms.iloc[-1] - layers.backlog_ms.iloc[-1])
+
+
 def event_gantt(layers: pd.DataFrame, prefill_end_ms: float, ax=None, title: str | None = None):
     """Two lanes from kvlab.trace.event_table: prefill between consecutive layer signals (alternating
     shades, layer labels) and each layer's copy; a line at prefill's end. No profiler was running."""
@@ -370,6 +376,9 @@ def event_gantt(layers: pd.DataFrame, prefill_end_ms: float, ax=None, title: str
             ax.text(a + w / 2, 1.5, str(i), ha="center", va="center", fontsize=6, color="white")
     ax.broken_barh(list(zip(layers.copy_start_ms, layers.copy_ms)), (0.1, 0.8), color=plots.VERMILLION)
     ax.axvline(float(prefill_end_ms), color="black", lw=0.8, ls="--")
+    ax.annotate(f"prefill ends, {float(prefill_end_ms):,.1f} ms", (float(prefill_end_ms), 1.0),
+                xycoords=("data", "axes fraction"), xytext=(-3, 2), textcoords="offset points", ha="right",
+                va="bottom", fontsize=7.5)
     ax.set_yticks([0.5, 1.5], ["copies", "prefill (layer i ends at its signal)"], fontsize=8)
     ax.set_xlabel("ms since the request started (CUDA events, no profiler)")
     end = max(float(prefill_end_ms), float(layers.copy_end_ms.max()))

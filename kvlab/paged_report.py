@@ -141,53 +141,84 @@ def finding(df: pd.DataFrame, context: int | None = None, block_size: int | None
 
 
 def plot_gbps_vs_block_size(df: pd.DataFrame, context: int | None = None):
-    """GB/s (median) against block size, one line per method, the contiguous copy as the dashed ceiling,
-    one panel per destination, at one context (default the longest). Returns the matplotlib Figure."""
+    """GB/s (median) against block size, one line per method, one column per destination, at one context
+    (default the longest); the contiguous copy of the same bytes is the dashed ceiling.
+
+    Top row: GB/s on a log axis (every method). Bottom row: the same medians as % of the contiguous copy, on a
+    linear axis zoomed on 80–102 % — where the fast methods sit within a few % of each other and of the ceiling, and
+    would hide one another on the log axis. A hollow marker is a send timed once (one took over a second: the
+    row's note says so); a method measured at one block size only (NIXL, in a process of its own) is a lone
+    marker and its legend entry says so. Returns the matplotlib Figure."""
     import matplotlib.pyplot as plt
 
     context = int(df.context.max()) if context is None else int(context)
     sub = df[(df.context == context) & (df.status == "ok")]
     dests = list(dict.fromkeys(sub.destination))
-    fig, axes = plt.subplots(1, max(len(dests), 1), figsize=(5.2 * max(len(dests), 1), 4.2), squeeze=False,
-                             sharey=True)
+    ncol = max(len(dests), 1)
+    fig, axes = plt.subplots(2, ncol, figsize=(max(7.0, 4.6 * ncol), 6.6), squeeze=False, sharex="col",
+                             gridspec_kw={"height_ratios": [1.25, 1]})
     med = (sub.groupby(["destination", "method", "block_size"], sort=False)
-           .apply(lambda g: g.bytes.iloc[0] / (g.ms.median() * 1e6), include_groups=False)
-           .rename("gbps").reset_index())
+           .apply(lambda g: pd.Series({"gbps": g.bytes.iloc[0] / (g.ms.median() * 1e6), "n": len(g)}),
+                  include_groups=False)
+           .reset_index())
     methods = [m for m in METHODS if m in set(med.method)]
     from .plots import palette
 
     colors = palette(methods)
-    # a method that ran through a fallback (e.g. triton on a CPU without the interpreter) says so in the legend
     labels = {}
     for m in methods:
         backends = set(sub[sub.method == m].backend.dropna().astype(str)) - {"", m}
-        labels[m] = f"{m} ({', '.join(sorted(backends))})" if any("fallback" in b for b in backends) else m
-    for ax, dest in zip(axes[0], dests):
+        label = f"{m} ({', '.join(sorted(backends))})" if any("fallback" in b for b in backends) else m
+        sizes = sorted(med[med.method == m].block_size.unique())
+        if len(sizes) == 1 and m != "contiguous":
+            label += f" — {sizes[0]}-token blocks only" + (" (own process)" if m == "nixl" else "")
+        labels[m] = label
+    for col, dest in enumerate(dests):
+        top, bottom = axes[0][col], axes[1][col]
         d = med[med.destination == dest]
+        ceil = d[d.method == "contiguous"].set_index("block_size").gbps
         for m in methods:
             line = d[d.method == m].sort_values("block_size")
             if line.empty:
                 continue
+            pct = 100 * line.gbps.values / ceil.reindex(line.block_size).values
             if m == "contiguous":
-                ax.plot(line.block_size, line.gbps, "--", color=colors[m], lw=1.8, label="contiguous copy (ceiling)")
-            else:
-                ax.plot(line.block_size, line.gbps, "o-", color=colors[m], label=labels[m])
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        sizes = sorted(d.block_size.unique())
-        ax.set_xticks(sizes, [str(s) for s in sizes])
-        ax.set_xlabel("block size (tokens)")
-        ax.set_title(dest)
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].set_ylabel("GB/s (median, decimal)")
-    handles, labels = {}, {}
+                for ax, y in ((top, line.gbps), (bottom, pct)):
+                    ax.plot(line.block_size, y, "--", color=colors[m], lw=1.8, label="contiguous copy (the ceiling)")
+                continue
+            for ax, y in ((top, line.gbps.values), (bottom, pct)):
+                ax.plot(line.block_size, y, "-", color=colors[m], lw=1.4, label=labels[m])
+                once = line.n.values == 1
+                ax.plot(line.block_size.values[~once], y[~once], "o", color=colors[m], ms=5)
+                if once.any():
+                    ax.plot(line.block_size.values[once], y[once], "o", mfc="white", mec=colors[m], ms=5, mew=1.3)
+        top.set_yscale("log")
+        lo, hi = float(d.gbps.min()), float(d.gbps.max())
+        top.set_ylim(lo / 1.6, hi * 1.6)
+        top.set_title(dest)
+        bottom.set_ylim(80, 102)
+        bottom.axhline(100, color="0.5", lw=0.6)
+        for ax in (top, bottom):
+            ax.set_xscale("log", base=2)
+            sizes = sorted(d.block_size.unique())
+            ax.set_xticks(sizes, [str(x) for x in sizes])
+            ax.grid(True, which="both", alpha=0.3)
+        bottom.set_xlabel("block size (tokens)")
+    axes[0][0].set_ylabel("GB/s (median, log)", fontsize=9)
+    axes[1][0].set_ylabel("% of the contiguous copy\n(zoom: 80–102 %)", fontsize=9)
+    handles = {}
     for ax in axes[0]:
         for h, lab in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(lab, h)
-    fig.legend(list(handles.values()), list(handles.keys()), loc="lower center", ncol=min(len(handles), 4),
-               frameon=False, bbox_to_anchor=(0.5, -0.02))
-    fig.suptitle(f"Paged KV transfer at {context:,} tokens: GB/s vs block size")
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    from matplotlib.lines import Line2D
+
+    if (med.n == 1).any():
+        handles["hollow: a send timed once (over a second each)"] = Line2D([], [], ls="none", marker="o", mfc="white",
+                                                                          mec="0.3", ms=5)
+    fig.suptitle(f"Paged KV transfer at {context:,} tokens: GB/s by block size", fontsize=11)
+    fig.tight_layout(rect=(0, 0.16, 1, 1))
+    fig.legend(list(handles.values()), list(handles.keys()), loc="lower center", ncol=2, frameon=False,
+               fontsize=8, bbox_to_anchor=(0.5, 0.0))
     return fig
 
 

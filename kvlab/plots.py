@@ -147,6 +147,52 @@ def _run_parameters(run) -> dict:
     return {k: v for k, v in (record.get("parameters") or {}).items() if k != "run_dir"}
 
 
+BLOG_WIDTH_PX = 700  # a blog column: every published figure must read at this width
+MIN_TEXT_PX = 6.5  # smallest text, in px, once the figure is scaled to that width
+
+
+def readability(fig, width_px: int = BLOG_WIDTH_PX, min_px: float = MIN_TEXT_PX) -> list[str]:
+    """What would not read when ``fig`` is shown ``width_px`` wide: text smaller than ``min_px`` pixels at that
+    scale, and pieces of text that overlap one another. Empty when the figure reads. Draws the figure once."""
+    from matplotlib.text import Text
+
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    box = fig.get_tightbbox(renderer)  # in inches, what savefig(bbox_inches="tight") keeps
+    scale = width_px / (box.width * 72)  # px per point once shown width_px wide
+    hidden = set()  # tick labels of ticks outside an axis' view: matplotlib keeps them but never draws them
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            lo, hi = sorted(axis.get_view_interval())
+            for tick in axis.get_major_ticks() + axis.get_minor_ticks():
+                loc = tick.get_loc()
+                if loc is None or not (lo - 1e-9 * abs(lo) <= loc <= hi + 1e-9 * abs(hi)):
+                    hidden.update({id(tick.label1), id(tick.label2)})
+            hidden.update(id(t) for t in (axis.get_majorticklabels() + axis.get_minorticklabels())
+                          if not t.get_text().strip())
+    texts = [t for t in fig.findobj(Text)
+             if t.get_visible() and t.get_text().strip() and t.figure is fig and id(t) not in hidden]
+    issues, boxes = [], []
+    for t in texts:
+        px = t.get_fontsize() * scale
+        label = t.get_text().strip().replace("\n", " ")[:50]
+        if px < min_px:
+            issues.append(f"text {label!r} is {px:.1f} px at {width_px} px wide (< {min_px})")
+        try:
+            boxes.append((label, t.get_window_extent(renderer)))
+        except RuntimeError:
+            continue
+    for i in range(len(boxes)):
+        for j in range(i + 1, len(boxes)):
+            (a, ba), (b, bb) = boxes[i], boxes[j]
+            if ba.width and bb.width and ba.overlaps(bb):
+                inter_w = min(ba.x1, bb.x1) - max(ba.x0, bb.x0)
+                inter_h = min(ba.y1, bb.y1) - max(ba.y0, bb.y0)
+                if inter_w > 1 and inter_h > 1:
+                    issues.append(f"text {a!r} overlaps {b!r}")
+    return issues
+
+
 def footer_text(run_id: str, device: str, drawn: str | None = None) -> str:
     """The provenance line under every saved figure: ``kvlab · run <run_id> · <device>``, and
     ``· drawn by <commit>`` (kvlab.provenance.short) when ``drawn`` is given: the data's run and the
