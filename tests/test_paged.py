@@ -437,7 +437,7 @@ def test_summary_goals_finding_and_figure(bench, tmp_path):
     pct = paged_report.pct_table(bench)
     assert {"destination", "context", "block_size", "triton"} <= set(pct.columns) and len(pct) == 8
     fig = paged_report.plot_gbps_vs_block_size(bench)
-    assert len(fig.axes) == 2
+    assert len(fig.axes) == 4  # GB/s and % of the contiguous copy, per destination
     fig.savefig(tmp_path / "f.png")
 
 
