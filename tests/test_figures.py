@@ -66,7 +66,7 @@ def _patterns():
 def _calculator(which):
     from kvlab import calculator as calc, calcviz
 
-    p = json.loads((DATA / "calculator/20261129-093759-cpu/run.json").read_text())["parameters"]
+    p = json.loads((DATA / "calculator/20261130-164435-cpu/run.json").read_text())["parameters"]
     if which == "kv_table":
         return calcviz.plot_kv_table(calcviz.kv_table(calcviz.resolve_models(p["models"]), p["prompt_tokens"], p["kv_dtype"]))
     if which == "ratio":
