@@ -23,9 +23,13 @@ import pandas as pd
 
 from . import results
 
-__all__ = ["analyse", "STUDIES", "add_arguments", "run_args"]
+__all__ = ["analyse", "STUDIES", "FIGURES", "add_arguments", "run_args"]
 
-STUDIES = ("overlap_timeline", "handoff", "paged_transfer")
+STUDIES = ("overlap_timeline", "handoff", "paged_transfer", "link_ceilings")
+# the figures each study's analysis can draw (which of them it draws depends on the run's tables)
+FIGURES = {"overlap_timeline": ("decomposition", "event_timeline", "patterns", "clock_timeline"),
+           "handoff": ("handoff_ttft",), "paged_transfer": ("gbps_vs_block_size", "access_patterns"),
+           "link_ceilings": ("gbps_vs_size",)}
 
 
 def _need(tables: dict, run: Path, name: str) -> pd.DataFrame:
@@ -65,15 +69,13 @@ class _Out:
 
         out = []
         stems = [f.removesuffix(".png") for f in self.meta["figures"]]
-        unknown = sorted(set(only or []) - set(stems))
-        if unknown:
-            raise ValueError(f"--only {', '.join(unknown)}: this analysis drew {', '.join(stems) or 'no figure'}")
+        mode = plots.publishing() or "yes"  # KVLAB_PUBLISH=force overrides the parameters check, as for a run
         for stem in stems:
             if only and stem not in only:
                 continue
             files = [p for p in (self.dir / f"{stem}.png", self.dir / f"{stem}.svg", self.dir / f"{stem}.svgz")
                      if p.is_file()]
-            out += plots.publish_files(files, stem + suffix, run, drawn=self.drawn,
+            out += plots.publish_files(files, stem + suffix, run, mode=mode, drawn=self.drawn,
                                        analysis=self.dir.relative_to(run).as_posix()
                                        if self.dir.is_relative_to(run) else str(self.dir))
         return out
@@ -87,6 +89,8 @@ class _Out:
 
         footer = (f"{plots.footer_text(self.run_id, self.device_tag)} · re-analysed "
                   f"{self.meta['analysed_utc'][:10]} by {provenance.short(self.drawn)}")
+        plots._set_footer(fig, footer)
+        self.meta.setdefault("readability", {})[name] = plots.readability(fig)  # issues at 700 px wide
         plots.write(fig, self.dir, name, footer)
         plt.close(fig)
         self.meta["figures"].append(f"{name}.png")
@@ -231,6 +235,9 @@ def analyse(run_dir, out: str | Path | None = None, publish: bool = False, suffi
     study = record.get("study")
     if study not in _DISPATCH:
         raise ValueError(f"run {run.name} is a {study!r} run; kvlab analyse knows {list(_DISPATCH)}")
+    bad = sorted(set(only or []) - set(FIGURES[study]))
+    if bad:  # before anything is written
+        raise ValueError(f"--only {', '.join(bad)}: a {study} analysis draws {', '.join(FIGURES[study])}")
     if record.get("status") != "finished":
         raise ValueError(f"run {run.name} did not finish (status {record.get('status')!r}): its tables may be "
                          "partial; analyse a finished run")
@@ -257,6 +264,8 @@ def run_args(args) -> int:
 
     if args.suffix and not re.fullmatch(r"[a-z0-9_-]+", args.suffix):
         raise ValueError(f"--suffix {args.suffix!r}: use lowercase letters, digits, '-' and '_'")
+    if (args.suffix or args.only) and not args.publish:
+        raise ValueError("--suffix and --only say how to publish: add --publish")
     only = [x.strip() for x in args.only.split(",") if x.strip()] or None
     where = analyse(args.run_dir, args.out, publish=args.publish, suffix=args.suffix, only=only)
     print(f"analysis written to {where}")

@@ -318,7 +318,8 @@ Example: kvlab run handoff -p contexts 64,128 -p destinations same-gpu"""
     declared = runnable_parameters(notebook)
     params = parse_params(args.params, declared, notebook.name)
     _preflight(notebook, params)
-    with _environment(**({"KVLAB_PUBLISH": os.environ.get("KVLAB_PUBLISH") or "1"} if args.publish else {})):
+    keep_force = os.environ.get("KVLAB_PUBLISH", "").strip().lower() == "force"
+    with _environment(**({"KVLAB_PUBLISH": "force" if keep_force else "1"} if args.publish else {})):
         outcome = execute(notebook, params, run_dir=args.run_dir or None,
                           progress=not args.no_progress,
                           invocation={"argv": args.argv, "command": "run"})
@@ -459,7 +460,7 @@ Every point is validated before the first run; -p NAME VALUE fixes a parameter f
     for i, point in enumerate(points):
         try:
             _preflight(notebook, {**fixed, **point})
-        except ValueError as err:
+        except (ValueError, UsageError) as err:
             raise UsageError(f"grid point {i} {json.dumps(point)}: {err}") from None
     print(f"{notebook.name}: {len(points)} point(s) from {args.grid}")
     if args.dry_run:

@@ -73,12 +73,17 @@ def _num(x) -> float:
 def judge(value, lo, hi, op: str, threshold) -> tuple[str, str]:
     """(verdict, rule) of one measurement against one yardstick — the one rule (see the module doc).
 
-    lo/hi NaN or None: the point value decides (rule "point"); a NaN value or threshold: "not resolved"."""
+    lo/hi None (a goal without an interval): the point value decides (rule "point"); lo/hi given but NaN (too few
+    samples for an interval): "not resolved" (rule "no interval"); a NaN value or threshold: "not resolved"."""
     if op not in _OPS:
         raise ValueError(f"op {op!r} is not one of {list(_OPS)}")
     v, t, a, b = _num(value), _num(threshold), _num(lo), _num(hi)
     if math.isnan(t) or (math.isnan(v) and (math.isnan(a) or math.isnan(b))):
         return "not resolved", "no value"
+    if lo is not None and hi is not None and (math.isnan(a) or math.isnan(b)):
+        # the goal has an interval but this measurement could not give one (too few samples): its point
+        # value alone cannot decide a goal that is judged on an interval
+        return "not resolved", "no interval"
     if not (math.isnan(a) or math.isnan(b)):
         a, b = min(a, b), max(a, b)
         if op == "<=":
@@ -115,14 +120,18 @@ def evaluate(goals, table: pd.DataFrame, keys=("context", "destination")) -> pd.
             nan = float("nan")
             thr = getattr(r, g.threshold, nan) if isinstance(g.threshold, str) else g.threshold
             value = getattr(r, g.metric, nan)
-            lo = getattr(r, g.lo, nan) if g.lo else nan
-            hi = getattr(r, g.hi, nan) if g.hi else nan
+            # a table without the interval's columns (a run from before they were kept) is judged on the point,
+            # and says so; columns present but empty (too few samples) leave the goal not resolved
+            lo = getattr(r, g.lo, None) if g.lo else None
+            hi = getattr(r, g.hi, None) if g.hi else None
             verdict, rule = judge(value, lo, hi, g.op, thr)
             if rule == "no value":  # a measurement this run did not take (an older run): not judged
                 continue
             text = f"{_fmt(value, g.digits)}{g.unit}"
             if rule == "interval":
                 text += f" [{_fmt(lo, g.digits)}, {_fmt(hi, g.digits)}]"
+            elif rule == "no interval":
+                text += " [too few samples for an interval]"
             text += f" {g.op} {_fmt(thr, g.digits)}{g.unit}"
             how = (g.interval + "; " if rule == "interval" and g.interval else "") + (
                 f"yardstick: {g.threshold}" if isinstance(g.threshold, str) else f"threshold {g.threshold}{g.unit}")

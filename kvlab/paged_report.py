@@ -47,8 +47,8 @@ def summary(df: pd.DataFrame, context: int | None = None, block_size: int | None
 
     One row per (destination, method): pieces, repeats, ms median/min/max, time "median (min–max)",
     gbps (at the median), ceiling_gbps (the contiguous copy, same destination, same run), pct_of_ceiling,
-    pct_lo / pct_hi (the 95 % bootstrap interval of the median send, against the ceiling: what the goals
-    judge), verified, status, note. Skipped or failed methods appear with their reason.
+    pct_lo / pct_hi (the 95 % bootstrap interval of median(contiguous) / median(send), both resampled, so the
+    ceiling's own noise is in it: what the goals judge), verified, status, note. Skipped or failed methods appear with their reason.
     """
     context, block_size = _pick(df, context, block_size)
     sub = df[(df.context == context) & (df.block_size == block_size)]
@@ -63,14 +63,13 @@ def summary(df: pd.DataFrame, context: int | None = None, block_size: int | None
                        status=m.status.iloc[0], backend=_text(m.backend.iloc[0]), note=_text(m.note.iloc[0]))
             if len(ok):
                 med = float(ok.ms.median())
-                ms_lo, ms_hi = timing.median_ci(ok.ms)
+                r_lo, r_hi = timing.ratio_ci(ceil_ms, ok.ms) if len(ceil_ms) else (float("nan"), float("nan"))
                 gbps = float(ok.bytes.iloc[0] / (med * 1e6))
                 row.update(ms=med, ms_min=float(ok.ms.min()), ms_max=float(ok.ms.max()),
                            time=f"{timing.fmt_ms(med)} ({timing.fmt_ms(float(ok.ms.min()))}–"
                                 f"{timing.fmt_ms(float(ok.ms.max()))})",
                            gbps=gbps, ceiling_gbps=ceiling, pct_of_ceiling=100 * gbps / ceiling,
-                           pct_lo=100 * float(ok.bytes.iloc[0] / (ms_hi * 1e6)) / ceiling,
-                           pct_hi=100 * float(ok.bytes.iloc[0] / (ms_lo * 1e6)) / ceiling)
+                           pct_lo=100 * r_lo, pct_hi=100 * r_hi)
             else:
                 row.update(ms=float("nan"), ms_min=float("nan"), ms_max=float("nan"), time="—",
                            gbps=float("nan"), ceiling_gbps=ceiling, pct_of_ceiling=float("nan"),

@@ -138,6 +138,17 @@ def _run_facts(run) -> tuple[Path, str, str, bool, str]:
             devices.summary(record))
 
 
+def _git_ignores(path: Path) -> bool:
+    import subprocess
+
+    try:
+        done = subprocess.run(["git", "-C", str(Path(path).parent), "check-ignore", "-q", str(path)],
+                              capture_output=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
+
+
 def _run_parameters(run) -> dict:
     """The parameters a run was made with, less run_dir (which differs for every run)."""
     from kvlab import results
@@ -321,6 +332,9 @@ def publish_files(files: list[Path], name: str, run, mode: str = "yes", drawn: d
             print(f"kept {target / name}.png from run {published.get('run_id')}: this run's parameters differ "
                   f"({', '.join(differ)}); publish it anyway with KVLAB_PUBLISH=force (this run's copy: {files[0]})")
             return []
+    if _git_ignores(folder):
+        print(f"note: the run folder {folder} is ignored by git (a CPU run): commit it with the figures "
+              f"(git add -f {folder}), or the published figure names a run nobody else has")
     target.mkdir(parents=True, exist_ok=True)
     copies = []
     for src in files:

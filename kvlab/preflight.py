@@ -89,7 +89,17 @@ def _destinations(value, what="destinations"):
 
     src = "cuda" if torch.cuda.is_available() else "cpu"
     for d in name_list(value, what):
-        Destination.parse(d, src)
+        try:
+            Destination.parse(d, src)
+        except RuntimeError:  # torch.device("cuda:one")
+            raise ValueError(f"unknown destination {d!r}; valid: 'same-gpu', 'cuda:N' (N a GPU index), 'pinned', "
+                             "'pageable'") from None
+
+
+def _one(items: list, value, what: str):
+    if len(items) != 1:
+        raise ValueError(f"{what} = {value!r}: give one value, not {len(items)} (this notebook takes a single {what})")
+    return items
 
 
 def _policy(value, what="policy"):
@@ -191,8 +201,8 @@ CHECKS: dict[str, dict[str, Callable]] = {
                 "attribution": _choice("auto", "off"), "ceiling_sizes": _sizes, "repeats": _int_at_least(1),
                 "warmup": _int_at_least(0), "decode_tokens": _int_at_least(1), "interleave": _int_at_least(1),
                 "interleave_short": _int_at_least(1), "attribution_rounds": _int_at_least(1)},
-    "overlap_timeline": {"model": lambda v, w: model_ref(v, w), "context": lambda v, w: token_list(v, w, 2),
-                         "destination": _destinations, "transport": _choice("copy"),
+    "overlap_timeline": {"model": lambda v, w: model_ref(v, w), "context": lambda v, w: _one(token_list(v, w, 2), v, w),
+                         "destination": lambda v, w: (_one(name_list(v, w), v, w), _destinations(v, w)), "transport": _choice("copy"),
                          "send_mode": _choice("auto", "event"), "repeats": _int_at_least(1),
                          "events": _choice("auto", "off"), "event_rounds": _int_at_least(1), "patterns": _patterns,
                          "pattern_rounds": _int_at_least(1)},

@@ -27,12 +27,13 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
 
 __all__ = ["CODE_PATTERNS", "PUBLISHABLE", "code_paths", "tree_hash", "commit_hash", "code_diff",
-           "status", "drawing", "short", "add_arguments", "run_args"]
+           "rebuilt_hash", "status", "drawing", "short", "add_arguments", "run_args"]
 
 # fnmatch patterns ('*' also crosses '/'): what decides a run's measurement. Tests, docs and data do not.
 CODE_PATTERNS = ("kvlab/*.py", "notebooks/*.ipynb", "pyproject.toml")
@@ -52,16 +53,24 @@ def _root(root) -> Path:
 
 
 def code_paths(root: str | os.PathLike | None = None) -> list[str]:
-    """The code files of the working tree at ``root`` (default: the repository), relative, sorted."""
+    """The code files of the working tree at ``root`` (default: the repository), relative, sorted: what git
+    sees there (tracked, or untracked and not ignored — so JupyterLab's .ipynb_checkpoints and other ignored
+    files do not count), or, outside a git repository, every matching file not under a hidden folder."""
     root = _root(root)
-    out = []
-    for top in ("kvlab", "notebooks"):
-        base = root / top
-        if base.is_dir():
-            out += [p.relative_to(root).as_posix() for p in base.rglob("*") if p.is_file()]
-    if (root / "pyproject.toml").is_file():
-        out.append("pyproject.toml")
-    return sorted(p for p in out if _is_code(p) and "__pycache__" not in p)
+    listed = _git(root, "ls-files", "-z", "-co", "--exclude-standard", "--", "kvlab", "notebooks", "pyproject.toml") \
+        if (root / ".git").exists() else None
+    if listed is not None and listed.returncode == 0:
+        out = [p for p in listed.stdout.decode().split("\0") if p and (root / p).is_file()]
+    else:
+        out = []
+        for top in ("kvlab", "notebooks"):
+            base = root / top
+            if base.is_dir():
+                out += [p.relative_to(root).as_posix() for p in base.rglob("*") if p.is_file()]
+        if (root / "pyproject.toml").is_file():
+            out.append("pyproject.toml")
+    return sorted(p for p in out if _is_code(p) and "__pycache__" not in p
+                  and not any(part.startswith(".") for part in p.split("/")))
 
 
 def _digest(files: dict[str, bytes]) -> str:
@@ -88,17 +97,17 @@ def _git(root: Path, *args: str, data: bytes | None = None) -> subprocess.Comple
         return None
 
 
-def commit_hash(commit: str, root: str | os.PathLike | None = None) -> str | None:
-    """The code hash of ``commit``'s tree, or None where git or the commit is not available here."""
-    root = _root(root)
+def _commit_files(commit: str, root: Path) -> dict[str, bytes] | None:
+    """{path: bytes} of ``commit``'s code files, or None where git or the commit is not available here."""
     if not commit:
         return None
     listing = _git(root, "ls-tree", "-r", "-z", "--name-only", commit)
     if listing is None or listing.returncode != 0:
         return None
-    paths = [p for p in listing.stdout.decode().split("\0") if p and _is_code(p)]
+    paths = [p for p in listing.stdout.decode().split("\0")
+             if p and _is_code(p) and not any(part.startswith(".") for part in p.split("/"))]
     if not paths:
-        return _digest({})
+        return {}
     # one `git cat-file --batch` for every blob: a `git show` per file would take seconds
     batch = _git(root, "cat-file", "--batch", data="".join(f"{commit}:{p}\n" for p in paths).encode())
     if batch is None or batch.returncode != 0:
@@ -112,7 +121,13 @@ def commit_hash(commit: str, root: str | os.PathLike | None = None) -> str | Non
         size = int(header[2])
         files[p] = out[nl + 1:nl + 1 + size]
         i = nl + 1 + size + 1
-    return _digest(files)
+    return files
+
+
+def commit_hash(commit: str, root: str | os.PathLike | None = None) -> str | None:
+    """The code hash of ``commit``'s tree, or None where git or the commit is not available here."""
+    files = _commit_files(commit, _root(root))
+    return None if files is None else _digest(files)
 
 
 def code_diff(root: str | os.PathLike | None = None, base: str = "HEAD") -> str:
@@ -132,6 +147,34 @@ def code_diff(root: str | os.PathLike | None = None, base: str = "HEAD") -> str:
     return "".join(parts)
 
 
+def rebuilt_hash(commit: str, diff: str | os.PathLike, root: str | os.PathLike | None = None) -> str | None:
+    """The code hash of ``commit``'s code files with the patch ``diff`` applied, in a scratch folder: whether a
+    recorded diff really rebuilds the code that ran. None where git, the commit or the patch fail."""
+    import tempfile
+
+    root = _root(root)
+    files = _commit_files(commit, root)
+    if files is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="kvlab-rebuild-") as tmp:
+        for path, data in files.items():
+            target = Path(tmp) / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+        if Path(diff).stat().st_size:
+            # the scratch folder is no repository, and git must not find one above it (a TMPDIR inside a
+            # checkout): then `git apply` patches the files in the folder
+            env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(Path(tmp).parent)}
+            applied = subprocess.run(["git", "apply", "--whitespace=nowarn", str(Path(diff).resolve())], cwd=tmp,
+                                     capture_output=True, timeout=120, check=False, env=env)
+            if applied.returncode != 0:
+                return None
+        return tree_hash(tmp)
+
+
+_SHA = re.compile(r"^[0-9a-f]{7,40}$")
+
+
 def status(record: dict, run_dir: str | os.PathLike | None = None,
            root: str | os.PathLike | None = None) -> tuple[str, str]:
     """(status, one line of detail) of a run's provenance; see the module's docstring for the statuses."""
@@ -139,6 +182,8 @@ def status(record: dict, run_dir: str | os.PathLike | None = None,
     commit = git.get("commit")
     if not commit:
         return "no commit", "run.json names no commit"
+    if not isinstance(commit, str) or not _SHA.match(commit):
+        return "unknown", f"run.json's commit {str(commit)[:20]!r} is not a commit id"
     recorded = git.get("code_sha256")
     if recorded:
         expected = commit_hash(commit, root)
@@ -147,11 +192,12 @@ def status(record: dict, run_dir: str | os.PathLike | None = None,
         if recorded == expected:
             return "verified", f"code hash matches commit {commit[:10]}"
         diff_name = git.get("diff_file")
-        if diff_name and run_dir is not None:
+        if diff_name and run_dir is not None and "/" not in diff_name and ".." not in diff_name:
             f = Path(run_dir) / diff_name
-            if f.is_file() and hashlib.sha256(f.read_bytes()).hexdigest() == git.get("diff_sha256"):
-                return "diff", f"commit {commit[:10]} + {diff_name} ({len(git.get('dirty_paths') or [])} paths)"
-        return "mismatch", f"code hash differs from commit {commit[:10]} and no recorded diff explains it"
+            if f.is_file() and hashlib.sha256(f.read_bytes()).hexdigest() == git.get("diff_sha256") \
+                    and rebuilt_hash(commit, f, root) == recorded:
+                return "diff", f"commit {commit[:10]} + {diff_name} rebuilds the code that ran"
+        return "mismatch", f"code hash differs from commit {commit[:10]} and no recorded diff rebuilds it"
     if git.get("commit_source") == "KVLAB_GIT_COMMIT":
         return "unverified", f"commit {commit[:10]} sent by KVLAB_GIT_COMMIT; no code hash to check it against"
     if git.get("dirty") is False:

@@ -286,9 +286,12 @@ def _goals_of(study: str, path: str) -> pd.DataFrame:
 
 
 def _host(record: dict) -> str:
-    gpus = len(record.get("devices") or [])
+    devices = record.get("devices") or []
     cpus = (record.get("host") or {}).get("cpu_count")
-    return f"{gpus}×H200 host ({cpus} vCPU)" if gpus else "CPU"
+    if not devices:
+        return f"CPU host ({cpus} vCPU)"
+    name = str(devices[0].get("name", "GPU")).removeprefix("NVIDIA ")
+    return f"{len(devices)}×{name} host ({cpus} vCPU)"
 
 
 def _host_bound(study: str, path: str, record: dict) -> str:
@@ -302,13 +305,10 @@ def _host_bound(study: str, path: str, record: dict) -> str:
 def verdicts() -> str:
     """Every goal of every run in VERDICT_RUNS under kvlab.goals' one rule. Goals at 1k (host-bound) name the
     host's 1k prefill time: they hold on that host, not on an H200 in general."""
-    from . import provenance
-
     rows = []
     for study, runs in VERDICT_RUNS.items():
         for path in runs:
             record, d = _run(path)
-            prov = provenance.status(record, d)[0]
             g = _goals_of(study, path)
             for r in g.itertuples():
                 ctx = getattr(r, "context", None)
@@ -317,7 +317,7 @@ def verdicts() -> str:
                 host = _host(record)
                 if has_ctx and int(ctx) <= handoff_report.HOST_BOUND_CONTEXT:
                     host += "; " + _host_bound(study, path, record) + " (host-bound: holds on this host)"
-                rows.append({"goal": r.goal, "run": _link(path), "code": prov, "host": host, "where": where or "—",
+                rows.append({"goal": r.goal, "run": _link(path), "host": host, "where": where or "—",
                              "value [95 % interval] vs goal": r.value,
                              "verdict": f"**{r.verdict}**" if r.verdict != "met" else r.verdict})
     return _md(pd.DataFrame(rows))
@@ -358,11 +358,17 @@ def provenance_table() -> str:
     for f in _committed_runs():
         st = provenance.status(json.loads(f.read_text(encoding="utf-8")), f.parent)[0]
         rows.setdefault(st, []).append(f"{f.parent.parent.name}/{f.parent.name}")
+    from . import goals
+
     order = ["verified", "diff", "clean", "unverified", "dirty", "mismatch", "unknown", "no commit"]
     out = [{"status": st, "code can be rebuilt": "yes" if st in provenance.PUBLISHABLE else "**no**",
             "runs": len(rows[st]), "which": ", ".join(r.split("/")[1] for r in rows[st])}
            for st in order if st in rows]
-    return _md(pd.DataFrame(out))
+    total = sum(len(v) for v in rows.values())
+    bad = sum(len(v) for st, v in rows.items() if st not in provenance.PUBLISHABLE)
+    verdict, _ = goals.judge(bad, None, None, "<=", 0)
+    return _md(pd.DataFrame(out)) + (f"\nGoal (issue 12): every published run can be rebuilt — {bad} of {total} "
+                                     f"cannot: **{verdict}**.\n")
 
 
 def goals_side_by_side(runs: dict[str, str]) -> str:
@@ -414,7 +420,14 @@ def render(name: str) -> str:
 
 
 def update(text: str) -> tuple[str, list[str]]:
-    """`text` with every marked block regenerated; and the names of the blocks that changed."""
+    """`text` with every marked block regenerated; and the names of the blocks that changed. ValueError when
+    the markers do not pair up (a block without its end would swallow the next)."""
+    starts = re.findall(r"<!-- kvlab-report:([a-z0-9_]+) -->", text)
+    ends = text.count("<!-- /kvlab-report -->")
+    found = [m.group(2) for m in _BLOCK_RE.finditer(text)]
+    if len(starts) != ends or found != starts or any("<!-- kvlab-report:" in m.group(3) for m in _BLOCK_RE.finditer(text)):
+        raise ValueError(f"README report markers do not pair up: {len(starts)} starts ({', '.join(starts)}), {ends} "
+                         "ends; each <!-- kvlab-report:NAME --> needs its own <!-- /kvlab-report --> before the next")
     changed = []
 
     def sub(m):
@@ -426,10 +439,27 @@ def update(text: str) -> tuple[str, list[str]]:
     return _BLOCK_RE.sub(sub, text), changed
 
 
+def _shallow() -> bool:
+    import subprocess
+
+    try:
+        done = subprocess.run(["git", "-C", str(results.repo_root()), "rev-parse", "--is-shallow-repository"],
+                              capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.stdout.strip() == "true"
+
+
+# blocks that need the commits of the runs (to check their code): a shallow clone lacks them
+NEEDS_HISTORY = ("provenance",)
+
+
 def check(readme: str | Path | None = None) -> list[str]:
-    """The names of the README's blocks that differ from what the committed runs give (empty: it matches)."""
+    """The names of the README's blocks that differ from what the committed runs give (empty: it matches). In a
+    shallow clone the blocks of NEEDS_HISTORY are not compared: the commits they check are not there."""
     path = Path(readme) if readme is not None else results.repo_root() / "README.md"
-    return update(path.read_text(encoding="utf-8"))[1]
+    changed = update(path.read_text(encoding="utf-8"))[1]
+    return [c for c in changed if c not in NEEDS_HISTORY] if _shallow() else changed
 
 
 def add_arguments(parser) -> None:
@@ -443,6 +473,11 @@ def run_args(args) -> int:
     new, changed = update(text)
     found = [m.group(2) for m in _BLOCK_RE.finditer(text)]
     if args.check:
+        if _shallow():
+            skipped = [c for c in changed if c in NEEDS_HISTORY]
+            changed = [c for c in changed if c not in NEEDS_HISTORY]
+            if skipped:
+                print(f"shallow clone: not compared: {', '.join(skipped)} (it checks the runs' commits)")
         print(f"{len(found)} blocks; {'differ: ' + ', '.join(changed) if changed else 'all match the committed runs'}")
         return 1 if changed else 0
     if changed:

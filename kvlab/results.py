@@ -486,7 +486,9 @@ def _record_diff(run_dir: Path, git: dict) -> None:
     patch = provenance.code_diff(base=commit)
     (run_dir / "git.diff").write_text(patch, encoding="utf-8")
     git["diff_file"] = "git.diff"
-    git["diff_sha256"] = hashlib.sha256(patch.encode("utf-8")).hexdigest()
+    git["diff_sha256"] = hashlib.sha256((run_dir / "git.diff").read_bytes()).hexdigest()
+    # does commit + diff give back the code on disk? (a binary or unreadable change would not)
+    git["diff_rebuilds_code"] = provenance.rebuilt_hash(commit, run_dir / "git.diff") == code
 
 
 def record_execution(run_dir: str | os.PathLike, notebook: str, ok: bool, seconds: float,
@@ -498,7 +500,9 @@ def record_execution(run_dir: str | os.PathLike, notebook: str, ok: bool, second
     the run has no run.json.
     """
     path = Path(run_dir) / RUN_JSON
-    if not ok and Path(run_dir).is_dir():
+    if ok:
+        (Path(run_dir) / STOPPED).unlink(missing_ok=True)  # an earlier attempt into the same folder failed
+    elif Path(run_dir).is_dir():
         # whoever lists the folder sees at once that it is not a result, run.json or not
         (Path(run_dir) / STOPPED).write_text(
             f"This run stopped before it finished ({error or 'failed'}).\n"
@@ -509,7 +513,7 @@ def record_execution(run_dir: str | os.PathLike, notebook: str, ok: bool, second
     record = _read_json(path)
     record["execution"] = {"notebook": notebook, "ok": bool(ok), "seconds": round(seconds, 3),
                            "error": error}
-    if not ok and record.get("status") == "running":
+    if not ok:  # also after finish(): a cell after it failed, so the notebook did not run to its end
         record["status"] = "failed"
     _write_json(path, record)
     return True

@@ -138,8 +138,9 @@ def median_ci(samples, level: float = 0.95, n_boot: int = 4000, seed: int = 0) -
     Why: prefill alone varies by several ms between runs at 16k tokens on our H200, so the median of nine
     paired differences can land a few ms either side of zero by chance; an interval says whether a
     difference (or a goal's threshold) is resolved by the rounds that were run. Deterministic (`seed`).
-    Returns (low, high) in the samples' unit; (x, x) for one sample.
-    Raises ValueError for no samples, non-finite samples, or a level outside (0, 1).
+    Returns (low, high) in the samples' unit; (nan, nan) for fewer than MIN_CI_SAMPLES samples, where a
+    bootstrap says nothing (one sample would give (x, x), an interval of zero width that a goal would count
+    as resolved). Raises ValueError for no samples, non-finite samples, or a level outside (0, 1).
     """
     if not 0 < level < 1:
         raise ValueError(f"level={level!r}: expected a fraction in (0, 1), e.g. 0.95")
@@ -148,11 +149,34 @@ def median_ci(samples, level: float = 0.95, n_boot: int = 4000, seed: int = 0) -
         raise ValueError("median_ci() got no samples: pass at least one number")
     if not np.all(np.isfinite(arr)):
         raise ValueError(f"median_ci() got a non-finite sample: {arr[~np.isfinite(arr)][0]!r}")
-    if arr.size == 1:
-        return float(arr[0]), float(arr[0])
+    if arr.size < MIN_CI_SAMPLES:
+        return float("nan"), float("nan")
     rng = np.random.default_rng(seed)
     meds = np.median(arr[rng.integers(0, arr.size, size=(n_boot, arr.size))], axis=1)
     lo, hi = np.percentile(meds, [100 * (1 - level) / 2, 100 * (1 + level) / 2])
+    return float(lo), float(hi)
+
+
+MIN_CI_SAMPLES = 3
+
+
+def ratio_ci(numerator, denominator, level: float = 0.95, n_boot: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """A bootstrap interval for median(numerator) / median(denominator) of two independent sets of samples —
+    e.g. a contiguous copy's times over a send's times: the send's share of the ceiling, with the ceiling's own
+    noise in the interval (resampling only the send would treat the ceiling as exact). Each set is resampled
+    on its own. (nan, nan) when either has fewer than MIN_CI_SAMPLES samples."""
+    if not 0 < level < 1:
+        raise ValueError(f"level={level!r}: expected a fraction in (0, 1), e.g. 0.95")
+    a = np.asarray(list(numerator), dtype=np.float64).reshape(-1)
+    b = np.asarray(list(denominator), dtype=np.float64).reshape(-1)
+    if a.size < MIN_CI_SAMPLES or b.size < MIN_CI_SAMPLES:
+        return float("nan"), float("nan")
+    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+        raise ValueError("ratio_ci() got a non-finite sample")
+    rng = np.random.default_rng(seed)
+    ma = np.median(a[rng.integers(0, a.size, size=(n_boot, a.size))], axis=1)
+    mb = np.median(b[rng.integers(0, b.size, size=(n_boot, b.size))], axis=1)
+    lo, hi = np.percentile(ma / mb, [100 * (1 - level) / 2, 100 * (1 + level) / 2])
     return float(lo), float(hi)
 
 

@@ -65,7 +65,11 @@ class Destination:
         if s in ("pageable", "pageable-host", "host", "cpu"):
             return cls("pageable", torch.device("cpu"), "pageable-host")
         if s.startswith("cuda"):
-            dev = torch.device(s)
+            try:
+                dev = torch.device(s)
+            except RuntimeError:
+                raise ValueError(f"unknown destination {spec!r}; valid: 'same-gpu', 'cuda:N' (N a GPU index), "
+                                 "'pinned', 'pageable'") from None
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
             index = 0 if dev.index is None else dev.index
             if index >= count:

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 # Variables a developer's shell may carry that would change what kvlab does under test.
-_KVLAB_ENV = ("KVLAB_ROOT", "KVLAB_PRESET", "KVLAB_BATCH", "KVLAB_INVOCATION", "KVLAB_DEBUG")
+_KVLAB_ENV = ("KVLAB_ROOT", "KVLAB_PRESET", "KVLAB_BATCH", "KVLAB_INVOCATION", "KVLAB_DEBUG", "KVLAB_PUBLISH",
+              "KVLAB_GIT_COMMIT")
 
 
 @pytest.fixture(autouse=True)

@@ -12,55 +12,11 @@ import matplotlib
 matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
 from kvlab import plots  # noqa: E402
 
 DATA = Path(__file__).resolve().parent.parent / "data"
-
-
-def _ttft(path, title):
-    from kvlab import handoff_report, report
-
-    return handoff_report.plot_ttft(report.handoff_summary(path), title=title)
-
-
-def _ceilings(run):
-    from kvlab import ceilings_fit
-
-    d = DATA / "link_ceilings" / run
-    return ceilings_fit.plot(pd.read_csv(d / "results.csv"),
-                             ceilings_fit.Ceilings.from_json(json.loads((d / "run.json").read_text())["ceilings"]))
-
-
-def _paged():
-    from kvlab import paged_report
-
-    return paged_report.plot_gbps_vs_block_size(pd.read_csv(DATA / "paged_transfer/20261129-103427-h200/results.csv.gz"))
-
-
-def _access():
-    from kvlab import paged_report
-
-    s = paged_report.pattern_summary(pd.read_csv(DATA / "paged_transfer/20261129-103427-h200/access_patterns.csv"))
-    return paged_report.plot_patterns(s, title="32,768 tokens, 16-token blocks, same GPU: where the last 5 % goes")
-
-
-def _events():
-    from kvlab import overlap_report
-
-    d = DATA / "overlap_timeline/20261129-114951-h200"
-    layers = pd.read_csv(d / "event_layers.csv")
-    return overlap_report.event_gantt(layers, overlap_report.prefill_end_of(layers), title="qwen2.5-7b, 1,024 tokens → pinned-host: one round")
-
-
-def _patterns():
-    from kvlab import clocks
-
-    s = clocks.pattern_summary(pd.read_csv(DATA / "overlap_timeline/20261130-145803-h200/pattern_rounds.csv"))
-    return clocks.plot_patterns(s, title="32,768 tokens → cuda:1: what each send pattern costs prefill, beside what "
-                                         "its SM clock predicts")
 
 
 def _calculator(which):
@@ -87,22 +43,34 @@ def _calculator(which):
     return calcviz.plot_exposure(exp, timelines, links[0].name)
 
 
-FIGURES = {
-    "handoff_ttft": lambda: _ttft("handoff/20261129-103726-h200", "qwen2.5-7b on 1×H200 (run 20261129-103726-h200): "
-                                  "what moving the KV cache adds to the time to first token"),
-    "handoff_ttft_nvlink": lambda: _ttft("handoff/20261130-142532-h200", "qwen2.5-7b on 2×H200 (run "
-                                         "20261130-142532-h200): what moving the KV cache adds to the time to first token"),
-    "gbps_vs_size (1 GPU)": lambda: _ceilings("20261129-091839-h200"),
-    "gbps_vs_size (2 GPUs)": lambda: _ceilings("20261130-144545-h200"),
-    "gbps_vs_block_size": _paged,
-    "access_patterns": _access,
-    "event_timeline": _events,
-    "patterns": _patterns,
+FIGURES = {  # the calculator's: drawn by notebook 00, here with its published run's parameters
     "kv_table": lambda: _calculator("kv_table"),
     "ratio_vs_length": lambda: _calculator("ratio"),
     "tp_scaling": lambda: _calculator("tp"),
     "exposure_vs_link": lambda: _calculator("exposure"),
 }
+
+# the published figures kvlab analyse redraws, by the run they come from (as figures/*/*.json name them)
+PUBLISHED = json.loads("{}")
+for side in sorted((DATA.parent / "figures").glob("*/*.json")):
+    meta = json.loads(side.read_text())
+    if meta.get("analysis"):
+        PUBLISHED.setdefault(meta["run"], []).append(meta["figure"].removesuffix("_nvlink"))
+
+
+@pytest.mark.parametrize("run", sorted(PUBLISHED))
+def test_published_figures_read_700_px_wide_as_kvlab_analyse_draws_them(run, tmp_path):
+    from kvlab import analyse
+
+    out = analyse.analyse(DATA / run, tmp_path / "a")
+    issues = json.loads((out / "analysis.json").read_text())["readability"]
+    for name in PUBLISHED[run]:
+        assert name in issues, f"{run}: the analysis no longer draws {name}"
+        assert issues[name] == [], f"{run} {name}: " + "; ".join(issues[name][:5])
+
+
+def test_the_published_figures_are_the_ones_this_test_checks():
+    assert len(PUBLISHED) >= 5, PUBLISHED
 
 
 @pytest.mark.parametrize("name", list(FIGURES))

@@ -26,7 +26,8 @@ def test_the_one_rule():
     assert G.judge(0.41, 0.24, 0.83, "<=", 0.5) == ("not resolved", "interval")  # the README's old "met"
     # no interval: the point value decides, and says so
     assert G.judge(96, None, None, ">=", 95) == ("met", "point")
-    assert G.judge(94, float("nan"), float("nan"), "<=", 95) == ("met", "point")
+    # an interval the measurement could not give (too few samples): a goal judged on one is not resolved
+    assert G.judge(94, float("nan"), float("nan"), "<=", 95) == ("not resolved", "no interval")
     assert G.judge(float("nan"), None, None, ">=", 95) == ("not resolved", "no value")
     assert G.state("met") is True and G.state("missed") is False and G.state("not resolved") is None
     with pytest.raises(ValueError, match="op"):
@@ -125,3 +126,19 @@ def test_the_committed_runs_verdicts(tmp_path):
     # paged, run 145124: chunked-gather-peer at 96.9 % misses 98 %
     paged = _analysed("paged_transfer/20261130-145124-h200", tmp_path).set_index("id")
     assert paged.loc["paged.chunked_peer", "verdict"] == "missed"
+
+
+def test_point_goals_and_tables_without_interval_columns_are_judged_on_the_point():
+    import pandas as pd
+
+    tracing = G.GOALS["overlap.tracing"]
+    assert tracing.lo is None  # judged on the point by declaration
+    t = G.evaluate([tracing], pd.DataFrame([{"tracing_pct": 4.0}]), keys=())
+    assert list(t.verdict) == ["met"] and list(t.rule) == ["point"]
+    link = G.GOALS["handoff.bulk_link"]
+    old = pd.DataFrame([{"context": 32768, "destination": "same-gpu", "copy_pct_ceiling": 96.0}])  # no lo/hi columns
+    t = G.evaluate([link], old)
+    assert list(t.verdict) == ["met"] and list(t.rule) == ["point"]
+    empty = old.assign(copy_pct_ceiling_lo=float("nan"), copy_pct_ceiling_hi=float("nan"))  # too few samples
+    t = G.evaluate([link], empty)
+    assert list(t.verdict) == ["not resolved"] and list(t.rule) == ["no interval"]

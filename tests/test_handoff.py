@@ -171,9 +171,13 @@ def test_run_handoff_tidy_tables(tiny):
                    / pairs[pairs.measure == "copy"].set_index(["context", "destination", "repeat"]).ms)
     first = ratio.xs((8, row.destination), level=(0, 1))
     assert row.copy_pct_ref == pytest.approx(first.median())
-    assert (summary.copy_pct_ref_lo <= summary.copy_pct_ref).all() and (summary.copy_pct_ref <= summary.copy_pct_ref_hi).all()
-    assert (summary.extra_ci_lo_ms <= summary.layerwise_extra_ms).all()
-    assert (summary.layerwise_extra_ms <= summary.extra_ci_hi_ms).all()
+    # 2 rounds give no interval (fewer than 3 samples): the columns are there, and empty
+    assert summary.copy_pct_ref_lo.isna().all() and summary.copy_pct_ref_hi.isna().all()
+    assert summary.copy_pct_ref.notna().all()
+    # 3 interleaved rounds at the short context bracket its median; 2 above it give no interval
+    short, long_ = summary[summary.context == 8], summary[summary.context == 16]
+    assert (short.extra_ci_lo_ms <= short.layerwise_extra_ms).all() and (short.layerwise_extra_ms <= short.extra_ci_hi_ms).all()
+    assert long_.extra_ci_lo_ms.isna().all()
     g = handoff_report.goals(summary)
     assert set(g.goal) >= {"hook host time ≤ 0.5 ms", "bulk ≥ 95 % of the link ceiling"}
 

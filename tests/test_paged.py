@@ -671,13 +671,21 @@ def test_chunk_bounds_refuses_empty_chunks():
 
 
 def test_the_peer_paged_goal():
-    rows = []
-    for method, ms in (("contiguous", 4.74), ("chunked-gather-peer", 4.90)):
-        rows.append(dict(context=32768, block_size=16, method=method, destination="peer-cuda:1", pieces=114688,
-                         bytes=1879048192, repeat=0, ms=ms, gbps=1879048192 / ms / 1e6, verified=True, status="ok",
-                         note="", backend="", plan_ms=float("nan"), pool_layout="nhd", dtype="bf16"))
-    g = paged_report.goals(pd.DataFrame(rows))
+    def table(send_ms, n=9):
+        rows = []
+        for method, ms in (("contiguous", 4.74), ("chunked-gather-peer", send_ms)):
+            for k in range(n):
+                t = ms * (1 + 0.001 * (k - n // 2))  # a little spread, as sends have
+                rows.append(dict(context=32768, block_size=16, method=method, destination="peer-cuda:1",
+                                 pieces=114688, bytes=1879048192, repeat=k, ms=t, gbps=1879048192 / t / 1e6,
+                                 verified=True, status="ok", note="", backend="", plan_ms=float("nan"),
+                                 pool_layout="nhd", dtype="bf16"))
+        return pd.DataFrame(rows)
+
+    g = paged_report.goals(table(4.90))
     assert list(g.goal) == ["chunked-gather-peer ≥ 98 % of contiguous to the peer"]
     assert g.value.iloc[0].startswith("96.7 %") and g.verdict.iloc[0] == "missed"
-    rows[1]["ms"] = 4.80
-    assert paged_report.goals(pd.DataFrame(rows)).verdict.iloc[0] == "met"
+    assert paged_report.goals(table(4.80)).verdict.iloc[0] == "met"
+    assert paged_report.goals(table(4.837)).verdict.iloc[0] == "not resolved"  # 98.0 %: the interval straddles
+    # one sample each: no interval, so the goal is not resolved whatever the point says
+    assert paged_report.goals(table(4.80, n=1)).verdict.iloc[0] == "not resolved"

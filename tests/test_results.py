@@ -573,6 +573,13 @@ def test_a_run_from_changed_code_records_the_diff_that_rebuilds_it(repo, tmp_pat
     git(rebuilt, "apply", str(run.dir / "git.diff"))
     assert provenance.tree_hash(rebuilt) == g["code_sha256"]
 
+    assert g["diff_rebuilds_code"] is True
+    # what git ignores (JupyterLab's checkpoints) is not code: it neither changes the hash nor needs a diff
+    (repo / ".gitignore").write_text(".ipynb_checkpoints/\n")
+    (repo / "kvlab" / ".ipynb_checkpoints").mkdir()
+    (repo / "kvlab" / ".ipynb_checkpoints" / "x-checkpoint.py").write_text("junk\n")
+    assert provenance.tree_hash(repo) == g["code_sha256"]
+
     # a diff that was edited afterwards no longer vouches for the run
     (run.dir / "git.diff").write_text("tampered\n")
     assert provenance.status(run.record, run.dir, repo)[0] == "mismatch"

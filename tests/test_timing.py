@@ -329,7 +329,11 @@ def test_median_ci_brackets_the_median_and_narrows_with_more_rounds():
     assert hi - lo < hi9 - lo9
     assert lo < 3.0 < hi  # the true median, with 400 samples
     assert timing.median_ci(few) == (lo9, hi9)  # deterministic
-    assert timing.median_ci([2.5]) == (2.5, 2.5)
+    assert all(math.isnan(v) for v in timing.median_ci([2.5])), "one sample has no interval"
+    assert all(math.isnan(v) for v in timing.median_ci([2.5, 2.6])), "nor two"
+    lo, hi = timing.ratio_ci([1.0, 1.01, 0.99, 1.0], [2.0, 2.02, 1.98, 2.0, 2.01])
+    assert lo < 0.5 < hi and hi - lo < 0.02
+    assert all(math.isnan(v) for v in timing.ratio_ci([1.0], [2.0, 2.0, 2.0]))
 
 
 @pytest.mark.parametrize("bad", [[], [1.0, float("nan")]])

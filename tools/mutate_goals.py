@@ -29,6 +29,9 @@ muts = [
  ('    if math.isnan(t) or (math.isnan(v) and (math.isnan(a) or math.isnan(b))):', '    if math.isnan(t):'),
  ('    if not (math.isnan(a) or math.isnan(b)):', '    if False:'),
  ('def judge(value, lo, hi, op: str, threshold) -> tuple[str, str]:', 'def judge(value, lo, hi, op: str, threshold) -> tuple[str, str]:\n    return "met", "interval"'),
+ ('    if lo is not None and hi is not None and (math.isnan(a) or math.isnan(b)):', '    if False:'),
+ ('            lo = getattr(r, g.lo, None) if g.lo else None\n            hi = getattr(r, g.hi, None) if g.hi else None',
+  '            lo = getattr(r, g.lo, nan) if g.lo else nan\n            hi = getattr(r, g.hi, nan) if g.hi else nan'),
 ]
 killed = 0
 try:
