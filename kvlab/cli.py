@@ -8,6 +8,7 @@
     kvlab analyse RUN_DIR                                     a committed run's analysis, again
     kvlab report [--check]                                    the README's tables from the committed runs
     kvlab provenance [RUN_DIR ...] [--check]                  which code made each run; can it be rebuilt
+    kvlab disagg --backend gloo|ipc|nccl ...                  prefill and decode as two processes
 
 Adding a subcommand is one function and its registration, with its options given either as
 ``arg(...)`` entries or by a module's own ``add_arguments(parser)`` (named as "module:function",
@@ -649,6 +650,64 @@ def _cmd_trace(args) -> int:
     from kvlab import trace
 
     return trace.trace_main(args.rest or ["--help"])
+
+
+@subcommand(
+    "disagg", "prefill and decode as two processes: move the cache across (gloo, ipc, nccl), decode, compare",
+    arg("--backend", default="gloo", help="gloo (TCP; CPU or GPU via the host), ipc (CUDA IPC, one host, 1–2 GPUs), "
+                                        "nccl (two GPUs; two nodes under torchrun) (default gloo)"),
+    arg("--model", default="kvlab-tiny", help="registry name or a config.json / model folder (default kvlab-tiny)"),
+    arg("--weights", default="random", help="'random' (seeded, identical in both processes) or a local checkpoint"),
+    arg("--context", default="128", help="prompt tokens; a list runs each: 128 or 4k,32k (default 128)"),
+    arg("--mode", default="bulk,layerwise", help="bulk, layerwise or both (default both)"),
+    arg("--layout", default="contiguous", help="contiguous, paged or both (default contiguous)"),
+    arg("--block-size", type=int, default=16, help="tokens per block of a paged cache (default 16)"),
+    arg("--kv-dtype", default="bf16", help="the model's and cache's dtype: bf16, fp16, fp32 (default bf16)"),
+    arg("--device", default="auto", help="the prefill process's device: auto (cuda:0, else cpu), cpu, cuda:N"),
+    arg("--decode-device", default="auto", help="the decode process's device (auto: cuda:1 for nccl, else the "
+                                               "prefill device)"),
+    arg("--repeats", type=int, default=3, help="timed rounds; each round is every mode and a colocated prefill, "
+                                            "in rotated order (default 3; ≥ 9 for published numbers)"),
+    arg("--warmup", type=int, default=1, help="untimed rounds first (default 1)"),
+    arg("--decode-tokens", type=int, default=20, help="greedy tokens compared with the colocated decode (default 20)"),
+    arg("--timeout", type=float, default=120.0, help="deadline in seconds of every wait across the boundary (default 120)"),
+    arg("--bench", action="store_true", help="ipc: also time the bulk send alone beside an in-process copy of the "
+                                            "same bytes (its ceiling)"),
+    arg("--port", type=int, default=0, help="port of the control store (default 0: a free one)"),
+    arg("--out", default="", help="run folder (default: a new data/disagg/<run_id>/)"),
+    arg("--quiet", action="store_true", help="no progress bar"),
+)
+def _cmd_disagg(args) -> int:
+    """Start a prefill process and a decode process, each with its own copy of the model (same seed, same
+    weights). The decode process allocates its cache (poisoned), the prefill process prefills and sends it
+    in bulk or layer by layer, and the decode process decodes once every layer has landed, comparing tokens,
+    logits and bytes with its own colocated run. Writes <out>/requests.csv, summary.json and run.json.
+    Under torchrun (2 processes; rank 0 decodes) the same command runs across two nodes: see README.
+
+Example: kvlab disagg --backend gloo --model kvlab-tiny --context 128 --decode-tokens 20 --out /tmp/kvlab-disagg"""
+    from kvlab import disagg
+
+    cfg = disagg.DisaggConfig(
+        backend=args.backend, model=args.model, weights=args.weights, contexts=args.context, modes=args.mode,
+        layouts=args.layout, block_size=args.block_size, kv_dtype=args.kv_dtype, device=args.device,
+        decode_device=args.decode_device, repeats=args.repeats, warmup=args.warmup,
+        decode_tokens=args.decode_tokens, timeout_s=args.timeout, bench=args.bench, port=args.port)
+    try:
+        summary = disagg.run(cfg, args.out, progress=not args.quiet)
+    except disagg.DisaggError as err:
+        print(f"kvlab disagg: error: {err}", file=sys.stderr)
+        return 1
+    if not summary:  # the prefill rank under torchrun: rank 0 reports
+        return 0
+    ok = summary["tokens_match"] and summary["logits_equal"] and summary["poison_left"] == 0
+    print(f"{summary['backend']}: {summary['requests']} requests, {fmt_bytes(summary['bytes_moved'])} a request, "
+          f"tokens {'match' if summary['tokens_match'] else 'DIFFER'}, logits "
+          f"{'equal' if summary['logits_equal'] else 'DIFFER'}, poison left {summary['poison_left']}")
+    for c in summary["configs"]:
+        ex = f", exposed {c['exposed_ms']:.3f} ms" if c.get("exposed_ms") is not None else ""
+        print(f"  {c['layout']:10} {c['mode']:9} {c['context']:>6} tokens: TTFT {c['ttft_ms']:.2f} ms"
+              f" (prefill {c['prefill_ms']:.2f} ms{ex})")
+    return 0 if ok else 1
 
 
 @subcommand(

@@ -1,0 +1,18 @@
+"""Prefill and decode as two processes: the cache crosses a process boundary.
+
+    kvlab.disagg.DisaggConfig      what to run (backend, model, contexts, modes, layouts, devices, repeats)
+    kvlab.disagg.run(cfg, out)     start both workers, wait, write requests.csv, summary.json, run.json
+    kvlab.disagg.config            every check made before a process starts; which backend runs where
+    kvlab.disagg.protocol          request ids, landed layers, the refusal to decode a partial cache, deadlines
+    kvlab.disagg.links             the data path per backend: ipc (CUDA IPC), nccl, gloo
+    kvlab.disagg.workers           the prefill worker and the decode worker
+
+`kvlab disagg --help` shows the command; README's "Two processes" section the two-node form under torchrun.
+"""
+
+from .config import BACKENDS, LAYOUTS, MODES, DisaggConfig, backend_unavailable, check
+from .launch import DisaggError, run, summarise
+from .protocol import IncompleteCacheError, LandedLayers
+
+__all__ = ["DisaggConfig", "run", "check", "backend_unavailable", "DisaggError", "IncompleteCacheError",
+           "LandedLayers", "BACKENDS", "MODES", "LAYOUTS", "summarise"]

@@ -1,0 +1,164 @@
+"""What a `kvlab disagg` run does, and every check of it made before a process starts or a folder is written."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+__all__ = ["DisaggConfig", "BACKENDS", "MODES", "LAYOUTS", "KV_DTYPES", "check", "backend_unavailable",
+           "DECODE", "PREFILL"]
+
+BACKENDS = ("gloo", "ipc", "nccl", "nixl")
+MODES = ("bulk", "layerwise")
+LAYOUTS = ("contiguous", "paged")
+KV_DTYPES = ("bfloat16", "float16", "float32")
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+DECODE, PREFILL = 0, 1  # ranks: the decode process is rank 0 (it writes the run), the prefill process rank 1
+
+
+@dataclasses.dataclass
+class DisaggConfig:
+    """One two-process run. Every (layout, context) pair is measured with every mode, interleaved round by
+    round with a colocated prefill (the prefill process prefilling and sending nothing).
+
+    backend: gloo | ipc | nccl (nixl: see `backend_unavailable`); model: registry name or config path;
+    weights: "random" (seeded, identical in both processes) or a local checkpoint; contexts: prompt tokens;
+    modes: bulk and/or layerwise; layouts: contiguous and/or paged (block_size tokens a block);
+    kv_dtype: the model's and cache's dtype; device / decode_device: "auto", "cpu" or "cuda:N" (auto: cuda:0
+    for prefill; decode on cuda:1 for nccl, else on the prefill device); repeats / warmup: timed and untimed
+    rounds; decode_tokens: greedy tokens compared with the colocated decode; timeout_s: the deadline of every
+    wait across the boundary; bench: also time the bulk send alone beside an in-process copy of the same
+    bytes (ipc), bench_repeats times; port: the control store's port (0: a free one); drop_layer: a fault for
+    tests — the prefill side never sends this layer in layer-wise mode (-1: none).
+    """
+
+    backend: str = "gloo"
+    model: str = "kvlab-tiny"
+    weights: str = "random"
+    contexts: tuple = (128,)
+    modes: tuple = ("bulk", "layerwise")
+    layouts: tuple = ("contiguous",)
+    block_size: int = 16
+    kv_dtype: str = "bfloat16"
+    device: str = "auto"
+    decode_device: str = "auto"
+    repeats: int = 3
+    warmup: int = 1
+    decode_tokens: int = 20
+    timeout_s: float = 120.0
+    bench: bool = False
+    bench_repeats: int = 15
+    seed: int = 0
+    port: int = 0
+    drop_layer: int = -1
+    threads: int = 0  # torch threads per process on a CPU (0: half the cores each, at least 1)
+
+    def devices(self) -> tuple[str, str]:
+        """(prefill device, decode device) with "auto" resolved."""
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        pre = self.device if self.device != "auto" else ("cuda:0" if n else "cpu")
+        if self.decode_device != "auto":
+            dec = self.decode_device
+        elif self.backend == "nccl":
+            dec = "cuda:1"
+        else:
+            dec = pre
+        return _norm_device(pre), _norm_device(dec)
+
+
+def _norm_device(d: str) -> str:
+    return "cuda:0" if d == "cuda" else d
+
+
+def backend_unavailable(backend: str, prefill: str, decode: str) -> str | None:
+    """Why `backend` cannot move a cache from `prefill` to `decode` on this machine, or None."""
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "nixl":
+        return ("backend 'nixl' across two processes is not built yet (kvlab's NIXL measurement is one agent in one "
+                "process: notebook 04); use gloo, ipc or nccl")
+    if backend == "ipc":
+        if n == 0:
+            return "backend 'ipc' is CUDA IPC and needs a GPU; this machine has none: use --backend gloo"
+        if not (prefill.startswith("cuda") and decode.startswith("cuda")):
+            return f"backend 'ipc' moves GPU memory: both devices must be GPUs, got {prefill} → {decode}"
+    if backend == "nccl":
+        if n < 2:
+            return (f"backend 'nccl' needs two GPUs (NCCL cannot put both processes on one GPU); this machine has {n}: "
+                    "use --backend ipc (one GPU) or gloo")
+        if prefill == decode:
+            return f"backend 'nccl' needs two different GPUs, got {prefill} for both: pass --decode-device cuda:1"
+        if not (prefill.startswith("cuda") and decode.startswith("cuda")):
+            return f"backend 'nccl' moves GPU memory: both devices must be GPUs, got {prefill} → {decode}"
+    return None
+
+
+def _device_ok(name: str, what: str) -> None:
+    import torch
+
+    if name == "cpu":
+        return
+    if not name.startswith("cuda"):
+        raise ValueError(f"{what} = {name!r} is not a device; give 'auto', 'cpu' or 'cuda:N'")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"{what} = {name!r} is not a device; give 'auto', 'cpu' or 'cuda:N'") from None
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if (dev.index or 0) >= n:
+        raise ValueError(f"{what} = {name!r} does not exist: this machine has {n} GPU(s)"
+                         + (f" (cuda:0 … cuda:{n - 1})" if n else ""))
+
+
+def check(cfg: DisaggConfig) -> DisaggConfig:
+    """Every value of `cfg` checked and normalised (lists from text, dtype aliases); ValueError naming the bad
+    value and what would be valid. Nothing is started or written."""
+    from .. import preflight
+
+    if cfg.backend not in BACKENDS:
+        raise ValueError(f"backend = {cfg.backend!r} is not valid; valid: {', '.join(BACKENDS)}"
+                         f"{preflight._suggest(cfg.backend, BACKENDS)}")
+    cfg.model = preflight.model_ref(cfg.model, "model")
+    preflight._weights(cfg.weights, "weights")
+    cfg.contexts = tuple(preflight.token_list(cfg.contexts, "context", 1))
+    cfg.modes = tuple(preflight.name_list(cfg.modes, "mode"))
+    cfg.layouts = tuple(preflight.name_list(cfg.layouts, "layout"))
+    for what, items, valid in (("mode", cfg.modes, MODES), ("layout", cfg.layouts, LAYOUTS)):
+        for v in items:
+            if v not in valid:
+                raise ValueError(f"{what} = {v!r} is not valid; valid: {', '.join(valid)}{preflight._suggest(v, valid)}")
+        if len(set(items)) != len(items):
+            raise ValueError(f"{what} lists {list(items)} with a repeat; give each once")
+    dt = str(cfg.kv_dtype).lower().removeprefix("torch.")
+    cfg.kv_dtype = _DTYPE_ALIASES.get(dt, dt)
+    if cfg.kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype = {cfg.kv_dtype!r} is not valid; valid: {', '.join(KV_DTYPES)} (or bf16, fp16, fp32): "
+                         "the model runs in this dtype, so its cache is this dtype")
+    for name, low in (("block_size", 1), ("repeats", 1), ("warmup", 0), ("decode_tokens", 1),
+                      ("bench_repeats", 3), ("seed", 0), ("threads", 0)):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{name.replace('_', '-')} = {v!r}: give an int ≥ {low}")
+    if not isinstance(cfg.port, int) or not 0 <= cfg.port <= 65535:
+        raise ValueError(f"port = {cfg.port!r}: give 0 (a free port) or 1 … 65535")
+    if not (isinstance(cfg.timeout_s, (int, float)) and cfg.timeout_s > 0):
+        raise ValueError(f"timeout = {cfg.timeout_s!r}: give seconds > 0")
+    for what, d in (("device", cfg.device), ("decode-device", cfg.decode_device)):
+        if d != "auto":
+            _device_ok(_norm_device(str(d)), what)
+    pre, dec = cfg.devices()
+    why = backend_unavailable(cfg.backend, pre, dec)
+    if why:
+        raise ValueError(why)
+    if cfg.bench and cfg.backend != "ipc":
+        raise ValueError(f"bench times the send alone on the GPU, which only backend 'ipc' does here; got {cfg.backend!r}")
+    from .. import models
+
+    spec = models.get(cfg.model) if cfg.weights == "random" and not os.path.exists(cfg.model) else None
+    if spec is not None and cfg.drop_layer >= spec.layers:
+        raise ValueError(f"drop_layer = {cfg.drop_layer}: {spec.name} has layers 0 … {spec.layers - 1}")
+    return cfg

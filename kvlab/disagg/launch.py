@@ -1,0 +1,299 @@
+"""Start the two processes, wait for them, and write the run: `run(cfg, out)`.
+
+On one host the launcher hosts the control store (a TCPStore on a free port, or --port) and starts the prefill
+and the decode worker with torch.multiprocessing (spawn). Under torchrun (two nodes, or two processes on one)
+every process runs `kvlab disagg` itself: rank 0 is the decode worker and writes the run, rank 1 prefills; both
+use torchrun's own store. Either way a worker that fails posts its error first, the launcher names it in one
+line, stops the other process (no orphans) and leaves the run folder marked as stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+from .config import DECODE, DisaggConfig, check
+from .workers import ROWS_FILE, entry
+
+__all__ = ["run", "DisaggError", "under_torchrun", "summarise"]
+
+
+class DisaggError(RuntimeError):
+    """A worker process failed; the message names the process and its error in one line."""
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+
+def _params(cfg: DisaggConfig) -> dict:
+    d = dataclasses.asdict(cfg)
+    d["contexts"], d["modes"], d["layouts"] = list(cfg.contexts), list(cfg.modes), list(cfg.layouts)
+    return d
+
+
+def _store(port: int, timeout_s: float):
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    try:
+        return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                             timeout=timedelta(seconds=timeout_s))
+    except Exception as err:  # DistNetworkError: address in use
+        raise ValueError(f"port = {port}: cannot listen on it ({str(err).splitlines()[0][:120]}); pick another "
+                         "--port, or leave it out and a free port is chosen") from None
+
+
+def _stopped(run, why: str) -> None:
+    from .. import results
+
+    try:
+        run.update(stopped=why)
+    except Exception:
+        pass
+    results.record_execution(run.dir, "kvlab disagg", ok=False, seconds=0.0, error=why)
+
+
+def _worker_error(store) -> str | None:
+    for role in ("decode", "prefill"):
+        key = f"kvlab/error/{role}"
+        if store.check([key]):
+            return f"the {role} process stopped: {json.loads(store.get(key))['error']}"
+    return None
+
+
+def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True) -> dict:
+    """Run `cfg` in two processes; returns the summary (also written to <run>/summary.json).
+
+    out: the run folder (empty: a new data/disagg/<run_id>/). Raises ValueError for bad input (before anything
+    is written) and DisaggError when a worker fails (the run folder then says it stopped; each worker's output
+    is in <run>/worker-<role>.log)."""
+    from .. import results
+
+    check(cfg)
+    if under_torchrun():
+        return _torchrun(cfg, out, progress)
+    store = _store(cfg.port, cfg.timeout_s)
+    run_ = results.start("disagg", _params(cfg), run_dir=out)
+    procs: list = []
+    t0 = time.monotonic()
+    try:
+        procs = _start_workers(cfg, store.port, run_.dir)
+        _watch(cfg, store, procs, progress)
+        summary = _write(run_, cfg, time.monotonic() - t0)
+        run_.finish()
+        return summary
+    except BaseException as err:
+        _stopped(run_, "interrupted (Ctrl-C)" if isinstance(err, KeyboardInterrupt) else str(err))
+        raise
+    finally:
+        _stop(procs)
+
+
+def _start_workers(cfg: DisaggConfig, port: int, run_dir: Path) -> list:
+    """The decode (rank 0) and the prefill (rank 1) process: `python -m kvlab.disagg.workers`, each writing its
+    output to <run>/worker-<role>.log. Plain subprocesses rather than multiprocessing's spawn, so a caller's
+    script needs no ``if __name__ == "__main__"`` guard."""
+    import subprocess
+    import sys
+
+    procs = []
+    for rank, role in ((DECODE, "decode"), (1 - DECODE, "prefill")):
+        cmd = [sys.executable, "-m", "kvlab.disagg.workers", "--rank", str(rank), "--config", json.dumps(_params(cfg)),
+               "--host", "127.0.0.1", "--port", str(port), "--prefix", "kvlab", "--run-dir", str(run_dir)]
+        log = open(Path(run_dir, f"worker-{role}.log"), "w")
+        procs.append((role, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)))
+        log.close()
+    return procs
+
+
+def _watch(cfg: DisaggConfig, store, procs: list, progress: bool) -> None:
+    """Wait for both workers, showing the decode side's progress; the first failure is a DisaggError naming the
+    process and its error (posted by the worker, else its exit code and last log line)."""
+    import sys
+
+    from tqdm.auto import tqdm
+
+    total = (cfg.warmup + cfg.repeats) * (1 + len(cfg.modes)) * len(cfg.layouts) * len(cfg.contexts)
+    bar = tqdm(total=total, desc=f"disagg {cfg.backend}", unit="req", disable=not progress or None, file=sys.stderr)
+    try:
+        while True:
+            time.sleep(0.2)
+            done = int(store.add("kvlab/progress", 0))
+            bar.update(done - bar.n)
+            why = _worker_error(store)
+            if why:
+                raise DisaggError(why)
+            codes = [(role, p.poll()) for role, p in procs]
+            bad = [(role, c) for role, c in codes if c not in (None, 0)]
+            if bad:
+                time.sleep(0.5)  # its posted error may still be on its way
+                raise DisaggError(_worker_error(store) or f"the {bad[0][0]} process exited with code {bad[0][1]}: "
+                                  f"{_last_line(procs, bad[0][0])}")
+            if all(c == 0 for _, c in codes):
+                return
+    finally:
+        bar.close()
+
+
+def _last_line(procs: list, role: str) -> str:
+    for r, p in procs:
+        if r == role:
+            try:
+                lines = [ln for ln in Path(p.args[p.args.index("--run-dir") + 1], f"worker-{role}.log")
+                         .read_text(errors="replace").splitlines() if ln.strip()]
+                return lines[-1][:300] if lines else "(no output)"
+            except OSError:
+                return "(no log)"
+    return ""
+
+
+def _stop(procs: list) -> None:
+    """No orphans: terminate what still runs, kill what does not stop in 5 s."""
+    for _, p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for _, p in procs:
+        try:
+            p.wait(5)
+        except Exception:
+            p.kill()
+            p.wait()
+
+
+def _torchrun(cfg: DisaggConfig, out, progress: bool) -> dict:
+    from .. import results
+
+    rank, world = int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", "0"))
+    if world != 2:
+        raise ValueError(f"kvlab disagg under torchrun needs exactly 2 processes (decode = rank 0, prefill = rank 1), "
+                         f"got WORLD_SIZE={world}")
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    prefix = f"kvlab/{os.environ['TORCHELASTIC_RUN_ID']}"
+    if rank != DECODE:
+        entry(rank, _params(cfg), host, port, prefix, "", progress=False)
+        return {}
+    run_ = results.start("disagg", _params(cfg), run_dir=out)
+    t0 = time.monotonic()
+    try:
+        entry(rank, _params(cfg), host, port, prefix, str(run_.dir), progress)
+        summary = _write(run_, cfg, time.monotonic() - t0)
+        run_.finish()
+        return summary
+    except BaseException as err:
+        _stopped(run_, str(err))
+        raise
+
+
+def summarise(rows: list[dict], cfg: DisaggConfig) -> list[dict]:
+    """Per (layout, mode, context): medians of the timed rounds and whether every check held."""
+    from ..timing import median_ci
+
+    groups: dict = {}
+    for r in rows:
+        if not r.get("warmup"):
+            groups.setdefault((r["layout"], r["mode"], r["context"]), []).append(r)
+    out = []
+    for (layout, mode, context), rs in sorted(groups.items()):
+        g = {"layout": layout, "mode": mode, "context": context, "n": len(rs)}
+        for col in ("prefill_ms", "ttft_ms", "exposed_ms", "step_ms", "send_host_ms", "read_ms"):
+            vals = [r[col] for r in rs if col in r and r[col] == r[col]]
+            if vals:
+                g[col] = statistics.median(vals)
+                lo, hi = median_ci(vals)
+                g[f"{col}_lo"], g[f"{col}_hi"] = lo, hi
+        if mode != "colocated":
+            for col in ("tokens_match", "logits_equal", "bytes_equal", "first_token_match"):
+                g[col] = all(r[col] for r in rs)
+            g["poison_left"] = sum(r["poison_left"] for r in rs)
+            g["bytes_moved"] = rs[0]["bytes_moved"]
+            g["kv_bytes"] = rs[0]["kv_bytes"]
+        out.append(g)
+    return out
+
+
+def _clean(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_clean(v) for v in x]
+    return x
+
+
+def _write(run_, cfg: DisaggConfig, seconds: float) -> dict:
+    import pandas as pd
+
+    from .. import calculator, models
+
+    path = Path(run_.dir, ROWS_FILE)
+    got = json.loads(path.read_text())
+    rows = got["rows"]
+    run_.save_table(pd.DataFrame(rows), "requests")
+    if got["bench"]:
+        run_.save_table(pd.DataFrame(got["bench"]), "bench")
+    path.unlink()
+    moved = [r for r in rows if r["mode"] != "colocated"]
+    spec = models.get(cfg.model) if cfg.weights == "random" and not os.path.exists(cfg.model) else models.from_hf_config(cfg.model)
+    pre, dec = cfg.devices()
+    summary = {
+        "backend": cfg.backend,
+        "processes": 2,
+        "pids": {"decode": got["pid"], "prefill": got["peer_pid"]},
+        "host": got["host"],
+        "model": cfg.model,
+        "context": cfg.contexts[0],
+        "contexts": list(cfg.contexts),
+        "kv_dtype": cfg.kv_dtype,
+        "modes": list(cfg.modes),
+        "layouts": list(cfg.layouts),
+        "prefill_device": pre,
+        "decode_device": dec,
+        "bytes_moved": next((r["bytes_moved"] for r in moved if r["layout"] == "contiguous"
+                             and r["context"] == cfg.contexts[0]), moved[0]["bytes_moved"] if moved else 0),
+        "kv_cache_bytes": calculator.kv_cache_bytes(spec, cfg.contexts[0], cfg.kv_dtype),
+        "requests": len(moved),
+        "tokens_match": all(r["tokens_match"] for r in moved),
+        "logits_equal": all(r["logits_equal"] for r in moved),
+        "bytes_equal": all(r["bytes_equal"] for r in moved),
+        "poison_left": sum(r["poison_left"] for r in moved),
+        "seconds": round(seconds, 3),
+        "configs": summarise(rows, cfg),
+    }
+    if got["bench"]:
+        summary["bench"] = bench_summary(got["bench"])
+    summary = _clean(summary)
+    Path(run_.dir, "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    run_.update(summary={k: v for k, v in summary.items() if k not in ("configs", "bench")})
+    return summary
+
+
+def bench_summary(bench: list[dict]) -> list[dict]:
+    """Per (layout, context): the send's median GB/s, the in-process ceiling's, and send / ceiling with a 95 %
+    interval that resamples both (timing.ratio_ci)."""
+    from ..timing import ratio_ci
+
+    groups: dict = {}
+    for b in bench:
+        groups.setdefault((b["layout"], b["context"]), {}).setdefault(b["kind"], []).append(b)
+    out = []
+    for (layout, context), kinds in sorted(groups.items()):
+        send = [b["ms"] for b in kinds["send"]]
+        ceil = [b["ms"] for b in kinds["ceiling"]]
+        nbytes = kinds["send"][0]["bytes"]
+        lo, hi = ratio_ci(ceil, send)
+        out.append({"layout": layout, "context": context, "n": len(send), "bytes": nbytes,
+                    "send_ms": statistics.median(send), "ceiling_ms": statistics.median(ceil),
+                    "send_gbps": nbytes / statistics.median(send) / 1e6,
+                    "ceiling_gbps": nbytes / statistics.median(ceil) / 1e6,
+                    "pct_of_ceiling": 100 * statistics.median(ceil) / statistics.median(send),
+                    "pct_lo": 100 * lo, "pct_hi": 100 * hi,
+                    "layer_ms": statistics.median(b["ms"] for b in kinds["layer"]),
+                    "kernel": kinds["send"][0]["kernel"]})
+    return out

@@ -1,0 +1,331 @@
+"""The data path between the two processes, one class per backend.
+
+A request's cache crosses in *units*: one unit of every layer (bulk) or one unit per layer (layer-wise).
+`Source` (prefill side) says which bytes a unit is; `Sink` (decode side) where they land. Backends:
+
+    ipc    CUDA IPC: the decode process shares its destination (torch's cudaIpcMemHandle sharing,
+           torch.multiprocessing.reductions); the prefill process writes into it with its own copies — one
+           copy engine `copy_` (contiguous) or kvlab's Triton row kernel (paged: rows gathered from the
+           prefill pool and scattered into the decode pool in one pass). A notifier thread waits for each
+           unit's CUDA event and only then posts ``req{r}/landed{i}``: the decode side learns of a layer once
+           its bytes are in its memory. Same host; one GPU or two.
+    nccl   torch.distributed isend/irecv on NCCL (two GPUs; across nodes too). Layer-wise sends are issued
+           from the hook, so NCCL's stream waits for exactly that layer's writes.
+    gloo   torch.distributed isend/irecv on gloo over TCP: the CPU path CI runs, and a stand-in for a network
+           link. GPU tensors are staged through host memory on both sides.
+
+Paged caches travel as rows (one row = one block of one layer's K or V): gathered on the prefill side into a
+staging tensor (nccl, gloo) and scattered into the decode pool's own blocks, or moved row to row (ipc).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+
+from ..kvcache import KVBuffer
+from ..paged import BlockPool
+
+__all__ = ["Source", "Sink", "layer_rows", "make_link", "BACKENDS"]
+
+BACKENDS = ("gloo", "ipc", "nccl")
+
+
+def layer_rows(num_blocks: int, block_ids: list[int], layer: int) -> list[int]:
+    """Row numbers, in the `.rows` view of a pool of `num_blocks` blocks, of one layer's K then V blocks, in
+    table order."""
+    return [(layer * 2 + side) * num_blocks + b for side in (0, 1) for b in block_ids]
+
+
+class _Rows:
+    """Row indices of a paged cache: per layer and for all layers (in layer order), on a device."""
+
+    def __init__(self, layers: int, num_blocks: int, block_ids: list[int], device):
+        per = [layer_rows(num_blocks, block_ids, i) for i in range(layers)]
+        dev = torch.device(device)
+        self.layer = [torch.tensor(p, dtype=torch.int64, device=dev) for p in per]
+        self.all = torch.cat(self.layer)
+        self.per_layer = len(per[0])
+
+    def of(self, unit: tuple[int, ...]) -> torch.Tensor:
+        return self.all if len(unit) == len(self.layer) else self.layer[unit[0]]
+
+    @classmethod
+    def for_pool(cls, pool: BlockPool, block_ids) -> "_Rows":
+        return cls(pool.spec.layers, pool.num_blocks, list(block_ids), pool.device)
+
+    @classmethod
+    def for_ids(cls, layers: int, num_blocks: int, block_ids, device) -> "_Rows":
+        return cls(layers, num_blocks, list(block_ids), device)
+
+
+class Source:
+    """The prefill side's cache: a KVBuffer (contiguous) or a pool and its table's block ids (paged)."""
+
+    def __init__(self, buffer: KVBuffer | None = None, pool: BlockPool | None = None, block_ids=None):
+        self.buffer, self.pool = buffer, pool
+        self.layers = buffer.layout.layers if buffer is not None else pool.spec.layers
+        self.rows = _Rows.for_pool(pool, block_ids) if pool is not None else None
+        self.device = buffer.device if buffer is not None else pool.device
+
+    @property
+    def paged(self) -> bool:
+        return self.pool is not None
+
+    def view(self, unit: tuple[int, ...]) -> torch.Tensor:
+        """The unit's bytes as one contiguous tensor (paged: gathered rows, a new tensor)."""
+        if not self.paged:
+            return self.buffer.data if len(unit) == self.layers else self.buffer.data[unit[0]]
+        return self.pool.rows.index_select(0, self.rows.of(unit))
+
+    def nbytes(self, unit: tuple[int, ...]) -> int:
+        if not self.paged:
+            return self.view(unit).nbytes
+        return len(self.rows.of(unit)) * self.pool.rows.shape[1] * self.pool.rows.element_size()
+
+
+class Sink:
+    """The decode side's destination: a KVBuffer, or a pool and the block ids this request owns there."""
+
+    def __init__(self, buffer: KVBuffer | None = None, pool: BlockPool | None = None, block_ids=None):
+        self.buffer, self.pool = buffer, pool
+        self.layers = buffer.layout.layers if buffer is not None else pool.spec.layers
+        self.block_ids = list(block_ids) if block_ids is not None else None
+        self.rows = _Rows.for_pool(pool, self.block_ids) if pool is not None else None
+        self.device = buffer.device if buffer is not None else pool.device
+        self._staging = None
+
+    @property
+    def paged(self) -> bool:
+        return self.pool is not None
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """What is shared with the prefill process (ipc): the whole destination."""
+        return self.buffer.data if not self.paged else self.pool.data
+
+    def poison(self) -> None:
+        if self.paged:
+            self.pool.poison()
+        else:
+            self.buffer.poison()
+
+    def landing_view(self, unit: tuple[int, ...], host: bool = False) -> torch.Tensor:
+        """Where a received unit is written: the buffer itself (contiguous), else a staging tensor that
+        `settle(unit)` scatters into the pool. host=True: a host tensor (gloo with a GPU destination)."""
+        if not self.paged and not host:
+            return self.buffer.data if len(unit) == self.layers else self.buffer.data[unit[0]]
+        if self._staging is None or self._staging.device.type != ("cpu" if host else self.device.type):
+            shape = (self.layers * self.rows.per_layer, self.pool.rows.shape[1]) if self.paged else tuple(self.buffer.data.shape)
+            dtype = self.pool.data.dtype if self.paged else self.buffer.data.dtype
+            self._staging = torch.empty(shape, dtype=dtype, device="cpu" if host else self.device,
+                                        pin_memory=host and torch.cuda.is_available())
+        if len(unit) == self.layers:
+            return self._staging
+        if self.paged:
+            n = self.rows.per_layer
+            return self._staging[unit[0] * n:(unit[0] + 1) * n]
+        return self._staging[unit[0]]
+
+    def settle(self, unit: tuple[int, ...], staged: torch.Tensor | None) -> None:
+        """Put a unit received into `staged` (a landing_view) where decode reads it."""
+        if self.paged:
+            self.pool.rows.index_copy_(0, self.rows.of(unit), staged.to(self.device, non_blocking=True))
+        elif staged is not None:
+            dst = self.buffer.data if len(unit) == self.layers else self.buffer.data[unit[0]]
+            dst.copy_(staged, non_blocking=True)
+
+
+def units(mode: str, layers: int) -> list[tuple[int, ...]]:
+    return [tuple(range(layers))] if mode == "bulk" else [(i,) for i in range(layers)]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+class DistLink:
+    """nccl and gloo: torch.distributed point-to-point between rank `peer` and this rank."""
+
+    def __init__(self, backend: str, peer: int, device: torch.device, timeout_s: float):
+        self.name = backend
+        self.peer = peer
+        self.device = device
+        self.timeout_s = timeout_s
+        self.host_staged = backend == "gloo" and device.type == "cuda"
+        self._works: list = []
+        self._recvs: list = []
+
+    # prefill side
+    def send(self, request: int, unit, src: Source) -> None:
+        import torch.distributed as dist
+
+        t = src.view(unit)
+        if self.host_staged:
+            t = t.to("cpu")  # gloo moves host memory only: the copy to the host is part of this link's cost
+        self._works.append((dist.isend(t.contiguous(), dst=self.peer), t))
+
+    def finish_sends(self, request: int) -> None:
+        from datetime import timedelta
+
+        for work, _ in self._works:
+            if self.name == "gloo":
+                work.wait(timedelta(seconds=self.timeout_s))
+            else:
+                work.wait()
+        if self.name == "nccl":
+            _sync(self.device)
+        self._works = []
+
+    # decode side
+    def post_receive(self, request: int, plan, sink: Sink) -> None:
+        import torch.distributed as dist
+
+        self._recvs = []
+        for unit in plan:
+            view = sink.landing_view(unit, host=self.host_staged)
+            self._recvs.append((unit, dist.irecv(view, src=self.peer), view))
+
+    def wait_landed(self, request: int, sink: Sink, tracker, control=None) -> None:
+        from datetime import timedelta
+
+        for unit, work, view in self._recvs:
+            try:
+                if self.name == "gloo":
+                    work.wait(timedelta(seconds=self.timeout_s))
+                else:
+                    work.wait()
+            except Exception as err:  # gloo: a timeout or a closed connection
+                self._recvs = []
+                raise TimeoutError(f"request {request}: layer(s) {list(unit)} did not arrive within {self.timeout_s:g} s "
+                                   f"({type(err).__name__}: {str(err).splitlines()[0][:160]})") from None
+            if sink.paged or self.host_staged:
+                sink.settle(unit, view)
+            _sync(sink.device)  # landed = visible on the decode device
+            for i in unit:
+                tracker.mark(request, i)
+        self._recvs = []
+
+    def close(self) -> None:
+        pass
+
+
+class IpcLink:
+    """CUDA IPC: the prefill process writes straight into the decode process's destination."""
+
+    name = "ipc"
+
+    def __init__(self, device: torch.device, control, timeout_s: float):
+        self.device = device
+        self.control = control
+        self.timeout_s = timeout_s
+        self._dst: dict = {}
+        self._events: dict = {}
+        self._q: queue.Queue = queue.Queue()
+        self._error: list = []
+        self._thread = None
+        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+
+    # decode side
+    def expose(self, tag: str, sink: Sink) -> None:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        self.control.post_bytes(f"ipc/{tag}", reduce_tensor(sink.tensor))
+
+    def post_receive(self, request: int, plan, sink: Sink) -> None:
+        self._plan = plan
+
+    def wait_landed(self, request: int, sink: Sink, tracker, control) -> None:
+        for unit in self._plan:
+            for i in unit:
+                control.wait(f"req{request}/landed{i}", f"request {request}'s layer {i} to land")
+                tracker.mark(request, i)
+
+    # prefill side
+    def attach(self, tag: str, sink_rows_ids=None) -> torch.Tensor:
+        if tag not in self._dst:
+            fn, args = self.control.wait_bytes(f"ipc/{tag}", f"the decode side's destination {tag}")
+            t = fn(*args)
+            if t.device != self.device and t.device.type == "cuda":
+                from ..paged_xport import enable_peer
+
+                enable_peer(self.device, t.device)
+            self._dst = {tag: t}  # the decode side has moved on: release the mapping of its previous destination
+        return self._dst[tag]
+
+    def bind(self, tag: str, dst_rows: "_Rows | None") -> None:
+        """The destination the next sends write into (and, paged, the decode pool's rows for them)."""
+        self._tag, self._dst_rows = tag, dst_rows
+
+    def _copy(self, unit, src: Source, on_stream=None) -> None:
+        from .. import kernels
+
+        dst = self._dst[self._tag]
+        if not src.paged:
+            view = dst if len(unit) == src.layers else dst[unit[0]]
+            view.copy_(src.buffer.data if len(unit) == src.layers else src.buffer.data[unit[0]], non_blocking=True)
+        else:
+            rows = dst.view(-1, src.pool.rows.shape[1])
+            kernels.copy_rows(src.pool.rows, src.rows.of(unit), rows, self._dst_rows.of(unit))
+
+    def send(self, request: int, unit, src: Source) -> None:
+        if self.stream is None:  # a CPU-only process cannot use CUDA IPC; make_link refuses earlier
+            raise RuntimeError("CUDA IPC needs CUDA")
+        self._start_notifier()
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream):
+            self._copy(unit, src)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        self._q.put((request, unit, ev))
+
+    def time_copy(self, unit, src: Source) -> float:
+        """One send alone on the copy stream, in ms (CUDA events); no notification."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            start.record(self.stream)
+            self._copy(unit, src)
+            end.record(self.stream)
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    def _start_notifier(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._notify, name="kvlab-ipc-notifier", daemon=True)
+            self._thread.start()
+
+    def _notify(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            request, unit, ev = item
+            try:
+                ev.synchronize()  # the bytes are in the decode process's memory now
+                for i in unit:
+                    self.control.post(f"req{request}/landed{i}", 1)
+            except Exception as err:  # reported by finish_sends
+                self._error.append(err)
+            finally:
+                self._q.task_done()
+
+    def finish_sends(self, request: int) -> None:
+        self._q.join()
+        if self._error:
+            raise self._error.pop()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread.join(timeout=5)
+
+
+def make_link(backend: str, role: str, device: torch.device, control, timeout_s: float, peer: int):
+    if backend == "ipc":
+        return IpcLink(device, control, timeout_s)
+    return DistLink(backend, peer, device, timeout_s)

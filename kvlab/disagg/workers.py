@@ -1,0 +1,407 @@
+"""The two processes: a prefill worker and a decode worker, each owning its device and its own copy of the
+model (built from the same config with the same seed, so the weights are identical bit for bit).
+
+The decode worker drives: for each layout and context it computes its colocated reference (prefill and
+decode on its own device), allocates its destination (a contiguous buffer, or a pool with its own block
+table), poisons it before every request, and posts ``req{r}/go``. The prefill worker prefills, sends in bulk
+after prefill or layer by layer from the per-layer signal, and posts ``req{r}/done``. The decode worker waits
+until every layer has landed (each wait bounded by the deadline), refuses to decode otherwise
+(protocol.IncompleteCacheError), decodes, and compares tokens, logits and bytes with its reference.
+
+Clocks: both processes read CLOCK_MONOTONIC (time.monotonic_ns), which one host shares, so "exposed" (last
+layer known landed on the decode side − prefill end on the prefill side) and the decode side's TTFT are
+differences of one clock. Across two nodes the clocks differ: `same_host` in the rows says which case a row is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from .config import DECODE, PREFILL, DisaggConfig
+from .links import Sink, Source, _Rows, make_link, units
+from .protocol import Control, IncompleteCacheError, LandedLayers
+
+__all__ = ["entry", "connect", "ROWS_FILE"]
+
+ROWS_FILE = "decode_rows.json"  # what the decode worker hands to the launcher (removed once tables are written)
+
+
+def connect(host: str, port: int, prefix: str, timeout_s: float):
+    """A client of the control store (the launcher's, or torchrun's agent store), under `prefix`."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore(prefix, store)
+
+
+def _ns() -> int:
+    return time.monotonic_ns()
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _build(cfg: DisaggConfig, dev: torch.device):
+    from .. import models
+
+    spec = models.get(cfg.model) if cfg.weights == "random" and not os.path.exists(cfg.model) else cfg.model
+    return models.build(spec, weights=cfg.weights, device=dev, dtype=cfg.kv_dtype, seed=cfg.seed)
+
+
+def _pool_for(model, context: int, cfg: DisaggConfig, dev: torch.device, seed: int):
+    """A pool twice the blocks the context needs, and a table of blocks drawn at random from it."""
+    from ..kvcache import layout_for
+    from ..paged import BlockAllocator, BlockPool, PoolSpec
+
+    spec = PoolSpec.from_kv_layout(layout_for(model, context, dtype=cfg.kv_dtype), cfg.block_size)
+    n = 2 * spec.blocks_for(context)
+    pool = BlockPool(spec, n, device=dev).poison()
+    table = BlockAllocator(n, cfg.block_size, seed=seed, order="random").allocate(context)
+    return pool, table
+
+
+# ------------------------------------------------------------------------------------------- prefill
+
+
+class PrefillWorker:
+    def __init__(self, cfg: DisaggConfig, model, dev: torch.device, control: Control, link):
+        self.cfg, self.model, self.dev, self.control, self.link = cfg, model, dev, control, link
+        self._sources: dict = {}
+
+    def source(self, layout: str, context: int):
+        from ..kvcache import KVBuffer, layout_for
+        from ..steps import make_prompt
+
+        key = (layout, context)
+        if key not in self._sources:
+            self._sources.clear()  # one context's buffers at a time: 32k of a 7B model is 1.9 GB
+            ids = make_prompt(self.model.config.vocab_size, context, self.dev, seed=self.cfg.seed)
+            if layout == "contiguous":
+                src = Source(buffer=KVBuffer(layout_for(self.model, context, dtype=self.cfg.kv_dtype), self.dev))
+                table = None
+            else:
+                pool, table = _pool_for(self.model, context, self.cfg, self.dev, seed=self.cfg.seed + 1)
+                src = Source(pool=pool, block_ids=table.ids.tolist())
+            self._sources[key] = (ids, src, table)
+        return self._sources[key]
+
+    def _prefill(self, ids, src: Source, table, hooks=None):
+        from ..paged import prefill_into_pages
+        from ..steps import prefill
+
+        if src.paged:
+            if hooks is not None:
+                with hooks:
+                    return prefill_into_pages(self.model, ids, src.pool, table)
+            return prefill_into_pages(self.model, ids, src.pool, table)
+        if hooks is not None:
+            with hooks:
+                return prefill(self.model, ids, src.buffer, hooks)
+        return prefill(self.model, ids, src.buffer)
+
+    def handle(self, n: int, msg: dict) -> dict:
+        from ..hooks import LayerHooks
+
+        ids, src, table = self.source(msg["layout"], msg["context"])
+        mode = msg["mode"]
+        if self.link.name == "ipc" and mode != "colocated":
+            self.link.attach(msg["tag"])
+            rows = None
+            if src.paged:
+                rows = _Rows.for_ids(src.layers, msg["dst_num_blocks"], msg["dst_blocks"], self.dev)
+            self.link.bind(msg["tag"], rows)
+        if msg.get("bench"):
+            return self.bench(src, msg)
+        drop = self.cfg.drop_layer
+        _sync(self.dev)
+        t0 = _ns()
+        if mode == "layerwise":
+            def on_layer(i):
+                if i != drop:
+                    self.link.send(n, (i,), src)
+
+            hooks = LayerHooks(self.model, on_layer, ranges=False, point="attention" if src.paged else "cache")
+            logits = self._prefill(ids, src, table, hooks)
+        else:
+            logits = self._prefill(ids, src, table)
+        # prefill's end: its own stream only (a device-wide sync would wait for the layer-wise copies too)
+        if self.dev.type == "cuda":
+            torch.cuda.current_stream(self.dev).synchronize()
+        t1 = _ns()
+        if mode == "bulk":
+            for unit in units("bulk", src.layers):
+                self.link.send(n, unit, src)
+        if mode != "colocated":
+            self.link.finish_sends(n)
+        t2 = _ns()
+        first = int(logits.argmax(-1).view(-1)[0])
+        return {"first_token": first, "t_prefill_start_ns": t0, "t_prefill_end_ns": t1, "t_sent_ns": t2,
+                "prefill_ms": (t1 - t0) / 1e6, "send_host_ms": (t2 - t1) / 1e6, "host": socket.gethostname(),
+                "bytes_moved": sum(src.nbytes(u) for u in units(mode if mode != "colocated" else "bulk", src.layers))}
+
+    def bench(self, src: Source, msg: dict) -> dict:
+        """The bulk send alone (into the decode process's destination) against a plain contiguous copy of the
+        same bytes inside this process, on the same path (to the destination's device), A B / B A alternated."""
+        allu = tuple(range(src.layers))
+        nbytes = src.nbytes(allu)
+        dst_dev = self.link._dst[msg["tag"]].device
+        a = torch.empty(nbytes, dtype=torch.uint8, device=self.dev)
+        b = torch.empty(nbytes, dtype=torch.uint8, device=dst_dev)
+        stream = self.link.stream
+        send, plain, layer = [], [], []
+
+        def time_plain():
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                s.record(stream)
+                b.copy_(a, non_blocking=True)
+                e.record(stream)
+            e.synchronize()
+            return s.elapsed_time(e)
+
+        for k in range(msg["warmup"] + msg["n"]):
+            order = (0, 1) if k % 2 == 0 else (1, 0)
+            got = {}
+            for which in order:
+                got[which] = self.link.time_copy(allu, src) if which == 0 else time_plain()
+            if k >= msg["warmup"]:
+                send.append(got[0])
+                plain.append(got[1])
+                layer.append(self.link.time_copy((src.layers - 1,), src))
+        return {"send_ms": send, "ceiling_ms": plain, "layer_ms": layer, "bytes": nbytes,
+                "layer_bytes": src.nbytes((src.layers - 1,)), "kernel": "triton row copy" if src.paged else "copy_"}
+
+    def serve(self) -> None:
+        n = 0
+        while True:
+            # the decode side computes its reference before the first request: allow it the model's time
+            msg = self.control.wait(f"req{n}/go", f"request {n} from the decode process", self.cfg.timeout_s * 2)
+            if msg.get("stop"):
+                return
+            self.control.post(f"req{n}/done", self.handle(n, msg))
+            n += 1
+
+
+# -------------------------------------------------------------------------------------------- decode
+
+
+class DecodeWorker:
+    def __init__(self, cfg: DisaggConfig, model, dev: torch.device, control: Control, link, progress: bool = True):
+        self.cfg, self.model, self.dev, self.control, self.link = cfg, model, dev, control, link
+        self.rows: list[dict] = []
+        self.bench_rows: list[dict] = []
+        self.n = 0
+        self.progress = progress
+
+    def _go(self, msg: dict) -> int:
+        n = self.n
+        self.n += 1
+        self.control.post(f"req{n}/go", msg)
+        return n
+
+    def reference(self, context: int):
+        from ..kvcache import KVBuffer, layout_for
+        from ..steps import decode, make_prompt, prefill
+
+        ids = make_prompt(self.model.config.vocab_size, context, self.dev, seed=self.cfg.seed)
+        ref = KVBuffer(layout_for(self.model, context, dtype=self.cfg.kv_dtype), self.dev)
+        first = prefill(self.model, ids, ref).argmax(-1).view(1)
+        toks, logits = decode(self.model, ref, first, self.cfg.decode_tokens)
+        return ref, int(first[0]), toks, logits
+
+    def run(self) -> None:
+        from tqdm.auto import tqdm
+
+        cfg = self.cfg
+        per = (cfg.warmup + cfg.repeats) * (1 + len(cfg.modes))
+        total = per * len(cfg.layouts) * len(cfg.contexts)
+        bar = tqdm(total=total, desc=f"disagg {cfg.backend}", unit="req", disable=not self.progress or None,
+                   file=sys.stderr)
+        for layout in cfg.layouts:
+            for context in cfg.contexts:
+                ref = self.reference(context)
+                if layout == "contiguous":
+                    from ..kvcache import KVBuffer
+
+                    sink, table = Sink(buffer=KVBuffer(ref[0].layout, self.dev)), None
+                else:
+                    pool, table = _pool_for(self.model, context, cfg, self.dev, seed=cfg.seed + 2)
+                    sink = Sink(pool=pool, block_ids=table.ids.tolist())
+                tag = f"{layout}-{context}"
+                if self.link.name == "ipc":
+                    self.link.expose(tag, sink)
+                base = {"layout": layout, "context": context, "tag": tag}
+                if table is not None:
+                    base.update(dst_blocks=table.ids.tolist(), dst_num_blocks=sink.pool.num_blocks)
+                kinds = ["colocated", *cfg.modes]
+                for r in range(cfg.warmup + cfg.repeats):
+                    k = r % len(kinds)
+                    for mode in kinds[k:] + kinds[:k]:  # rotated each round: no mode always first
+                        row = self.request(mode, base, sink, table, ref)
+                        row.update(round=r, warmup=r < cfg.warmup)
+                        self.rows.append(row)
+                        bar.update(1)
+                        self.control.store.add("progress", 1)
+                if cfg.bench:
+                    msg = dict(base, mode="bulk", bench=True, n=cfg.bench_repeats, warmup=3)
+                    n = self._go(msg)
+                    got = self.control.wait(f"req{n}/done", f"the bench of {tag}")
+                    for kind in ("send", "ceiling", "layer"):
+                        for i, ms in enumerate(got[f"{kind}_ms"]):
+                            nbytes = got["layer_bytes"] if kind == "layer" else got["bytes"]
+                            self.bench_rows.append({"backend": cfg.backend, "layout": layout, "context": context,
+                                                    "kind": kind, "sample": i, "ms": ms, "bytes": nbytes,
+                                                    "gbps": nbytes / ms / 1e6, "kernel": got["kernel"]})
+                del sink
+        bar.close()
+        self._go({"stop": True})
+
+    def request(self, mode: str, base: dict, sink: Sink, table, ref) -> dict:
+        from ..steps import decode
+
+        cfg = self.cfg
+        ref_buf, ref_first, ref_toks, ref_logits = ref
+        row = {"backend": cfg.backend, "layout": base["layout"], "mode": mode, "context": base["context"],
+               "prefill_device": cfg.devices()[0], "decode_device": str(self.dev)}
+        if mode == "colocated":
+            n = self._go(dict(base, mode=mode))
+            done = self.control.wait(f"req{n}/done", f"request {n}'s prefill")
+            step_ms = self._step(ref_buf, ref_first)
+            row.update(request=n, prefill_ms=done["prefill_ms"], step_ms=step_ms,
+                       ttft_ms=done["prefill_ms"] + step_ms, same_host=done["host"] == socket.gethostname())
+            return row
+        sink.poison()
+        _sync(self.dev)
+        tracker = LandedLayers(sink.layers, str(self.dev))
+        n = self.n
+        tracker.begin(n)
+        plan = units(mode, sink.layers)
+        self.link.post_receive(n, plan, sink)
+        self._go(dict(base, mode=mode))
+        late = None
+        try:
+            self.link.wait_landed(n, sink, tracker, self.control)
+        except TimeoutError as err:
+            late = err
+        t_landed = _ns()
+        done = self.control.wait(f"req{n}/done", f"request {n}'s prefill")
+        try:
+            tracker.require(n)  # nothing decodes from a cache whose send has not landed
+        except IncompleteCacheError as err:
+            raise IncompleteCacheError(f"{err} — {late}" if late else str(err)) from None
+        t0 = _ns()
+        cache = sink.buffer if table is None else sink.pool.read(table)
+        _sync(self.dev)
+        read_ms = (_ns() - t0) / 1e6
+        first = done["first_token"]
+        step_ms = self._step(cache, first)
+        t_first = _ns()
+        toks, logits = decode(self.model, cache, torch.tensor([first], device=self.dev), cfg.decode_tokens)
+        same = done["host"] == socket.gethostname()
+        row.update(
+            request=n, kv_bytes=ref_buf.nbytes, bytes_moved=done["bytes_moved"], prefill_ms=done["prefill_ms"],
+            send_host_ms=done["send_host_ms"],
+            exposed_ms=(t_landed - done["t_prefill_end_ns"]) / 1e6 if same else float("nan"),
+            read_ms=read_ms, step_ms=step_ms,
+            ttft_ms=(t_first - done["t_prefill_start_ns"]) / 1e6 - read_ms if same else float("nan"),
+            first_token_match=first == ref_first,
+            tokens_match=bool(torch.equal(toks.cpu(), ref_toks.cpu())),
+            logits_equal=bool(torch.equal(logits.cpu(), ref_logits.cpu())),
+            bytes_equal=bool(torch.equal(cache.data, ref_buf.data)),
+            poison_left=int(cache.count_poison()), same_host=same)
+        return row
+
+    def _step(self, cache, first: int) -> float:
+        """One decode step from `cache` (host-timed, synchronised), in ms: the first token's own cost."""
+        from ..steps import decode
+
+        _sync(self.dev)
+        t0 = _ns()
+        decode(self.model, cache, torch.tensor([first], device=self.dev), 1)
+        _sync(self.dev)
+        return (_ns() - t0) / 1e6
+
+
+# ----------------------------------------------------------------------------------------- entry
+
+
+def entry(rank: int, cfg_dict: dict, host: str, port: int, prefix: str, run_dir: str, progress: bool = True) -> None:
+    """One process of the pair (torch.multiprocessing calls it with the rank first; torchrun through the CLI).
+    Errors are posted as ``error/<role>`` (one line) before they propagate, so the launcher can name them."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    cfg = DisaggConfig(**cfg_dict)
+    role = "decode" if rank == DECODE else "prefill"
+    store = connect(host, port, prefix, cfg.timeout_s)
+    control = Control(store, cfg.timeout_s)
+    try:
+        if cfg.threads or not torch.cuda.is_available():
+            torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) // 2))
+        pre, dec = cfg.devices()
+        dev = torch.device(dec if rank == DECODE else pre)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        pg = "nccl" if cfg.backend == "nccl" else "gloo"
+        kw = {"device_id": dev} if pg == "nccl" else {}
+        dist.init_process_group(pg, store=dist.PrefixStore("pg", store), rank=rank, world_size=2,
+                                timeout=timedelta(seconds=cfg.timeout_s), **kw)
+        model = _build(cfg, dev)
+        link = make_link(cfg.backend, role, dev, control, cfg.timeout_s, peer=PREFILL if rank == DECODE else DECODE)
+        try:
+            if rank == DECODE:
+                w = DecodeWorker(cfg, model, dev, control, link, progress)
+                w.run()
+                out = {"rows": w.rows, "bench": w.bench_rows, "pid": os.getpid(),
+                       "peer_pid": control.wait("pid/prefill", "the prefill process's pid"),
+                       "host": socket.gethostname()}
+                Path(run_dir, ROWS_FILE).write_text(json.dumps(out))
+            else:
+                control.post("pid/prefill", os.getpid())
+                PrefillWorker(cfg, model, dev, control, link).serve()
+        finally:
+            link.close()
+        dist.destroy_process_group()
+    except BaseException as err:
+        line = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        try:
+            control.post(f"error/{role}", {"error": line, "traceback": traceback.format_exc()[-4000:]})
+        except Exception:
+            pass
+        raise
+
+
+def main(argv=None) -> int:
+    """`python -m kvlab.disagg.workers --rank R --config JSON --host H --port P --prefix X --run-dir D`: one worker,
+    as the launcher starts it. A failure is posted to the control store and ends this process with code 1."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m kvlab.disagg.workers")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--config", required=True)
+    p.add_argument("--host", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--prefix", required=True)
+    p.add_argument("--run-dir", required=True)
+    a = p.parse_args(argv)
+    try:
+        entry(a.rank, json.loads(a.config), a.host, a.port, a.prefix, a.run_dir, progress=False)
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Prefill and decode as two processes (kvlab.disagg, issue 15): the CPU path through gloo, the completion
+protocol's refusals, and bad input refused before anything starts. The ipc and nccl paths run on GPUs
+(test_disagg_gpu below; the committed GPU runs are in data/disagg/)."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pandas as pd
+import pytest
+import torch
+
+from conftest import kvlab_command
+from kvlab import calculator, disagg, models
+from kvlab.disagg.protocol import IncompleteCacheError, LandedLayers
+
+
+def _env(tmp_path) -> dict:
+    return {"KVLAB_DATA": str(tmp_path / "data"), "KVLAB_FIGURES": str(tmp_path / "figures"), "KVLAB_PRESET": "cpu"}
+
+
+# ------------------------------------------------------------------------------------------ protocol
+
+
+def test_landed_layers_refuses_what_is_not_a_complete_send():
+    t = LandedLayers(4, "cuda:0")
+    t.begin(7)
+    t.mark(7, 0)
+    t.mark(7, 2)
+    with pytest.raises(IncompleteCacheError, match=r"request 7: 2 of 4 layers .* \(missing \[1, 3\]\)"):
+        t.require(7)
+    for bad, says in ((lambda: t.mark(7, 2), "signalled twice"), (lambda: t.mark(7, -1), "out of range"),
+                      (lambda: t.mark(7, 4), "out of range"), (lambda: t.mark(6, 1), "belongs to request 7")):
+        with pytest.raises(ValueError, match=says):
+            bad()
+    t.mark(7, 1)
+    t.mark(7, 3)
+    t.require(7)
+    t.begin(8)  # a new request starts from nothing: the old request's layers are not its layers
+    with pytest.raises(IncompleteCacheError, match="request 8: 4 of 4"):
+        t.require(8)
+    with pytest.raises(IncompleteCacheError, match="request 7"):
+        t.require(7)
+
+
+# ------------------------------------------------------------------------------------- the CPU path
+
+
+@pytest.fixture(scope="module")
+def gloo_run(tmp_path_factory):
+    """One gloo run, both layouts, a context that fills its last block and one that does not."""
+    out = tmp_path_factory.mktemp("disagg") / "run"
+    done = kvlab_command(["disagg", "--backend", "gloo", "--model", "kvlab-tiny", "--context", "128,100",
+                          "--layout", "contiguous,paged", "--decode-tokens", "20", "--repeats", "2", "--quiet",
+                          "--out", str(out)], _env(out.parent))
+    return done, out
+
+
+def test_gloo_contract_summary(gloo_run):
+    done, out = gloo_run
+    assert done.returncode == 0, done.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["backend"] == "gloo" and s["processes"] >= 2 and s["context"] == 128 and s["kv_dtype"] == "bfloat16"
+    assert s["bytes_moved"] == calculator.kv_cache_bytes(models.get("kvlab-tiny"), 128, "bf16") == s["kv_cache_bytes"]
+    assert s["tokens_match"] is True and s["logits_equal"] is True and s["poison_left"] == 0
+    pids = set(s["pids"].values())
+    assert len(pids) == 2 and all(isinstance(p, int) for p in pids)
+    run = json.loads((out / "run.json").read_text())
+    assert run["status"] == "finished" and run["study"] == "disagg" and run["summary"]["backend"] == "gloo"
+
+
+def test_gloo_every_request_decodes_like_colocated(gloo_run):
+    done, out = gloo_run
+    df = pd.read_csv(out / "requests.csv")
+    moved = df[df["mode"] != "colocated"]
+    # 2 layouts × 2 contexts × (warm-up + 2 rounds) × 2 modes
+    assert len(moved) == 2 * 2 * 3 * 2
+    assert set(moved["layout"]) == {"contiguous", "paged"} and set(moved["context"]) == {100, 128}
+    for col in ("tokens_match", "logits_equal", "bytes_equal", "first_token_match"):
+        assert moved[col].all(), moved[~moved[col]]
+    assert (moved["poison_left"] == 0).all()
+    # the paged path moves whole blocks: 100 tokens in 16-token blocks is 7 blocks = 112 tokens' bytes
+    paged100 = moved[(moved["layout"] == "paged") & (moved["context"] == 100)]
+    spec = models.get("kvlab-tiny")
+    assert (paged100["bytes_moved"] == calculator.kv_cache_bytes(spec, 112, "bf16")).all()
+    assert (moved["exposed_ms"].notna()).all() and (moved["ttft_ms"] > 0).all()
+
+
+def test_a_layer_that_never_arrives_is_refused_by_name(tmp_path):
+    cfg = disagg.DisaggConfig(modes=("layerwise",), repeats=1, warmup=0, drop_layer=1, timeout_s=3)
+    with pytest.raises(disagg.DisaggError, match=r"decode process stopped: IncompleteCacheError: request \d+: 1 of 2 "
+                                                  r"layers have not landed on cpu \(missing \[1\]\); decode refused"):
+        disagg.run(cfg, tmp_path / "run", progress=False)
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["status"] == "failed" and (tmp_path / "run" / "STOPPED.txt").is_file()
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--backend", "glo"], "did you mean 'gloo'"),
+    (["--backend", "nixl"], "not built yet"),
+    (["--mode", "bulky"], "did you mean 'bulk'"),
+    (["--layout", "pagd"], "did you mean 'paged'"),
+    (["--model", "llama-3.1-8"], "did you mean 'llama-3.1-8b'"),
+    (["--context", "1x"], "'1x' is not a token count"),
+    (["--kv-dtype", "fp8"], "kv_dtype = 'fp8' is not valid"),
+    (["--repeats", "0"], "repeats = 0"),
+    (["--device", "cuda:7"], "does not exist"),
+    (["--timeout", "0"], "timeout = 0.0"),
+])
+def test_bad_input_is_one_line_before_anything_is_written(argv, says, tmp_path):
+    done = kvlab_command(["disagg", *argv, "--out", str(tmp_path / "run")], _env(tmp_path))
+    lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+    assert done.returncode == 2 and len(lines) == 1 and says in lines[0], done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="this checks the refusals of a machine without GPUs")
+@pytest.mark.parametrize("backend, says", [("ipc", "needs a GPU"), ("nccl", "needs two GPUs")])
+def test_backends_this_machine_lacks_are_refused(backend, says):
+    with pytest.raises(ValueError, match=says):
+        disagg.check(disagg.DisaggConfig(backend=backend))
+
+
+def test_a_port_in_use_is_refused(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ValueError, match=f"port = {port}: cannot listen"):
+            disagg.run(disagg.DisaggConfig(port=port), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+def test_disagg_gpu_ipc(tmp_path):
+    """Two processes on one GPU: the prefill process writes into the decode process's memory (copy engine for a
+    contiguous cache, the Triton row kernel for a paged one); every decode matches the colocated one."""
+    s = disagg.run(disagg.DisaggConfig(backend="ipc", contexts=(128, 100), layouts=("contiguous", "paged"),
+                                       repeats=2, bench=True, bench_repeats=3), tmp_path / "run", progress=False)
+    assert s["tokens_match"] and s["logits_equal"] and s["bytes_equal"] and s["poison_left"] == 0
+    assert len(s["bench"]) == 4
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
+def test_disagg_gpu_nccl(tmp_path):
+    s = disagg.run(disagg.DisaggConfig(backend="nccl", contexts=(128, 100), layouts=("contiguous", "paged"),
+                                       repeats=2), tmp_path / "run", progress=False)
+    assert s["tokens_match"] and s["logits_equal"] and s["bytes_equal"] and s["poison_left"] == 0
