@@ -96,7 +96,7 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True) -
 
 
 def _start_workers(cfg: DisaggConfig, port: int, run_dir: Path) -> list:
-    """The decode (rank 0) and the prefill (rank 1) process: `python -m kvlab.disagg.workers`, each writing its
+    """The decode (rank 0) and the prefill (rank 1) process: `python -m kvlab.disagg`, each writing its
     output to <run>/worker-<role>.log. Plain subprocesses rather than multiprocessing's spawn, so a caller's
     script needs no ``if __name__ == "__main__"`` guard."""
     import subprocess
@@ -104,7 +104,7 @@ def _start_workers(cfg: DisaggConfig, port: int, run_dir: Path) -> list:
 
     procs = []
     for rank, role in ((DECODE, "decode"), (1 - DECODE, "prefill")):
-        cmd = [sys.executable, "-m", "kvlab.disagg.workers", "--rank", str(rank), "--config", json.dumps(_params(cfg)),
+        cmd = [sys.executable, "-m", "kvlab.disagg", "--rank", str(rank), "--config", json.dumps(_params(cfg)),
                "--host", "127.0.0.1", "--port", str(port), "--prefix", "kvlab", "--run-dir", str(run_dir)]
         log = open(Path(run_dir, f"worker-{role}.log"), "w")
         procs.append((role, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)))

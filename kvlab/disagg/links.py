@@ -7,8 +7,8 @@ A request's cache crosses in *units*: one unit of every layer (bulk) or one unit
            torch.multiprocessing.reductions); the prefill process writes into it with its own copies — one
            copy engine `copy_` (contiguous) or kvlab's Triton row kernel (paged: rows gathered from the
            prefill pool and scattered into the decode pool in one pass). A notifier thread waits for each
-           unit's CUDA event and only then posts ``req{r}/landed{i}``: the decode side learns of a layer once
-           its bytes are in its memory. Same host; one GPU or two.
+           unit's CUDA event and only then posts ``req{r}/landed/u{k}`` (the unit's layers): the decode side
+           learns of a layer once its bytes are in its memory — one message a unit, so a bulk send is one. Same host; one GPU or two.
     nccl   torch.distributed isend/irecv on NCCL (two GPUs; across nodes too). Layer-wise sends are issued
            from the hook, so NCCL's stream waits for exactly that layer's writes.
     gloo   torch.distributed isend/irecv on gloo over TCP: the CPU path CI runs, and a stand-in for a network
@@ -138,6 +138,10 @@ class Sink:
             dst.copy_(staged, non_blocking=True)
 
 
+def _span(unit) -> str:
+    return f"{unit[0]}" if len(unit) == 1 else f"{unit[0]}…{unit[-1]}"
+
+
 def units(mode: str, layers: int) -> list[tuple[int, ...]]:
     return [tuple(range(layers))] if mode == "bulk" else [(i,) for i in range(layers)]
 
@@ -239,9 +243,9 @@ class IpcLink:
         self._plan = plan
 
     def wait_landed(self, request: int, sink: Sink, tracker, control) -> None:
-        for unit in self._plan:
-            for i in unit:
-                control.wait(f"req{request}/landed{i}", f"request {request}'s layer {i} to land")
+        for k, unit in enumerate(self._plan):
+            layers = control.wait(f"req{request}/landed/u{k}", f"request {request}'s layer(s) {_span(unit)} to land")
+            for i in layers:
                 tracker.mark(request, i)
 
     # prefill side
@@ -281,7 +285,7 @@ class IpcLink:
             self._copy(unit, src)
             ev = torch.cuda.Event()
             ev.record(self.stream)
-        self._q.put((request, unit, ev))
+        self._q.put((request, 0 if len(unit) == src.layers else unit[0], unit, ev))
 
     def time_copy(self, unit, src: Source) -> float:
         """One send alone on the copy stream, in ms (CUDA events); no notification."""
@@ -304,11 +308,10 @@ class IpcLink:
             item = self._q.get()
             if item is None:
                 return
-            request, unit, ev = item
+            request, k, unit, ev = item
             try:
                 ev.synchronize()  # the bytes are in the decode process's memory now
-                for i in unit:
-                    self.control.post(f"req{request}/landed{i}", 1)
+                self.control.post(f"req{request}/landed/u{k}", list(unit))
             except Exception as err:  # reported by finish_sends
                 self._error.append(err)
             finally:
@@ -320,9 +323,13 @@ class IpcLink:
             raise self._error.pop()
 
     def close(self) -> None:
+        """Stop the notifier and unmap the decode side's memory (before the decode process frees it)."""
         if self._thread is not None:
             self._q.put(None)
             self._thread.join(timeout=5)
+        self._dst = {}
+        if self.stream is not None:
+            torch.cuda.synchronize(self.device)
 
 
 def make_link(backend: str, role: str, device: torch.device, control, timeout_s: float, peer: int):

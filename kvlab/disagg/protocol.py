@@ -5,7 +5,8 @@ Two things cross the process boundary besides the cache itself:
 * control messages — a key-value store (torch.distributed.TCPStore, the same store torchrun's env://
   rendezvous uses): the decode side posts ``req{r}/go`` (what to prefill and where its blocks are), the
   prefill side posts ``req{r}/done`` (its first token and its clock readings) and, for CUDA IPC, one
-  ``req{r}/landed{i}`` key per layer once that layer's copy has completed on the GPU. Every wait has a
+  ``req{r}/landed/u{k}`` key per unit sent (all layers in bulk, one layer layer-wise), holding the unit's layers,
+  once its copy has completed on the GPU. Every wait has a
   deadline: a dead or silent peer is a TimeoutError naming what was awaited, never a hang.
 * landing — what the decode side *knows* has arrived. `LandedLayers` records it per request, refuses a
   layer signalled twice, a negative or out-of-range layer, or a signal for a request that is not the

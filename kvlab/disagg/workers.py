@@ -188,6 +188,8 @@ class PrefillWorker:
             # the decode side computes its reference before the first request: allow it the model's time
             msg = self.control.wait(f"req{n}/go", f"request {n} from the decode process", self.cfg.timeout_s * 2)
             if msg.get("stop"):
+                self.link.close()  # unmap the decode side's memory before it goes
+                self.control.post("released", 1)
                 return
             self.control.post(f"req{n}/done", self.handle(n, msg))
             n += 1
@@ -366,6 +368,7 @@ def entry(rank: int, cfg_dict: dict, host: str, port: int, prefix: str, run_dir:
                 out = {"rows": w.rows, "bench": w.bench_rows, "pid": os.getpid(),
                        "peer_pid": control.wait("pid/prefill", "the prefill process's pid"),
                        "host": socket.gethostname()}
+                control.wait("released", "the prefill process to let go of this process's memory")
                 Path(run_dir, ROWS_FILE).write_text(json.dumps(out))
             else:
                 control.post("pid/prefill", os.getpid())
@@ -381,27 +384,3 @@ def entry(rank: int, cfg_dict: dict, host: str, port: int, prefix: str, run_dir:
             pass
         raise
 
-
-def main(argv=None) -> int:
-    """`python -m kvlab.disagg.workers --rank R --config JSON --host H --port P --prefix X --run-dir D`: one worker,
-    as the launcher starts it. A failure is posted to the control store and ends this process with code 1."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m kvlab.disagg.workers")
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--config", required=True)
-    p.add_argument("--host", required=True)
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--prefix", required=True)
-    p.add_argument("--run-dir", required=True)
-    a = p.parse_args(argv)
-    try:
-        entry(a.rank, json.loads(a.config), a.host, a.port, a.prefix, a.run_dir, progress=False)
-    except BaseException:
-        traceback.print_exc()
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,35 @@
+"""`python -m kvlab.disagg --rank R ...`: one worker process, as kvlab.disagg.launch starts it (not a user command:
+users run `kvlab disagg`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+
+from .workers import entry
+
+
+def main(argv=None) -> int:
+    """`python -m kvlab.disagg --rank R --config JSON --host H --port P --prefix X --run-dir D`: one worker,
+    as the launcher starts it. A failure is posted to the control store and ends this process with code 1."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m kvlab.disagg")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--config", required=True)
+    p.add_argument("--host", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--prefix", required=True)
+    p.add_argument("--run-dir", required=True)
+    a = p.parse_args(argv)
+    try:
+        entry(a.rank, json.loads(a.config), a.host, a.port, a.prefix, a.run_dir, progress=False)
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
