@@ -268,6 +268,8 @@ def _write(run_, cfg: DisaggConfig, seconds: float) -> dict:
     }
     if got["bench"]:
         summary["bench"] = bench_summary(got["bench"])
+    if got.get("tuned"):
+        summary["tuned_kernels"] = got["tuned"]
     summary = _clean(summary)
     Path(run_.dir, "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     run_.update(summary={k: v for k, v in summary.items() if k not in ("configs", "bench")})
@@ -296,4 +298,8 @@ def bench_summary(bench: list[dict]) -> list[dict]:
                     "pct_lo": 100 * lo, "pct_hi": 100 * hi,
                     "layer_ms": statistics.median(b["ms"] for b in kinds["layer"]),
                     "kernel": kinds["send"][0]["kernel"]})
+        if kinds.get("send_default"):
+            d = [b["ms"] for b in kinds["send_default"]]
+            out[-1].update(send_default_ms=statistics.median(d),
+                           pct_default_of_ceiling=100 * statistics.median(ceil) / statistics.median(d))
     return out

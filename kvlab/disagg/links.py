@@ -232,6 +232,7 @@ class IpcLink:
         self._error: list = []
         self._thread = None
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self.kernel_config = None  # the Triton row kernel's config (None: kernels.DEFAULT_CONFIG); see tune()
 
     # decode side
     def expose(self, tag: str, sink: Sink) -> None:
@@ -273,7 +274,7 @@ class IpcLink:
             view.copy_(src.buffer.data if len(unit) == src.layers else src.buffer.data[unit[0]], non_blocking=True)
         else:
             rows = dst.view(-1, src.pool.rows.shape[1])
-            kernels.copy_rows(src.pool.rows, src.rows.of(unit), rows, self._dst_rows.of(unit))
+            kernels.copy_rows(src.pool.rows, src.rows.of(unit), rows, self._dst_rows.of(unit), config=self.kernel_config)
 
     def send(self, request: int, unit, src: Source) -> None:
         if self.stream is None:  # a CPU-only process cannot use CUDA IPC; make_link refuses earlier
@@ -286,6 +287,18 @@ class IpcLink:
             ev = torch.cuda.Event()
             ev.record(self.stream)
         self._q.put((request, 0 if len(unit) == src.layers else unit[0], unit, ev))
+
+    def tune(self, src: Source) -> list[dict]:
+        """Pick the row kernel's config for this paged send on the real tensors (kernels.tune writes the same
+        bytes a send writes). Only after a context's requests: run before them, it would fill the poisoned
+        destination with the source's previous contents and hide a row a send fails to write."""
+        from .. import kernels
+
+        rows = self._dst[self._tag].view(-1, src.pool.rows.shape[1])
+        with torch.cuda.stream(self.stream):
+            best, tried = kernels.tune(src.pool.rows, src.rows.all, rows, self._dst_rows.all)
+        self.kernel_config = best
+        return tried
 
     def time_copy(self, unit, src: Source) -> float:
         """One send alone on the copy stream, in ms (CUDA events); no notification."""

@@ -170,6 +170,16 @@ class PrefillWorker:
             e.synchronize()
             return s.elapsed_time(e)
 
+        default = []
+        tuned = None
+        if src.paged:  # the default kernel config first, then the one tuned on these tensors
+            self.link.kernel_config = None
+            for k in range(msg["warmup"] + msg["n"]):
+                ms = self.link.time_copy(allu, src)
+                if k >= msg["warmup"]:
+                    default.append(ms)
+            tried = self.link.tune(src)
+            tuned = {"config": self.link.kernel_config.as_dict(), "candidates": len(tried)}
         for k in range(msg["warmup"] + msg["n"]):
             order = (0, 1) if k % 2 == 0 else (1, 0)
             got = {}
@@ -179,8 +189,10 @@ class PrefillWorker:
                 send.append(got[0])
                 plain.append(got[1])
                 layer.append(self.link.time_copy((src.layers - 1,), src))
-        return {"send_ms": send, "ceiling_ms": plain, "layer_ms": layer, "bytes": nbytes,
-                "layer_bytes": src.nbytes((src.layers - 1,)), "kernel": "triton row copy" if src.paged else "copy_"}
+        self.link.kernel_config = None
+        return {"send_ms": send, "ceiling_ms": plain, "layer_ms": layer, "send_default_ms": default, "bytes": nbytes,
+                "layer_bytes": src.nbytes((src.layers - 1,)), "tuned": tuned,
+                "kernel": "triton row copy, tuned" if src.paged else "copy_"}
 
     def serve(self) -> None:
         n = 0
@@ -203,6 +215,7 @@ class DecodeWorker:
         self.cfg, self.model, self.dev, self.control, self.link = cfg, model, dev, control, link
         self.rows: list[dict] = []
         self.bench_rows: list[dict] = []
+        self.tuned: list[dict] = []
         self.n = 0
         self.progress = progress
 
@@ -259,12 +272,15 @@ class DecodeWorker:
                     msg = dict(base, mode="bulk", bench=True, n=cfg.bench_repeats, warmup=3)
                     n = self._go(msg)
                     got = self.control.wait(f"req{n}/done", f"the bench of {tag}")
-                    for kind in ("send", "ceiling", "layer"):
+                    if got["tuned"]:
+                        self.tuned.append({"layout": layout, "context": context, **got["tuned"]})
+                    for kind in ("send", "ceiling", "layer", "send_default"):
                         for i, ms in enumerate(got[f"{kind}_ms"]):
                             nbytes = got["layer_bytes"] if kind == "layer" else got["bytes"]
+                            kernel = "triton row copy, default config" if kind == "send_default" else got["kernel"]
                             self.bench_rows.append({"backend": cfg.backend, "layout": layout, "context": context,
                                                     "kind": kind, "sample": i, "ms": ms, "bytes": nbytes,
-                                                    "gbps": nbytes / ms / 1e6, "kernel": got["kernel"]})
+                                                    "gbps": nbytes / ms / 1e6, "kernel": kernel})
                 del sink
         bar.close()
         self._go({"stop": True})
@@ -365,7 +381,7 @@ def entry(rank: int, cfg_dict: dict, host: str, port: int, prefix: str, run_dir:
             if rank == DECODE:
                 w = DecodeWorker(cfg, model, dev, control, link, progress)
                 w.run()
-                out = {"rows": w.rows, "bench": w.bench_rows, "pid": os.getpid(),
+                out = {"rows": w.rows, "bench": w.bench_rows, "tuned": w.tuned, "pid": os.getpid(),
                        "peer_pid": control.wait("pid/prefill", "the prefill process's pid"),
                        "host": socket.gethostname()}
                 control.wait("released", "the prefill process to let go of this process's memory")
