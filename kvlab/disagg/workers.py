@@ -180,6 +180,7 @@ class PrefillWorker:
                     default.append(ms)
             tried = self.link.tune(src)
             tuned = {"config": self.link.kernel_config.as_dict(), "candidates": len(tried)}
+            extra = self._paged_controls(src, msg)
         for k in range(msg["warmup"] + msg["n"]):
             order = (0, 1) if k % 2 == 0 else (1, 0)
             got = {}
@@ -189,10 +190,46 @@ class PrefillWorker:
                 send.append(got[0])
                 plain.append(got[1])
                 layer.append(self.link.time_copy((src.layers - 1,), src))
+        if src.paged:
+            tuned.update(extra)
         self.link.kernel_config = None
         return {"send_ms": send, "ceiling_ms": plain, "layer_ms": layer, "send_default_ms": default, "bytes": nbytes,
                 "layer_bytes": src.nbytes((src.layers - 1,)), "tuned": tuned,
                 "kernel": "triton row copy, tuned" if src.paged else "copy_"}
+
+    def _paged_controls(self, src: Source, msg: dict) -> dict:
+        """Where a paged IPC send's time goes, tuned config, median of n each: the same kernel into a pool of this
+        process (same shape, same block table: is it the IPC mapping?) and into the IPC pool with the rows
+        sorted by source row (is it the order of the reads?)."""
+        from .. import kernels
+
+        dst = self.link._dst[msg["tag"]].view(-1, src.pool.rows.shape[1])
+        local = torch.empty_like(dst)
+        didx = self.link._dst_rows.all
+        sidx = src.rows.all
+        perm = torch.argsort(sidx)
+        cfg = self.link.kernel_config
+        stream = self.link.stream
+
+        def one(d, si, di):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                s.record(stream)
+                kernels.launch_rows(src.pool.rows, si, d, di, cfg)
+                e.record(stream)
+            e.synchronize()
+            return s.elapsed_time(e)
+
+        out = {"local_pool_ms": [], "ipc_src_order_ms": [], "ipc_layer_order_ms": []}
+        for k in range(msg["warmup"] + msg["n"]):
+            got = (one(local, sidx, didx), one(dst, sidx[perm], didx[perm]), one(dst, sidx, didx))
+            if k >= msg["warmup"]:
+                for key, ms in zip(out, got):
+                    out[key].append(ms)
+        del local
+        import statistics
+
+        return {k: statistics.median(v) for k, v in out.items()}
 
     def serve(self) -> None:
         n = 0
