@@ -5,6 +5,7 @@ protocol's refusals, and bad input refused before anything starts. The ipc and n
 from __future__ import annotations
 
 import json
+import os
 import socket
 
 import pandas as pd
@@ -121,9 +122,53 @@ def test_bad_input_is_one_line_before_anything_is_written(argv, says, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.device_count() > 0, reason="this checks the refusals of a machine without GPUs")
 @pytest.mark.parametrize("backend, says", [("ipc", "needs a GPU"), ("nccl", "needs two GPUs")])
-def test_backends_this_machine_lacks_are_refused(backend, says):
+def test_backends_this_machine_lacks_are_refused(backend, says, monkeypatch):
+    monkeypatch.setenv("KVLAB_DISAGG_NCCL", "1")
     with pytest.raises(ValueError, match=says):
         disagg.check(disagg.DisaggConfig(backend=backend))
+
+
+def test_nccl_is_off_until_its_hang_is_understood(monkeypatch):
+    monkeypatch.delenv("KVLAB_DISAGG_NCCL", raising=False)
+    with pytest.raises(ValueError, match="did not finish its first requests on 2×H200"):
+        disagg.check(disagg.DisaggConfig(backend="nccl"))
+
+
+def test_sigterm_stops_both_workers_and_marks_the_run(tmp_path):
+    """A `timeout` or a batch system ends the launcher with SIGTERM: the workers must go too, and the run folder
+    must say it stopped (on 2×H200 a killed launcher once left run.json saying "running")."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVLAB_")}
+    env.update(_env(tmp_path), PYTHONPATH=str(REPO))
+    p = subprocess.Popen([sys.executable, "-m", "kvlab", "disagg", "--repeats", "500", "--quiet", "--out", str(out)],
+                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (out / "requests.csv").exists() and not list(out.glob("worker-*.log")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(4)  # the workers are up and requests flow
+    p.send_signal(signal.SIGTERM)
+    p.wait(30)
+    assert p.returncode != 0
+    run = json.loads((out / "run.json").read_text())
+    assert run["status"] == "failed" and "SIGTERM" in run["stopped"] and (out / "STOPPED.txt").is_file()
+    time.sleep(1)
+    left = []
+    for cmdline in __import__("pathlib").Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"kvlab.disagg" in args and str(out).encode() in args:
+            left.append(cmdline.parent.name)
+    assert not left, f"orphan workers: pids {left}"
 
 
 def test_a_port_in_use_is_refused(tmp_path):
@@ -149,7 +194,8 @@ def test_disagg_gpu_ipc(tmp_path):
     assert len(s["bench"]) == 4
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or not os.environ.get("KVLAB_DISAGG_NCCL"),
+                    reason="NCCL needs two GPUs, and it is off until its first-run hang is understood")
 def test_disagg_gpu_nccl(tmp_path):
     s = disagg.run(disagg.DisaggConfig(backend="nccl", contexts=(128, 100), layouts=("contiguous", "paged"),
                                        repeats=2), tmp_path / "run", progress=False)

@@ -73,8 +73,9 @@ def _norm_device(d: str) -> str:
     return "cuda:0" if d == "cuda" else d
 
 
-def backend_unavailable(backend: str, prefill: str, decode: str) -> str | None:
-    """Why `backend` cannot move a cache from `prefill` to `decode` on this machine, or None."""
+def backend_unavailable(backend: str, prefill: str, decode: str, paged: bool = False) -> str | None:
+    """Why `backend` cannot move a cache from `prefill` to `decode` on this machine (`paged`: a paged layout is
+    asked for), or None."""
     import torch
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -86,6 +87,13 @@ def backend_unavailable(backend: str, prefill: str, decode: str) -> str | None:
             return "backend 'ipc' is CUDA IPC and needs a GPU; this machine has none: use --backend gloo"
         if not (prefill.startswith("cuda") and decode.startswith("cuda")):
             return f"backend 'ipc' moves GPU memory: both devices must be GPUs, got {prefill} → {decode}"
+    if backend == "ipc" and paged and prefill != decode:
+        return ("a paged cache over 'ipc' between two GPUs is not built: Triton cannot store to another GPU's pointer "
+                "(it refused one on 2×H200, run 20261130-180608); use a contiguous layout, or one GPU")
+    if backend == "nccl" and not os.environ.get("KVLAB_DISAGG_NCCL"):
+        return ("backend 'nccl' did not finish its first requests on 2×H200 (2026-11-30: the decode side's first "
+                "receive never completed, even with the tiny model), so it is switched off until that is understood; "
+                "set KVLAB_DISAGG_NCCL=1 to try it anyway (every wait still ends at --timeout)")
     if backend == "nccl":
         if n < 2:
             return (f"backend 'nccl' needs two GPUs (NCCL cannot put both processes on one GPU); this machine has {n}: "
@@ -151,7 +159,7 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
         if d != "auto":
             _device_ok(_norm_device(str(d)), what)
     pre, dec = cfg.devices()
-    why = backend_unavailable(cfg.backend, pre, dec)
+    why = backend_unavailable(cfg.backend, pre, dec, "paged" in cfg.layouts)
     if why:
         raise ValueError(why)
     if cfg.bench and cfg.backend != "ipc":

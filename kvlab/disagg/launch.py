@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import statistics
 import time
 from pathlib import Path
@@ -82,6 +83,7 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True) -
     run_ = results.start("disagg", _params(cfg), run_dir=out)
     procs: list = []
     t0 = time.monotonic()
+    old_term = _raise_on_sigterm()
     try:
         procs = _start_workers(cfg, store.port, run_.dir)
         _watch(cfg, store, procs, progress)
@@ -89,10 +91,30 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True) -
         run_.finish()
         return summary
     except BaseException as err:
-        _stopped(run_, "interrupted (Ctrl-C)" if isinstance(err, KeyboardInterrupt) else str(err))
+        _stopped(run_, str(err) if isinstance(err, Terminated) else
+                 "interrupted (Ctrl-C)" if isinstance(err, KeyboardInterrupt) else str(err))
         raise
     finally:
         _stop(procs)
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a `timeout`, a batch system): handled like Ctrl-C, so the workers stop and the run says so."""
+
+
+def _raise_on_sigterm():
+    """Turn SIGTERM into an exception while the workers run (main thread only); returns the old handler."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):
+        raise Terminated("terminated (SIGTERM)")
+
+    return signal.signal(signal.SIGTERM, handler)
 
 
 def _start_workers(cfg: DisaggConfig, port: int, run_dir: Path) -> list:
