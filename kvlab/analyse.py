@@ -25,11 +25,11 @@ from . import results
 
 __all__ = ["analyse", "STUDIES", "FIGURES", "add_arguments", "run_args"]
 
-STUDIES = ("overlap_timeline", "handoff", "paged_transfer", "link_ceilings")
+STUDIES = ("overlap_timeline", "handoff", "paged_transfer", "link_ceilings", "disagg")
 # the figures each study's analysis can draw (which of them it draws depends on the run's tables)
 FIGURES = {"overlap_timeline": ("decomposition", "event_timeline", "patterns", "clock_timeline"),
            "handoff": ("handoff_ttft",), "paged_transfer": ("gbps_vs_block_size", "access_patterns"),
-           "link_ceilings": ("gbps_vs_size",)}
+           "link_ceilings": ("gbps_vs_size",), "disagg": ("disagg_ttft",)}
 
 
 def _need(tables: dict, run: Path, name: str) -> pd.DataFrame:
@@ -219,8 +219,23 @@ def _link_ceilings(run: Path, record: dict, tables: dict, out: _Out) -> None:
     out.figure(ceilings_fit.plot(df, fitted.ceilings), "gbps_vs_size")
 
 
+def _disagg(run: Path, record: dict, tables: dict, out: _Out) -> None:
+    from . import goals, plots
+    from .disagg import report as dr
+
+    plots.style()
+    _need(tables, run, "requests")
+    t = dr.goal_table(run)
+    out.table(t, "summary")
+    g = goals.evaluate(goals.for_study("disagg"), t, keys=("layout", "mode", "context"))
+    out.table(g, "goals")
+    out.meta["findings"] += [f"{r.goal} ({r.layout} {r.mode} {r.context}): {r.value} — {r.verdict}"
+                             for r in g.itertuples() if r.id != "disagg.identical"]
+    out.figure(dr.plot(run), "disagg_ttft")
+
+
 _DISPATCH = {"overlap_timeline": _overlap_timeline, "handoff": _handoff, "paged_transfer": _paged,
-             "link_ceilings": _link_ceilings}
+             "link_ceilings": _link_ceilings, "disagg": _disagg}
 
 
 def analyse(run_dir, out: str | Path | None = None, publish: bool = False, suffix: str = "",

@@ -249,6 +249,44 @@ def overlap_runs(paths: list[str]) -> str:
     return _md(pd.DataFrame(rows))
 
 
+def disagg(paths: list[str]) -> str:
+    """Two processes (kvlab disagg): per run, layout, mode and context — the decode side's TTFT, its paired extra
+    over colocated (same round), and what was still exposed when prefill ended, as the decode side knew it."""
+    from .disagg import report as dr
+
+    rows = []
+    for path in paths:
+        record, d = _run(path)
+        t = dr.goal_table(d)
+        s = json.loads((d / "summary.json").read_text())
+        for r in t.itertuples():
+            rows.append({"run": _link(path), "backend": f"{s['backend']} ({s['prefill_device']} → {s['decode_device']})",
+                         "layout": r.layout, "mode": r.mode, "context": _ctx(r.context),
+                         "colocated TTFT ms": _g(r.colocated_ttft_ms), "TTFT ms": _g(r.ttft_ms),
+                         "TTFT − colocated ms [95 %]": f"{r.ttft_extra_ms:+.2f} [{r.ttft_extra_ms_lo:+.2f}, "
+                                                        f"{r.ttft_extra_ms_hi:+.2f}]",
+                         "exposed ms [95 %]": f"{r.exposed_ms:+.3f} [{r.exposed_ms_lo:+.3f}, {r.exposed_ms_hi:+.3f}]",
+                         "decodes ≠ colocated": int(r.mismatched)})
+    return _md(pd.DataFrame(rows))
+
+
+def disagg_bench(paths: list[str]) -> str:
+    """The bulk send across the process boundary alone, beside a plain copy of the same bytes in the prefill
+    process (the ceiling), per run, layout and context."""
+    from .disagg import report as dr
+
+    rows = []
+    for path in paths:
+        record, d = _run(path)
+        for r in dr.bench_table(pd.read_csv(d / "bench.csv")).itertuples():
+            rows.append({"run": _link(path), "layout": r.layout, "context": _ctx(r.context), "kernel": r.kernel,
+                         "send ms": _g(r.send_ms), "send GB/s": _g(r.send_gbps, 4),
+                         "ceiling GB/s": _g(r.ceiling_gbps, 4),
+                         "% of ceiling [95 %]": f"{r.pct_of_ceiling:.1f} [{r.pct_lo:.1f}, {r.pct_hi:.1f}]",
+                         "one layer ms": _g(r.layer_ms)})
+    return _md(pd.DataFrame(rows))
+
+
 def _link(path: str) -> str:
     return f"[{path.split('/')[-1]}](data/{path}/)"
 
@@ -261,13 +299,21 @@ VERDICT_RUNS = {
                        "paged_transfer/20261130-145124-h200"],
     "overlap_timeline": ["overlap_timeline/20261129-104724-h200", "overlap_timeline/20261129-113044-h200",
                          "overlap_timeline/20261129-114951-h200", "overlap_timeline/20261130-145803-h200"],
+    "disagg": ["disagg/20261130-174816-h200", "disagg/20261130-175223-h200", "disagg/20261130-175620-h200",
+               "disagg/20261130-175845-h200"],
 }
+DISAGG_RUNS = VERDICT_RUNS["disagg"]
 
 
 def _goals_of(study: str, path: str) -> pd.DataFrame:
-    from . import handoff_report, overlap_report, paged_report
+    from . import goals, handoff_report, overlap_report, paged_report
 
-    if study == "handoff":
+    if study == "disagg":
+        from .disagg import report as dr
+
+        g = goals.evaluate(goals.for_study("disagg"), dr.goal_table(_data() / path), keys=("layout", "mode", "context"))
+        g.loc[g.id == "disagg.identical", ["layout", "mode", "context"]] = ["every request", "", float("nan")]
+    elif study == "handoff":
         g = handoff_report.goals(handoff_summary(path))
     elif study == "paged_transfer":
         g = paged_report.goals(_table(path, "results"))
@@ -313,7 +359,8 @@ def verdicts() -> str:
             for r in g.itertuples():
                 ctx = getattr(r, "context", None)
                 has_ctx = ctx is not None and ctx == ctx
-                where = ", ".join(x for x in (_ctx(ctx) if has_ctx else "", getattr(r, "destination", "") or "") if x)
+                where = ", ".join(x for x in (_ctx(ctx) if has_ctx else "", getattr(r, "destination", "") or "",
+                                              getattr(r, "layout", "") or "", getattr(r, "mode", "") or "") if x)
                 host = _host(record)
                 if has_ctx and int(ctx) <= handoff_report.HOST_BOUND_CONTEXT:
                     host += "; " + _host_bound(study, path, record) + " (host-bound: holds on this host)"
@@ -406,6 +453,8 @@ BLOCKS = {
     "goals_2gpu": lambda: goals_side_by_side({
         "eager (142532)": "handoff/20261130-142532-h200", "deadline (143505)": "handoff/20261130-143505-h200",
         "deadline, 32k rerun (150123)": "handoff/20261130-150123-h200"}),
+    "disagg_1gpu": lambda: disagg(DISAGG_RUNS[:2]),
+    "disagg_bench_1gpu": lambda: disagg_bench([p for p in DISAGG_RUNS if (_data() / p / "bench.csv").is_file()]),
     "verdicts": verdicts,
     "verdict_counts": verdict_counts,
     "provenance": provenance_table,

@@ -37,12 +37,16 @@ def test_the_one_rule():
 _CANDIDATES = [dict(context=c, destination=d, method=m, block_size=16)
                for c, d, m in itertools.product([1024, 32768], ["same-gpu", "pinned-host", "peer-cuda:1"],
                                                 ["triton", "chunked-gather-d2h", "chunked-gather-peer"])]
+# kvlab disagg's summary rows (last: the goals above find theirs first)
+_CANDIDATES += [dict(context=c, layout=lay, mode=m, same_gpu=True, first_row=True)
+                for c, lay, m in itertools.product([1024, 32768], ["contiguous", "paged"], ["bulk", "layerwise"])]
 
 
 def _row(goal: G.Goal, case: str) -> pd.DataFrame:
     """A one-row summary the goal applies to, whose measurement is on the goal's side ("met"), wholly on the
     other ("missed") or across the yardstick ("not resolved")."""
-    base = next(c for c in _CANDIDATES if goal.applies(pd.Series(c), pd.DataFrame([c])))
+    base = next(c for c in _CANDIDATES  # rows as evaluate() hands them over: namedtuples
+                if goal.applies(next(pd.DataFrame([c]).itertuples(index=False)), pd.DataFrame([c])))
     t = 10.0 if isinstance(goal.threshold, str) else float(goal.threshold)
     good = 1 if goal.op == ">=" else -1
     lo, hi = {"met": (t + good * 1, t + good * 2), "missed": (t - good * 2, t - good * 1),
@@ -142,3 +146,18 @@ def test_point_goals_and_tables_without_interval_columns_are_judged_on_the_point
     empty = old.assign(copy_pct_ceiling_lo=float("nan"), copy_pct_ceiling_hi=float("nan"))  # too few samples
     t = G.evaluate([link], empty)
     assert list(t.verdict) == ["not resolved"] and list(t.rule) == ["no interval"]
+
+
+def test_the_disagg_goals_judge_their_own_rows_only():
+    t = pd.DataFrame([dict(layout=lay, mode=m, context=c, same_gpu=g, first_row=i == 0, pct_of_ceiling=80.0,
+                           pct_lo=79.0, pct_hi=81.0, exposed_ms=-1.0, exposed_ms_lo=-1.1, exposed_ms_hi=-0.9,
+                           layer_ms=0.1, mismatched_all=0)
+                      for i, (lay, m, c, g) in enumerate(itertools.product(["contiguous", "paged"], ["bulk", "layerwise"],
+                                                                           [1024, 4096, 32768, 65536], [True, False]))])
+    got = G.evaluate(G.for_study("disagg"), t, keys=("layout", "mode", "context", "same_gpu"))
+    paged = got[got.id == "disagg.ipc_paged"]
+    assert len(paged) == 1 and paged.iloc[0][["layout", "mode", "context", "same_gpu"]].tolist() == ["paged", "bulk",
+                                                                                                     32768, True]
+    lw = got[got.id == "disagg.layerwise_exposed"]
+    assert set(lw.context) == {4096, 32768} and set(lw["mode"]) == {"layerwise"} and len(lw) == 2 * 2 * 2
+    assert len(got[got.id == "disagg.identical"]) == 1

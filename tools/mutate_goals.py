@@ -30,6 +30,11 @@ muts = [
  ('    if not (math.isnan(a) or math.isnan(b)):', '    if False:'),
  ('def judge(value, lo, hi, op: str, threshold) -> tuple[str, str]:', 'def judge(value, lo, hi, op: str, threshold) -> tuple[str, str]:\n    return "met", "interval"'),
  ('    if lo is not None and hi is not None and (math.isnan(a) or math.isnan(b)):', '    if False:'),
+ ('    return getattr(r, "layout", None) == "paged" and r.mode == "bulk" and r.context == 32768 and bool(r.same_gpu)', '    return getattr(r, "layout", None) == "paged" and r.mode == "bulk" and r.context != 32768 and bool(r.same_gpu)'),
+ ('    return getattr(r, "layout", None) == "paged" and r.mode == "bulk" and r.context == 32768 and bool(r.same_gpu)', '    return getattr(r, "layout", None) == "paged" and r.mode == "bulk" and r.context == 32768'),
+ ('    return getattr(r, "mode", None) == "layerwise" and 4096 <= r.context <= 32768', '    return getattr(r, "mode", None) == "layerwise" and 4096 > r.context'),
+ ('    return getattr(r, "mode", None) == "layerwise" and 4096 <= r.context <= 32768', '    return getattr(r, "mode", None) == "layerwise" and 4096 <= r.context'),
+ ('    return bool(getattr(r, "first_row", False))', '    return True'),
  ('            lo = getattr(r, g.lo, None) if g.lo else None\n            hi = getattr(r, g.hi, None) if g.hi else None',
   '            lo = getattr(r, g.lo, nan) if g.lo else nan\n            hi = getattr(r, g.hi, nan) if g.hi else nan'),
 ]

@@ -1,0 +1,163 @@
+"""The analysis of a `kvlab disagg` run, from the tables it wrote (requests.csv, bench.csv): what crossing a
+process boundary adds to the decode side's time to first token, the bulk send beside its in-process ceiling,
+and the inputs of the goals (kvlab.goals, study "disagg"). Nothing here measures.
+
+    load(run_dir)        → (requests, bench | None, summary dict)
+    ttft_extra(requests) → per (layout, mode, context): paired per-round TTFT − colocated TTFT, median, 95 % interval
+    goal_table(run_dir)  → one row per (layout, mode, context) with what the goals read
+    plot(run_dir)        → the figure: TTFT over colocated (left), the bulk send against its ceiling (right)
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pandas as pd
+
+__all__ = ["load", "ttft_extra", "goal_table", "bench_table", "plot"]
+
+
+def load(run_dir) -> tuple[pd.DataFrame, pd.DataFrame | None, dict]:
+    d = Path(run_dir)
+    req = pd.read_csv(d / "requests.csv")
+    bench = pd.read_csv(d / "bench.csv") if (d / "bench.csv").is_file() else None
+    summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else {}
+    return req, bench, summary
+
+
+def ttft_extra(req: pd.DataFrame) -> pd.DataFrame:
+    """Each mode's TTFT minus the colocated TTFT of the same round (the two ran back to back, in rotated order),
+    per (layout, mode, context): median, 95 % interval of the median, n. Also the medians of exposed and
+    prefill, with their intervals."""
+    from ..timing import median_ci
+
+    timed = req[~req["warmup"].astype(bool)]
+    rows = []
+    for (layout, context), g in timed.groupby(["layout", "context"]):
+        co = g[g["mode"] == "colocated"].set_index("round")["ttft_ms"]
+        for mode, m in g[g["mode"] != "colocated"].groupby("mode"):
+            m = m.set_index("round")
+            diff = (m["ttft_ms"] - co.reindex(m.index)).dropna().tolist()
+            row = {"layout": layout, "mode": mode, "context": int(context), "n": len(diff),
+                   "colocated_ttft_ms": float(co.median()), "ttft_ms": float(m["ttft_ms"].median())}
+            for name, vals in (("ttft_extra_ms", diff), ("exposed_ms", m["exposed_ms"].dropna().tolist()),
+                               ("prefill_ms", m["prefill_ms"].tolist())):
+                row[name] = statistics.median(vals) if vals else float("nan")
+                row[f"{name}_lo"], row[f"{name}_hi"] = median_ci(vals) if len(vals) else (float("nan"),) * 2
+            ok = m[["tokens_match", "logits_equal", "bytes_equal"]].astype(bool).all(axis=1)
+            row["mismatched"] = int((~ok).sum() + (m["poison_left"] > 0).sum())
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def bench_table(bench: pd.DataFrame) -> pd.DataFrame:
+    """Per (layout, context): the send alone (tuned kernel for a paged cache) against a plain copy of the same
+    bytes in the prefill process, with the ratio's 95 % interval (timing.ratio_ci resamples both), and one layer's
+    send time."""
+    from ..timing import ratio_ci
+
+    rows = []
+    for (layout, context), g in bench.groupby(["layout", "context"]):
+        send = g[g["kind"] == "send"]["ms"].tolist()
+        ceil = g[g["kind"] == "ceiling"]["ms"].tolist()
+        nbytes = int(g[g["kind"] == "send"]["bytes"].iloc[0])
+        lo, hi = ratio_ci(ceil, send)
+        row = {"layout": layout, "context": int(context), "n": len(send), "bytes": nbytes,
+               "send_ms": statistics.median(send), "ceiling_ms": statistics.median(ceil),
+               "send_gbps": nbytes / statistics.median(send) / 1e6,
+               "ceiling_gbps": nbytes / statistics.median(ceil) / 1e6,
+               "pct_of_ceiling": 100 * statistics.median(ceil) / statistics.median(send),
+               "pct_lo": 100 * lo, "pct_hi": 100 * hi,
+               "layer_ms": statistics.median(g[g["kind"] == "layer"]["ms"].tolist()),
+               "kernel": g[g["kind"] == "send"]["kernel"].iloc[0]}
+        d = g[g["kind"] == "send_default"]["ms"].tolist()
+        if d:
+            row["pct_default_of_ceiling"] = 100 * statistics.median(ceil) / statistics.median(d)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def goal_table(run_dir) -> pd.DataFrame:
+    """What the disagg goals read, one row per (layout, mode, context): ttft_extra's columns, the run's backend
+    and devices, and — where the run has a bench — the send's % of its ceiling and one layer's send time."""
+    req, bench, summary = load(run_dir)
+    t = ttft_extra(req)
+    t["mismatched_all"] = int(t["mismatched"].sum())
+    t["first_row"] = [True] + [False] * (len(t) - 1)
+    t["backend"] = summary.get("backend", req["backend"].iloc[0])
+    t["same_gpu"] = summary.get("prefill_device") == summary.get("decode_device")
+    if bench is not None:
+        b = bench_table(bench)[["layout", "context", "pct_of_ceiling", "pct_lo", "pct_hi", "layer_ms",
+                                "send_gbps", "ceiling_gbps"]]
+        t = t.merge(b, on=["layout", "context"], how="left")
+        t.loc[t["mode"] != "bulk", ["pct_of_ceiling", "pct_lo", "pct_hi"]] = float("nan")
+    return t
+
+
+def plot(run_dir, title: str = ""):
+    """Left: what each mode adds to the decode side's TTFT over colocated, by context (paired rounds, median and
+    95 % interval), per layout. Right (a run with a bench): the bulk send's GB/s beside its ceiling (a plain copy
+    of the same bytes in the prefill process)."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from .. import plots
+
+    req, bench, summary = load(run_dir)
+    t = ttft_extra(req)
+    layouts = list(dict.fromkeys(t["layout"]))
+    contexts = sorted(t["context"].unique())
+    x = np.arange(len(contexts))
+    ncols = 2 if bench is not None else 1
+    fig, axes = plt.subplots(1, ncols, figsize=(6.6 if ncols == 1 else 10.5, 5.0), squeeze=False)
+    ax = axes[0][0]
+    markers = {"contiguous": "o", "paged": "s"}
+    offsets = {}
+    k = 0
+    for layout in layouts:
+        for mode in ("bulk", "layerwise"):
+            g = t[(t["layout"] == layout) & (t["mode"] == mode)].set_index("context")
+            if g.empty:
+                continue
+            off = offsets.setdefault((layout, mode), -0.18 + 0.12 * k)
+            k += 1
+            v = np.array([g["ttft_extra_ms"].get(c, np.nan) for c in contexts], dtype=float)
+            lo = np.array([g["ttft_extra_ms_lo"].get(c, np.nan) for c in contexts], dtype=float)
+            hi = np.array([g["ttft_extra_ms_hi"].get(c, np.nan) for c in contexts], dtype=float)
+            err = np.clip(np.vstack([np.nan_to_num(v - lo), np.nan_to_num(hi - v)]), 0, None)
+            ax.errorbar(x + off, v, yerr=err, fmt=markers.get(layout, "o"), color=plots.color(mode), ms=5,
+                        mfc=plots.color(mode) if layout == "contiguous" else "white", elinewidth=1.1, capsize=2.5,
+                        ls="none", label=f"{mode}, {layout}")
+    ax.axhline(0, color=plots.BLACK, lw=0.8)
+    ax.set_xticks(x, [f"{c // 1024}k" if c >= 1024 else str(c) for c in contexts])
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT − colocated TTFT (ms)")
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_title("decode side's time to first token, over colocated")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, frameon=False)
+    if bench is not None:
+        b = bench_table(bench)
+        ax2 = axes[0][1]
+        for layout in layouts:
+            g = b[b["layout"] == layout].set_index("context")
+            if g.empty:
+                continue
+            ax2.plot(x, [g["send_gbps"].get(c, np.nan) for c in contexts], marker=markers.get(layout, "o"),
+                     color=plots.BLUE, mfc=plots.BLUE if layout == "contiguous" else "white",
+                     label=f"send, {layout} ({g['kernel'].iloc[0]})")
+        ceil = b.groupby("context")["ceiling_gbps"].median()
+        ax2.plot(x, [ceil.get(c, np.nan) for c in contexts], ls="--", color=plots.GREY,
+                 label="ceiling: copy_ of the same bytes, in-process")
+        ax2.set_xticks(x, [f"{c // 1024}k" if c >= 1024 else str(c) for c in contexts])
+        ax2.set_xlabel("prompt tokens")
+        ax2.set_ylabel("GB/s (decimal)")
+        ax2.set_ylim(0, None)
+        ax2.set_title("bulk send across the process boundary")
+        ax2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=1, frameon=False)
+    pre, dec = summary.get("prefill_device", "?"), summary.get("decode_device", "?")
+    fig.suptitle(title or f"{summary.get('backend', '?')}: prefill on {pre}, decode on {dec}, two processes, "
+                 f"{summary.get('model', '')}", fontsize=10)
+    fig.tight_layout()
+    return fig
