@@ -210,6 +210,10 @@ CHECKS: dict[str, dict[str, Callable]] = {
                        "methods": _methods, "destinations": _destinations, "layout": _layout,
                        "pool_layout": _choice("nhd", "hnd"), "repeats": _int_at_least(1), "warmup": _int_at_least(0),
                        "check_model": lambda v, w: v == "" or model_ref(v, w)},
+    "disagg": {"backend": _choice("gloo", "ipc", "nccl", "nixl"), "model": lambda v, w: model_ref(v, w),
+               "weights": _weights, "contexts": lambda v, w: token_list(v, w, 1), "repeats": _int_at_least(1),
+               "warmup": _int_at_least(0), "decode_tokens": _int_at_least(1), "block_size": _int_at_least(1),
+               "bench": _choice("auto", "on", "off")},
     "link_ceilings": {"paths": _paths, "sizes": _sizes, "repeats": _int_at_least(1), "warmup": _int_at_least(0)},
     "calculator": {"models": _model_names, "ratio_models": _model_names, "tp_models": _model_names,
                    "links": _links, "ratio_links": _links, "tp_link": _links, "kv_dtype": _kv_dtype,
@@ -229,8 +233,14 @@ def _handoff_together(params: Mapping) -> None:
                              "destination or pinned host; drop pageable from destinations or use policy eager")
 
 
+def _disagg_together(params: Mapping) -> None:
+    from .disagg import from_params
+
+    from_params(params)  # the whole configuration: backend on this machine, devices, lists, dtype
+
+
 # checks of several parameters together, after each has passed alone
-TOGETHER: dict[str, Callable] = {"handoff": _handoff_together}
+TOGETHER: dict[str, Callable] = {"handoff": _handoff_together, "disagg": _disagg_together}
 
 
 def check(study: str, params: Mapping) -> None:

@@ -10,9 +10,9 @@
 `kvlab disagg --help` shows the command; README's "Two processes" section the two-node form under torchrun.
 """
 
-from .config import BACKENDS, LAYOUTS, MODES, DisaggConfig, backend_unavailable, check
+from .config import BACKENDS, LAYOUTS, MODES, DisaggConfig, backend_unavailable, check, from_params
 from .launch import DisaggError, run, summarise
 from .protocol import IncompleteCacheError, LandedLayers
 
-__all__ = ["DisaggConfig", "run", "check", "backend_unavailable", "DisaggError", "IncompleteCacheError",
+__all__ = ["DisaggConfig", "from_params", "run", "check", "backend_unavailable", "DisaggError", "IncompleteCacheError",
            "LandedLayers", "BACKENDS", "MODES", "LAYOUTS", "summarise"]

@@ -6,7 +6,7 @@ import dataclasses
 import os
 
 __all__ = ["DisaggConfig", "BACKENDS", "MODES", "LAYOUTS", "KV_DTYPES", "check", "backend_unavailable",
-           "DECODE", "PREFILL"]
+           "DECODE", "PREFILL", "from_params"]
 
 BACKENDS = ("gloo", "ipc", "nccl", "nixl")
 MODES = ("bulk", "layerwise")
@@ -170,3 +170,31 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
     if spec is not None and cfg.drop_layer >= spec.layers:
         raise ValueError(f"drop_layer = {cfg.drop_layer}: {spec.name} has layers 0 … {spec.layers - 1}")
     return cfg
+
+
+def from_params(params, gpu: bool | None = None) -> DisaggConfig:
+    """The DisaggConfig of notebook 05's parameters, "auto" resolved by hardware (`gpu`; None: kvlab.nbtools.preset):
+    backend ipc on a GPU, gloo on a CPU; Qwen2.5-7B at 1k…32k on a GPU, kvlab-tiny at 128 tokens on a CPU; the
+    bench on where the backend has one (ipc). Checked (`check`) before it is returned."""
+    from .. import nbtools
+
+    if gpu is None:
+        gpu = nbtools.preset() == "gpu"
+    p = dict(params)
+
+    def auto(name, on_gpu, on_cpu):
+        v = p.get(name, "auto")
+        return (on_gpu if gpu else on_cpu) if v == "auto" else v
+
+    backend = auto("backend", "ipc", "gloo")
+    bench = auto("bench", "on" if backend == "ipc" else "off", "off")
+    if bench not in ("on", "off"):
+        raise ValueError(f"bench = {bench!r} is not valid; valid: auto, on, off")
+    cfg = DisaggConfig(backend=backend, model=auto("model", "qwen2.5-7b", "kvlab-tiny"),
+                       weights=p.get("weights", "random"), contexts=auto("contexts", "1k,4k,16k,32k", "128"),
+                       modes=p.get("modes", "bulk,layerwise"), layouts=p.get("layouts", "contiguous,paged"),
+                       block_size=p.get("block_size", 16), kv_dtype=p.get("kv_dtype", "bf16"),
+                       device=p.get("device", "auto"), decode_device=p.get("decode_device", "auto"),
+                       repeats=p.get("repeats", 9), warmup=p.get("warmup", 2), decode_tokens=p.get("decode_tokens", 20),
+                       timeout_s=p.get("timeout_s", 120.0), bench=bench == "on")
+    return check(cfg)

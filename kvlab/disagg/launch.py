@@ -68,19 +68,22 @@ def _worker_error(store) -> str | None:
     return None
 
 
-def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True) -> dict:
+def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True, run=None) -> dict:
     """Run `cfg` in two processes; returns the summary (also written to <run>/summary.json).
 
-    out: the run folder (empty: a new data/disagg/<run_id>/). Raises ValueError for bad input (before anything
-    is written) and DisaggError when a worker fails (the run folder then says it stopped; each worker's output
-    is in <run>/worker-<role>.log)."""
+    out: the run folder (empty: a new data/disagg/<run_id>/). run: a results.Run already started (notebook 05):
+    its folder is used and the caller finishes it. Raises ValueError for bad input (before anything is written)
+    and DisaggError when a worker fails (the run folder then says it stopped; each worker's output is in
+    <run>/worker-<role>.log)."""
     from .. import results
 
     check(cfg)
     if under_torchrun():
         return _torchrun(cfg, out, progress)
     store = _store(cfg.port, cfg.timeout_s)
-    run_ = results.start("disagg", _params(cfg), run_dir=out)
+    owned = run is None
+    run_ = results.start("disagg", _params(cfg), run_dir=out) if owned else run
+    run_.update(disagg_config=_params(cfg))
     procs: list = []
     t0 = time.monotonic()
     old_term = _raise_on_sigterm()
@@ -88,7 +91,8 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True) -
         procs = _start_workers(cfg, store.port, run_.dir)
         _watch(cfg, store, procs, progress)
         summary = _write(run_, cfg, time.monotonic() - t0)
-        run_.finish()
+        if owned:
+            run_.finish()
         return summary
     except BaseException as err:
         _stopped(run_, str(err) if isinstance(err, Terminated) else
