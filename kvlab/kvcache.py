@@ -112,6 +112,9 @@ class KVBuffer:
             raise ValueError(f"data must be a contiguous {layout.dtype} tensor of shape {layout.shape}, "
                              f"got {data.dtype} {tuple(data.shape)} contiguous={data.is_contiguous()}")
         self.data = data
+        # a transfer destination's guard (kvlab.transfer.Transport.readable): asked before a decode reads the
+        # buffer, so a cache whose send failed, was aborted or is not the latest is refused, not decoded
+        self.guard = None
 
     @classmethod
     def from_hf_cache(cls, cache, layout: KVLayout | None = None) -> "KVBuffer":
@@ -169,6 +172,8 @@ class KVBuffer:
         """
         from transformers import DynamicCache
 
+        if filled and self.guard is not None:
+            self.guard()
         cache = DynamicCache()
         cache.layers.clear()
         for i in range(self.layout.layers):

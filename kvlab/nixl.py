@@ -127,8 +127,13 @@ class NixlTransport(PagedTransport):
         plan = self.prepare(src_pool, src_table, dst_table)
         if self.cuda:
             torch.cuda.current_stream(self.src_device).synchronize()  # NIXL does not follow torch streams
-        self._copy(plan, 0, plan.rows)
-        return Landing(self.spec.layers)
+        landing = self.new_landing(plan)
+        try:
+            self._copy(plan, 0, plan.rows)
+        except BaseException as err:
+            landing.abort(range(self.spec.layers), f"{type(err).__name__} during the NIXL transfer")
+            raise
+        return landing
 
     def close(self):
         if getattr(self, "_closed", True):  # never set up, or already closed

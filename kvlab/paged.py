@@ -125,7 +125,7 @@ class BlockTable:
     `ids` is a read-only numpy int64 array; `tensor(device)` a cached int64 tensor of the same ids.
     """
 
-    __slots__ = ("ids", "tokens", "block_size", "_tensors")
+    __slots__ = ("ids", "tokens", "block_size", "_tensors", "__weakref__")
 
     def __init__(self, block_ids, tokens: int, block_size: int):
         tokens = positive_int("tokens", tokens)
@@ -246,6 +246,54 @@ class BlockPool:
             raise ValueError(f"data must be a contiguous {spec.dtype} tensor of shape {spec.shape(num_blocks)}, got "
                              f"{data.dtype} {tuple(data.shape)} contiguous={data.is_contiguous()}")
         self.data = data
+        self._sends: list = []  # (destination block ids, Landing) of recent sends into this pool
+        self._owners: dict = {}  # block id → weakref of the BlockTable (the live sequence) holding it
+
+    # -- transfer states and ownership --------------------------------------------------------------
+    def expect(self, block_ids, landing) -> None:
+        """A send (its kvlab.transfer.Landing) is writing `block_ids`: reads of them wait on its fate."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        # a send that landed (or was waited for) and is now fully covered by this one needs no record
+        self._sends = [(b, lnd) for b, lnd in self._sends
+                       if not (lnd.state == "landed" or lnd.waited) or not np.isin(b, ids).all()]
+        self._sends.append((ids, landing))
+
+    def require_landed(self, table: "BlockTable") -> None:
+        """TransferError when a send into any of `table`'s blocks failed, was aborted or is still in flight
+        (unwaited): the blocks would be read half written."""
+        from .transfer import TransferError
+
+        for ids, landing in reversed(self._sends):
+            hit = np.intersect1d(ids, table.ids)
+            if not hit.size:
+                continue
+            landing.check()
+            if landing.state != "landed" and not landing.waited:
+                raise TransferError(f"{landing.name()} into blocks {hit[:8].tolist()}{'…' if hit.size > 8 else ''} "
+                                    "is still in flight: wait for its landing before reading them")
+            return  # the latest send into these blocks decides
+
+    def claim(self, table: "BlockTable") -> None:
+        """Hold `table`'s blocks for its sequence; ValueError when another live sequence holds any of them (a send
+        would overwrite it). A table that is garbage or was released frees its blocks."""
+        import weakref
+
+        taken = [int(b) for b in table.ids if (o := self._owners.get(int(b))) is not None
+                 and (t := o()) is not None and t is not table]
+        if taken:
+            raise ValueError(f"blocks {taken[:8]}{'…' if len(taken) > 8 else ''} ({len(taken)} of {table.num_blocks}) "
+                             "hold another live sequence of this pool: release it (pool.release(table)) or take "
+                             "blocks from a BlockAllocator")
+        ref = weakref.ref(table)
+        for b in table.ids:
+            self._owners[int(b)] = ref
+
+    def release(self, table: "BlockTable") -> None:
+        """Give `table`'s blocks back (their sequence is done)."""
+        for b in table.ids:
+            o = self._owners.get(int(b))
+            if o is not None and o() is table:
+                del self._owners[int(b)]
 
     @classmethod
     def from_kv_buffer(cls, buffer: KVBuffer, block_size: int, num_blocks: int | None = None,
@@ -377,8 +425,10 @@ class BlockPool:
         self.data[layer].index_copy_(1, table.tensor(self.device), self._to_pages(x, table.num_blocks))
 
     def read(self, table: BlockTable, device: torch.device | str | None = None) -> KVBuffer:
-        """The table's blocks as a new contiguous KVBuffer on `device` (default: the pool's device)."""
+        """The table's blocks as a new contiguous KVBuffer on `device` (default: the pool's device); refused
+        (kvlab.transfer.TransferError) while a send into them has failed, was aborted or is in flight."""
         self.check_table(table, "block table")
+        self.require_landed(table)
         s = self.spec
         pages = self.data.index_select(2, table.tensor(self.device))
         layout = KVLayout(s.layers, 1, s.kv_heads, table.tokens, s.head_dim, s.dtype)
@@ -389,6 +439,7 @@ class BlockPool:
     def blocks(self, table: BlockTable) -> torch.Tensor:
         """A copy of the table's blocks: [layers, 2, n, *block_shape]."""
         self.check_table(table, "block table")
+        self.require_landed(table)
         return self.data.index_select(2, table.tensor(self.device))
 
     def to_hf_cache(self, table: BlockTable, device: torch.device | str | None = None):

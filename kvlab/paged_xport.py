@@ -158,6 +158,7 @@ class PagedTransport:
         self.stream = torch.cuda.Stream(device=src) if self.cuda else None
         self._done = torch.cuda.Event(enable_timing=True) if self.cuda else None
         self._plans: OrderedDict = OrderedDict()
+        self._sends = 0
         self.backend = self.name
         self.notes: list[str] = []
         self.config: dict = {}
@@ -244,20 +245,37 @@ class PagedTransport:
         return Plan(src_pool, src_table, dst_table, n,
                      _row_ids(L, src_pool.num_blocks, src_ids), _row_ids(L, self.pool.num_blocks, dst_ids))
 
+    def new_landing(self, plan: Plan, events: list | None = None) -> Landing:
+        """The Landing of a new send of `plan`: the next send id; the destination pool's reads of its blocks wait
+        on it; a destination table's blocks are claimed for its sequence (refused if another live one holds them)."""
+        if plan.dst_table is not None:
+            self.pool.claim(plan.dst_table)
+        self._sends += 1
+        landing = Landing(self.spec.layers, events, send_id=self._sends, dest=f"{self.name} → {self.dest.label}")
+        ids = plan.dst_table.ids if plan.dst_table is not None else np.arange(plan.n_blocks, dtype=np.int64)
+        self.pool.expect(ids, landing)
+        return landing
+
     def send(self, src_pool: BlockPool, src_table: BlockTable, dst_table: BlockTable | None = None) -> Landing:
         """Move the table's blocks (all layers, K and V) into the destination pool."""
         plan = self.prepare(src_pool, src_table, dst_table)
         L = self.spec.layers
         if not self.cuda:
-            self._copy(plan, 0, plan.rows)
-            return Landing(L)
+            landing = self.new_landing(plan)
+            try:
+                self._copy(plan, 0, plan.rows)
+            except BaseException as err:
+                landing.abort(range(L), f"{type(err).__name__} during the copy")
+                raise
+            return landing
         self._wait_for_destination()
         compute = torch.cuda.current_stream(self.src_device)
         self.stream.wait_stream(compute)
+        landing = self.new_landing(plan, [self._done] * L)
         with torch.cuda.stream(self.stream):
             self._copy(plan, 0, plan.rows)
         self._done.record(self.stream)
-        return Landing(L, [self._done] * L)
+        return landing
 
     def _wait_for_destination(self) -> None:
         """A peer pool is written (poisoned, read by decode) on the peer's own streams; the copy stream must
@@ -467,15 +485,23 @@ class PagedLayerwiseSend:
         self.sent = 0
 
     def begin(self) -> "PagedLayerwiseSend":
-        """Call right before prefill: captures the compute stream."""
+        """Call right before prefill: captures the compute stream; the send (and its Landing) starts here."""
         self.sent = 0
+        self._seen = [False] * self.layers
+        self._landing = self.t.new_landing(self.plan, list(self._done) if self.cuda else None)
+        self._landing.issuing = True
         if self.cuda:
             self._compute = torch.cuda.current_stream(self.t.src_device)
             self.t._wait_for_destination()
         return self
 
     def on_layer(self, i: int) -> None:
-        """Layer i's K and V are final in the source pool (on the compute stream): send them."""
+        """Layer i's K and V are final in the source pool (on the compute stream): send them. Each layer once."""
+        if type(i) is not int or not 0 <= i < self.layers:
+            raise ValueError(f"layer-wise paged send: layer {i!r} is out of range (valid 0 … {self.layers - 1})")
+        if self._seen[i]:
+            raise ValueError(f"layer-wise paged send: layer {i} signalled twice in {self._landing.name()}")
+        self._seen[i] = True
         lo, hi = self.plan.layer_range(i)
         self.sent += 1
         if not self.cuda:
@@ -491,14 +517,23 @@ class PagedLayerwiseSend:
             torch.cuda.set_stream(self._compute)
         self._done[i].record(stream)
 
+    def abort(self, why: str = "aborted") -> None:
+        """Prefill failed: the send is aborted and its blocks refused until a later send lands."""
+        landing = getattr(self, "_landing", None)
+        if landing is not None and landing.state == "in-flight":
+            landing.issuing = False
+            unsent = {i for i, s in enumerate(self._seen) if not s}
+            landing.abort(sorted(unsent | {i for i in range(self.layers) if not landing.landed(i)}), why)
+
     def finish(self) -> Landing:
         """After prefill returns: the Landing (per-layer events; layers not landed yet are in flight)."""
         if self.sent != self.layers:
-            raise RuntimeError(f"layer-wise paged send saw {self.sent} of {self.layers} layers: "
+            missing = [i for i, s in enumerate(self._seen) if not s]
+            self._landing.fail(missing, f"the send saw {self.sent} of {self.layers} layers")
+            raise RuntimeError(f"layer-wise paged send saw {self.sent} of {self.layers} layers (missing {missing}): "
                                "were the hooks installed on every decoder layer?")
-        if not self.cuda:
-            return Landing(self.layers)
-        return Landing(self.layers, list(self._done))
+        self._landing.issuing = False
+        return self._landing
 
 
 # ---------------------------------------------------------------------------------------------------

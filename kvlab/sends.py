@@ -199,8 +199,12 @@ class LayerwiseSend:
 
     # -- per request ---------------------------------------------------------------------------------
     def begin(self) -> "LayerwiseSend":
-        """Call right before prefill: captures the compute stream (arms, or starts the worker, if needed)."""
+        """Call right before prefill: captures the compute stream (arms, or starts the worker, if needed). The
+        destination's next send starts here: its Landing is in flight until every layer has landed."""
         self.sent = 0
+        self._seen = [False] * self.layers
+        self._landing = self.t.new_landing(list(self._done) if self.cuda else None)
+        self._landing.issuing = True
         if self.cuda:
             self._compute = torch.cuda.current_stream(self.t.src_device)
             if self.mode in ("flag", "staged"):
@@ -212,17 +216,25 @@ class LayerwiseSend:
                 torch.cuda.set_stream(self._compute)
         if self.mode == "thread":
             self._start_worker()
+        if self.mode in ("thread", "staged") and self._worker is not None:
+            self._landing.worker = self._worker
+            self._landing.landed_layers = 0
         return self
 
     def _start_worker(self) -> None:
         self._queue = queue.SimpleQueue()
         target = self._drain_staged if self.mode == "staged" else self._drain
         self._worker = threading.Thread(target=target, name="kvlab-pageable-send", daemon=True)
-        self._landing = Landing(self.layers, list(self._done), worker=self._worker)
-        self._worker.start()
+        self._worker.start()  # begin() ties it to the request's Landing (arm() may start it first)
 
     def on_layer(self, i: int) -> None:
-        """Layer i's K and V are final on the compute stream: send them."""
+        """Layer i's K and V are final on the compute stream: send them. Each layer exactly once, 0 … L-1."""
+        seen = self._seen
+        if type(i) is not int or not 0 <= i < self.layers:
+            raise ValueError(f"layer-wise send: layer {i!r} is out of range (valid 0 … {self.layers - 1})")
+        if seen[i]:
+            raise ValueError(f"layer-wise send: layer {i} signalled twice in {self._landing.name()}")
+        seen[i] = True
         self.sent += 1
         mode = self.mode
         if mode == "flag" or mode == "staged":
@@ -276,34 +288,43 @@ class LayerwiseSend:
             self._landing.landed_layers = last + 1
         self.host_done_ns = time.perf_counter_ns()
 
-    def abort(self) -> None:
-        """Prefill failed: unblock whatever waits (copy stream, worker) without claiming a landing."""
+    def _unsent(self) -> list[int]:
+        return [i for i, s in enumerate(getattr(self, "_seen", [])) if not s]
+
+    def abort(self, why: str = "aborted") -> None:
+        """Prefill failed: unblock whatever waits (copy stream, worker) and mark the send aborted, so the
+        destination is refused until a later send lands (a layer already released may be half written too:
+        every layer counts as missing unless it is known to have landed)."""
         self._release()
         if self.mode in ("thread", "staged") and self._worker is not None and self._worker.is_alive():
             self._queue.put(-1)
             self._worker.join()
+        landing = getattr(self, "_landing", None)
+        if landing is not None and landing.state == "in-flight":
+            landing.issuing = False
+            landing.abort(sorted(set(self._unsent()) | {i for i in range(self.layers) if not landing.landed(i)}), why)
 
     def finish(self) -> Landing:
         """After prefill returns: the Landing of this send (layers not yet landed are still in flight)."""
         if self.sent != self.layers:
+            missing = self._unsent()
             self.abort()
-            raise RuntimeError(f"layer-wise send saw {self.sent} of {self.layers} layers: were the hooks "
-                               "installed, and — for LayerHooks(point='cache') — passed to the prefill "
+            self._landing.fail(missing, f"the send saw {self.sent} of {self.layers} layers")
+            raise RuntimeError(f"layer-wise send saw {self.sent} of {self.layers} layers (missing {missing}): were "
+                               "the hooks installed, and — for LayerHooks(point='cache') — passed to the prefill "
                                "(kvlab.steps.prefill(..., hooks=hooks)) so the KV arena can signal?")
         self._armed = False
         self._cancel_watchdog()
         if self.timed_out:
+            self._landing.fail(range(self.layers), "released by the watchdog")
             raise RuntimeError(f"layer-wise send: the armed copies were released by the watchdog after "
                                f"{self.watchdog_s:.0f} s (something synchronised the device mid-prefill); "
                                "the destination may hold stale layers")
         if self.cuda and self.t.dst_stream is not None and self.mode not in ("flag", "staged"):
             torch.cuda.set_stream(self._saved_dst_stream)
             torch.cuda.set_stream(self._compute)
-        if self.mode in ("thread", "staged"):
-            return self._landing
-        if self.mode == "cpu":
-            return Landing(self.layers)
-        return Landing(self.layers, list(self._done))
+        self._landing.issuing = False
+        return self._landing
 
 
 _LIBCUDA_WRITE = []  # [function or None], resolved once

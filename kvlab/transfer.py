@@ -16,6 +16,13 @@ copies — what a per-tensor DynamicCache forces, and what seed 004 measured).
 Completion semantics: every send returns a Landing, which records a CUDA event per layer on the
 copy stream. The receiver asks `landed(i)` / `all_landed()` or makes its stream wait on the events;
 decode never starts on a partly written cache (`receive` waits for every layer).
+
+Transfer states: each send into a destination has an id (1, 2, … per Transport) and its Landing is tied to it;
+a Landing is in-flight, then landed — or failed (a layer-wise send that did not see every layer: `missing`
+names them) or aborted (prefill raised, Ctrl-C). The destination's readers — `receive`, and a decode through
+the buffer's transformers cache (`KVBuffer.as_hf_cache(filled=True)`) — refuse it, with a TransferError naming
+the send and the missing layers, unless its latest send has landed or been waited for; a Landing that is not
+the latest one is refused too (its layers may be a later request's). A new Transport's destination is poisoned.
 Layer-wise sending (`Transport.layerwise`) and its policies live in kvlab.sends.
 """
 
@@ -33,8 +40,12 @@ from .kvcache import KVBuffer, KVLayout
 if TYPE_CHECKING:
     from .sends import LayerwiseSend
 
-__all__ = ["Destination", "Landing", "Transport", "GRANULARITIES", "DESTINATIONS", "check_capacity",
-           "dst_stream_context"]
+__all__ = ["Destination", "Landing", "Transport", "TransferError", "GRANULARITIES", "DESTINATIONS",
+           "check_capacity", "dst_stream_context"]
+
+
+class TransferError(RuntimeError):
+    """A destination was read whose latest send has not landed (failed, aborted, never sent, or superseded)."""
 
 GRANULARITIES = ("buffer", "layer", "tensor")
 DESTINATIONS = ("same-gpu", "cuda:N", "pinned", "pageable")
@@ -90,13 +101,51 @@ class Landing:
     thread; `wait()` joins it.
     """
 
-    def __init__(self, layers: int, events: list | None = None, worker: "threading.Thread | None" = None):
+    def __init__(self, layers: int, events: list | None = None, worker: "threading.Thread | None" = None,
+                 send_id: int = 0, dest: str = ""):
         self.layers = layers
         self.events = events if events is not None else [None] * layers
         self.worker = worker
         self.landed_layers = 0 if worker is not None else layers  # updated by a worker as it goes
+        self.send_id = send_id
+        self.dest = dest
+        self._end: str | None = None  # "failed" | "aborted" once the send is known not to land
+        self.missing: list[int] = []
+        self.why = ""
+        self.waited = False
+        self.issuing = False  # a layer-wise send between begin() and finish(): not landed, whatever the events say
+
+    # -- state --------------------------------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        """"in-flight", "landed", "failed" or "aborted"."""
+        if self._end is not None:
+            return self._end
+        return "landed" if not self.issuing and self.all_landed() else "in-flight"
+
+    def fail(self, missing, why: str) -> "Landing":
+        """The send ended with layers `missing` never sent (they hold whatever was there before)."""
+        self._end, self.missing, self.why = "failed", sorted(int(i) for i in missing), why
+        return self
+
+    def abort(self, missing, why: str = "aborted") -> "Landing":
+        """The send was stopped (prefill raised, Ctrl-C): layers `missing` may be unwritten or half written."""
+        self._end, self.missing, self.why = "aborted", sorted(int(i) for i in missing), why
+        return self
+
+    def name(self) -> str:
+        return f"send {self.send_id}" + (f" to {self.dest}" if self.dest else "")
+
+    def check(self) -> None:
+        """TransferError if this send failed or was aborted (naming the missing layers)."""
+        if self._end is not None:
+            shown = self.missing if len(self.missing) <= 12 else self.missing[:12] + ["…"]
+            raise TransferError(f"{self.name()} {self._end} ({self.why}): layers {shown} of {self.layers} did not "
+                                "land; the destination cannot be read until a later send lands")
 
     def landed(self, i: int) -> bool:
+        if self._end is not None and i in self.missing:
+            return False
         if self.worker is not None and i >= self.landed_layers:
             return False
         ev = self.events[i]
@@ -106,16 +155,20 @@ class Landing:
         return all(self.landed(i) for i in range(self.layers))
 
     def wait(self) -> "Landing":
-        """Block the host until every layer has landed."""
+        """Block the host until every layer has landed (TransferError for a failed or aborted send)."""
+        self.check()
         if self.worker is not None:
             self.worker.join()
         for ev in self.events:
             if ev is not None:
                 ev.synchronize()
+        self.check()
+        self.waited = True
         return self
 
     def stream_wait(self, stream) -> None:
         """Make `stream` (on the destination side) wait for every layer, without a host sync."""
+        self.check()
         if self.worker is not None:
             self.worker.join()
         last = None
@@ -123,6 +176,8 @@ class Landing:
             if ev is not None and ev is not last:
                 stream.wait_event(ev)
                 last = ev
+        self.check()
+        self.waited = True
 
     @property
     def done_event(self):
@@ -141,7 +196,7 @@ class Transport:
     name = "copy"
 
     def __init__(self, layout: KVLayout, dest: "str | Destination", src_device: torch.device | str,
-                 granularity: str = "buffer"):
+                 granularity: str = "buffer", poison: bool = True):
         if granularity not in GRANULARITIES:
             raise ValueError(f"unknown granularity {granularity!r}; valid: {list(GRANULARITIES)}")
         self.layout = layout
@@ -153,6 +208,11 @@ class Transport:
             raise ValueError(f"destination {self.dest.label!r} needs a CUDA source; the source is {self.src_device}")
         self._check_capacity()
         self.buffer = KVBuffer(layout, device=self.dest.device, pin_memory=self.dest.kind == "pinned")
+        if poison:  # an unwritten byte shows, from the first send on
+            self.buffer.poison()
+        self._sends = 0
+        self.latest: Landing | None = None
+        self.buffer.guard = self.readable  # a decode through this buffer's cache asks first
         self.stream = torch.cuda.Stream(device=self.src_device) if self.cuda else None
         # the destination GPU's side of a peer copy gets its own stream, so the copy never
         # synchronises with whatever runs on that GPU's default stream
@@ -182,6 +242,27 @@ class Transport:
         """NaN-fill the destination so an unwritten byte shows in the decode check."""
         self.buffer.poison()
 
+    # -- transfer states --------------------------------------------------------------------------
+    def new_landing(self, events: list | None = None, worker=None) -> Landing:
+        """The Landing of a new send into this destination: the next send id, and the latest from now on."""
+        self._sends += 1
+        self.latest = Landing(self.layout.layers, events, worker, send_id=self._sends, dest=self.dest.label)
+        return self.latest
+
+    def readable(self, landing: Landing | None = None) -> None:
+        """TransferError unless the destination may be read: something was sent, the latest send (which
+        `landing` must be, when given) has not failed or been aborted, and it has landed or been waited for."""
+        latest = self.latest
+        if latest is None:
+            raise TransferError(f"nothing has been sent to {self.dest.label} yet: its buffer holds poison")
+        if landing is not None and landing is not latest:
+            raise TransferError(f"{landing.name()} is not the latest send into {self.dest.label} ({latest.name()} "
+                                "is): its layers may have been overwritten; read the latest send's landing")
+        latest.check()
+        if latest.state != "landed" and not latest.waited:
+            raise TransferError(f"{latest.name()} is still in flight: wait for its landing (receive(), wait() or "
+                                "stream_wait()) before reading the destination")
+
     def _check_src(self, src: KVBuffer) -> None:
         if src.layout != self.layout:
             raise ValueError(f"source layout {src.layout} does not match the transport's {self.layout}")
@@ -195,8 +276,13 @@ class Transport:
         self._check_src(src)
         L = self.layout.layers
         if not self.cuda:
-            self._copy_all(src)
-            return Landing(L)
+            landing = self.new_landing()
+            try:
+                self._copy_all(src)
+            except BaseException as err:
+                landing.abort(range(L), f"{type(err).__name__} during the copy")
+                raise
+            return landing
         compute = torch.cuda.current_stream(self.src_device)
         self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream), dst_stream_context(self.dst_stream):
@@ -213,7 +299,7 @@ class Transport:
                         self.buffer.data[i, 1].copy_(src.data[i, 1], non_blocking=True)
                     self._events[i].record(self.stream)
                 events = list(self._events)
-        return Landing(L, events)
+        return self.new_landing(events)
 
     def _copy_all(self, src: KVBuffer) -> None:
         if self.granularity == "buffer":
@@ -245,6 +331,7 @@ class Transport:
         destination buffer itself is returned. Host destinations: wait, then copy into a fresh, poisoned
         buffer on `device` (default: the source device) — the decode GPU reading from the "NIC".
         """
+        self.readable_landing(landing)
         if self.dest.kind in ("device", "peer"):
             if self.cuda:
                 landing.stream_wait(torch.cuda.current_stream(self.dest.device))
@@ -256,6 +343,15 @@ class Transport:
         out = KVBuffer(self.layout, device=device).poison()
         out.data.copy_(self.buffer.data, non_blocking=self.dest.kind == "pinned")
         return out
+
+
+    def readable_landing(self, landing: Landing) -> None:
+        """TransferError unless `landing` is the latest send into this destination and has not failed."""
+        if landing is not self.latest:
+            latest = self.latest.name() if self.latest is not None else "none"
+            raise TransferError(f"{landing.name()} is not the latest send into {self.dest.label} (latest: {latest}): "
+                                "its layers may have been overwritten; receive the latest send's landing")
+        landing.check()
 
 
 class dst_stream_context:

@@ -133,7 +133,8 @@ def test_poison_shows_an_unwritten_layer(tiny):
     ref_t, ref_l = steps.decode(tiny, src, first, 4)
     t = Transport(lay, "same-gpu", "cpu")
     t.poison()
-    t.buffer.data[:2].copy_(src.data[:2])  # layer 2 never sent
+    t.buffer.data[:2].copy_(src.data[:2])  # layer 2 never sent, by a transport that does not say so:
+    t.buffer.guard = None  # with the transfer-state guard off, the poison alone must still catch it
     toks, lg = steps.decode(tiny, t.buffer, first, 4)
     check = steps.correctness_check(ref_t, ref_l, toks, lg, t.buffer.count_poison())
     assert check["poison_left"] == lay.bytes_per_layer // 4

@@ -1,0 +1,149 @@
+"""Transfer states (issue 16): every send has an id and a Landing tied to it; a destination whose latest send
+failed, was aborted or was superseded is refused by every read path, naming the send and the missing layers;
+each layer is signalled exactly once; a pool's blocks belong to one live sequence at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab import models, steps
+from kvlab.hooks import LayerHooks
+from kvlab.kvcache import KVBuffer, layout_for
+from kvlab.paged import BlockAllocator, BlockPool, BlockTable, PoolSpec, prefill_into_pages
+from kvlab.paged_xport import make_transport
+from kvlab.transfer import TransferError, Transport
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return models.build("kvlab-tiny", device="cpu", dtype=torch.float32, seed=0)
+
+
+def _src(tiny, tokens=16):
+    ids = steps.make_prompt(tiny.config.vocab_size, tokens, "cpu")
+    lay = layout_for(tiny, tokens, dtype=torch.float32)
+    src = KVBuffer(lay)
+    first = steps.prefill(tiny, ids, src).argmax(-1)
+    return ids, lay, src, first
+
+
+def test_a_new_destination_is_poisoned_and_unreadable(tiny):
+    _, lay, src, first = _src(tiny)
+    t = Transport(lay, "same-gpu", "cpu")
+    assert t.buffer.count_poison() == t.buffer.data.numel()
+    with pytest.raises(TransferError, match="nothing has been sent to same-device yet"):
+        steps.decode(tiny, t.buffer, first, 2)
+
+
+def test_ctrl_c_inside_a_layer_wise_send_leaves_a_destination_nothing_decodes(tiny):
+    """The reported case: Ctrl-C inside layer 1's send, then decode gave tokens [0, 0, 0, 0] and NaN logits."""
+    ids, lay, src, first = _src(tiny)
+    t = Transport(lay, "same-gpu", "cpu")
+    good = t.send(src)  # an earlier request landed: its bytes are in the destination
+    t.receive(good)
+    sender = t.layerwise(src)
+
+    def on_kv(i):
+        sender.on_layer(i)
+        if i == 0:
+            raise KeyboardInterrupt
+
+    hooks = LayerHooks(tiny, on_kv, ranges=False)
+    sender.begin()
+    with pytest.raises(KeyboardInterrupt), hooks:
+        steps.prefill_or_abort(tiny, ids, src, sender, hooks)
+    landing = sender._landing
+    assert landing.state == "aborted" and landing.send_id == 2
+    with pytest.raises(TransferError, match=r"send 2 to same-device aborted .*layers \[1\] of 2"):
+        steps.decode(tiny, t.buffer, first, 4)
+    with pytest.raises(TransferError, match="aborted"):
+        t.receive(landing)
+    with pytest.raises(TransferError, match="send 1 to same-device is not the latest"):
+        t.receive(good)  # the earlier request's landing cannot vouch for a destination a later send touched
+    # a new send that lands makes it readable again
+    again = t.send(src)
+    got = t.receive(again)
+    toks, _ = steps.decode(tiny, got, first, 4)
+    ref, _ = steps.decode(tiny, src, first, 4)
+    assert torch.equal(toks, ref)
+
+
+def test_a_layer_wise_send_that_misses_a_layer_fails_and_names_it(tiny):
+    ids, lay, src, first = _src(tiny)
+    t = Transport(lay, "same-gpu", "cpu")
+    sender = t.layerwise(src)
+    sender.begin()
+    sender.on_layer(1)
+    with pytest.raises(RuntimeError, match=r"saw 1 of 2 layers \(missing \[0\]\)"):
+        sender.finish()
+    assert sender._landing.state == "failed"
+    with pytest.raises(TransferError, match=r"send 1 to same-device failed .*layers \[0\] of 2"):
+        steps.decode(tiny, t.buffer, first, 2)
+
+
+@pytest.mark.parametrize("bad, says", [(-1, "out of range"), (2, "out of range"), (0.0, "out of range"),
+                                       (0, "signalled twice")])
+def test_each_layer_is_signalled_exactly_once(tiny, bad, says):
+    _, lay, src, _ = _src(tiny)
+    sender = Transport(lay, "same-gpu", "cpu").layerwise(src)
+    sender.begin()
+    sender.on_layer(0)
+    with pytest.raises(ValueError, match=says):
+        sender.on_layer(bad)
+
+
+def test_a_superseded_landing_is_refused(tiny):
+    _, lay, src, first = _src(tiny)
+    t = Transport(lay, "same-gpu", "cpu")
+    first_send, second_send = t.send(src), t.send(src)
+    assert (first_send.send_id, second_send.send_id) == (1, 2)
+    with pytest.raises(TransferError, match="send 1 .* is not the latest"):
+        t.receive(first_send)
+    assert t.receive(second_send) is t.buffer
+
+
+# ------------------------------------------------------------------------------------------------- paged
+
+
+def _paged(tiny, tokens=20, bs=4):
+    lay = layout_for(tiny, tokens, dtype=torch.float32)
+    spec = PoolSpec.from_kv_layout(lay, bs)
+    n = spec.blocks_for(tokens)
+    pool = BlockPool(spec, 2 * n).poison()
+    table = BlockAllocator(2 * n, bs, seed=1).allocate(tokens)
+    ids = steps.make_prompt(tiny.config.vocab_size, tokens, "cpu")
+    return ids, spec, n, pool, table
+
+
+def test_a_paged_destination_of_an_aborted_send_is_unreadable(tiny):
+    ids, spec, n, pool, table = _paged(tiny)
+    t = make_transport("torch-index", spec, "same-gpu", 2 * n, "cpu")
+    dst = BlockAllocator(2 * n, spec.block_size, seed=2).allocate(table.tokens)
+    prefill_into_pages(tiny, ids, pool, table)
+    ok = t.send(pool, table, dst)
+    assert ok.state == "landed" and t.pool.read(dst) is not None
+    sender = t.layerwise(pool, table, dst)
+    sender.begin()
+    sender.on_layer(0)
+    sender.abort("Ctrl-C")
+    with pytest.raises(TransferError, match=r"aborted \(Ctrl-C\): layers \[1\]"):
+        t.pool.read(dst)
+    with pytest.raises(TransferError, match="aborted"):
+        t.pool.to_hf_cache(dst)
+    t.send(pool, table, dst)
+    assert t.pool.read(dst).count_poison() == 0
+
+
+def test_a_pool_refuses_blocks_another_live_sequence_holds(tiny):
+    ids, spec, n, pool, table = _paged(tiny)
+    t = make_transport("torch-index", spec, "same-gpu", 2 * n, "cpu")
+    a = BlockTable(list(range(n)), table.tokens, spec.block_size)
+    b = BlockTable(list(range(1, n + 1)), table.tokens, spec.block_size)  # overlaps a's blocks 1 … n-1
+    prefill_into_pages(tiny, ids, pool, table)
+    t.send(pool, table, a)
+    with pytest.raises(ValueError, match=rf"\({n - 1} of {n}\) hold another live sequence"):
+        t.send(pool, table, b)
+    t.pool.release(a)
+    t.send(pool, table, b)  # a's sequence is done: its blocks may be reused
+    assert t.pool.read(b).count_poison() == 0
