@@ -674,6 +674,11 @@ def _cmd_trace(args) -> int:
     arg("--bench", action="store_true", help="ipc: also time the bulk send alone beside an in-process copy of the "
                                             "same bytes (its ceiling)"),
     arg("--port", type=int, default=0, help="port of the control store (default 0: a free one)"),
+    arg("--faults", type=int, default=0, help="a fault-injection campaign of N layer-wise requests (drop, delay, "
+                                                 "corrupt a layer) after the measurement; writes faults.csv"),
+    arg("--policy", default="fail", help="what decode does about a fault: fail, retry, recompute (default fail)"),
+    arg("--retries", type=int, default=2, help="retry: attempts after the first (default 2)"),
+    arg("--fault-timeout", type=float, default=1.0, help="the campaign's deadline for a layer, seconds (default 1)"),
     arg("--out", default="", help="run folder (default: a new data/disagg/<run_id>/)"),
     arg("--quiet", action="store_true", help="no progress bar"),
 )
@@ -691,7 +696,8 @@ Example: kvlab disagg --backend gloo --model kvlab-tiny --context 128 --decode-t
         backend=args.backend, model=args.model, weights=args.weights, contexts=args.context, modes=args.mode,
         layouts=args.layout, block_size=args.block_size, kv_dtype=args.kv_dtype, device=args.device,
         decode_device=args.decode_device, repeats=args.repeats, warmup=args.warmup,
-        decode_tokens=args.decode_tokens, timeout_s=args.timeout, bench=args.bench, port=args.port)
+        decode_tokens=args.decode_tokens, timeout_s=args.timeout, bench=args.bench, port=args.port,
+        faults=args.faults, policy=args.policy, retries=args.retries, fault_timeout_s=args.fault_timeout)
     try:
         summary = disagg.run(cfg, args.out, progress=not args.quiet)
     except disagg.DisaggError as err:
@@ -707,6 +713,11 @@ Example: kvlab disagg --backend gloo --model kvlab-tiny --context 128 --decode-t
         ex = f", exposed {c['exposed_ms']:.3f} ms" if c.get("exposed_ms") is not None else ""
         print(f"  {c['layout']:10} {c['mode']:9} {c['context']:>6} tokens: TTFT {c['ttft_ms']:.2f} ms"
               f" (prefill {c['prefill_ms']:.2f} ms{ex})")
+    if summary.get("faults_injected"):
+        print(f"faults: {summary['faults_injected']} injected (policy {summary['policy']}): {summary['recovered']} "
+              f"recovered, {summary['refused']} refused, {summary['undetected']} undetected, "
+              f"{summary['decoded_from_partial']} decoded from a partial or corrupt cache")
+        ok = ok and summary["decoded_from_partial"] == 0 and summary["undetected"] == 0
     return 0 if ok else 1
 
 

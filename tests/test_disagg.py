@@ -200,3 +200,51 @@ def test_disagg_gpu_nccl(tmp_path):
     s = disagg.run(disagg.DisaggConfig(backend="nccl", contexts=(128, 100), layouts=("contiguous", "paged"),
                                        repeats=2), tmp_path / "run", progress=False)
     assert s["tokens_match"] and s["logits_equal"] and s["bytes_equal"] and s["poison_left"] == 0
+
+
+# ------------------------------------------------------------------------------------- fault injection
+
+
+@pytest.mark.parametrize("policy", ["fail", "retry", "recompute"])
+def test_fault_campaign_never_decodes_a_partial_cache(policy, tmp_path):
+    """Issue 16's campaign, small: one fault of each kind (drop, delay, corrupt). fail refuses each with a clear
+    error; retry and recompute recover each with a decode identical to colocated; nothing undetected, nothing
+    decoded from a partial or corrupt cache, no decision later than the deadline + 1 s."""
+    from kvlab.disagg.faults import KINDS
+
+    cfg = disagg.DisaggConfig(repeats=1, warmup=0, modes=("layerwise",), faults=3, policy=policy,
+                              fault_timeout_s=0.5, layouts=("paged",) if policy == "retry" else ("contiguous",))
+    s = disagg.run(cfg, tmp_path / "run", progress=False)
+    df = pd.read_csv(tmp_path / "run" / "faults.csv")
+    assert sorted(df["kind"]) == sorted(KINDS) and s["faults_injected"] == 3
+    assert s["decoded_from_partial"] == 0 and s["undetected"] == 0
+    assert set(df["detected_by"]) == {"deadline", "checksum"}
+    assert (df[df.kind == "corrupt"]["detected_by"] == "checksum").all()
+    if policy == "fail":
+        assert s["refused"] == 3 and not df["decoded"].any()
+        assert df["error"].str.contains("decode refused").all() and df["error"].str.contains("missing or corrupt").all()
+    else:
+        assert s["recovered"] == 3 and s["refused"] == 0
+        assert df["tokens_match"].all() and df["logits_equal"].all() and df["bytes_equal"].all()
+        want = "recovered (retry)" if policy == "retry" else "recovered (recompute)"
+        assert (df["outcome"] == want).all()
+    assert df["recover_ms"].max() <= (cfg.fault_timeout_s + 1.0) * 1e3 * (cfg.retries + 1)
+    if policy == "fail":  # a refusal comes within the deadline + 1 s
+        assert df["recover_ms"].max() <= (cfg.fault_timeout_s + 1.0) * 1e3
+
+
+def test_checksum_sees_one_flipped_bit_and_a_swap():
+    from kvlab.disagg.faults import checksum
+    from kvlab.disagg.links import flip_first_byte
+
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    assert checksum(x) == checksum(x.clone())
+    assert checksum(flip_first_byte(x.clone())) != checksum(x)
+    y = x.clone()
+    y.view(-1)[[0, 2]] = y.view(-1)[[2, 0]].clone()
+    y.view(-1)[[1, 3]] = y.view(-1)[[3, 1]].clone()
+    if not torch.equal(x, y):
+        assert checksum(y) != checksum(x)
+    z = x.clone()
+    z.view(-1).view(torch.int32)[5] ^= 1 << 7  # one bit
+    assert checksum(z) != checksum(x)

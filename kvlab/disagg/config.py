@@ -53,6 +53,10 @@ class DisaggConfig:
     port: int = 0
     drop_layer: int = -1
     threads: int = 0  # torch threads per process on a CPU (0: half the cores each, at least 1)
+    faults: int = 0  # a fault-injection campaign of this many requests on the first layout and context
+    policy: str = "fail"  # what the decode side does about a fault: fail, retry, recompute (kvlab.disagg.faults)
+    retries: int = 2  # retry: attempts after the first
+    fault_timeout_s: float = 1.0  # the campaign's deadline for a layer to land
 
     def devices(self) -> tuple[str, str]:
         """(prefill device, decode device) with "auto" resolved."""
@@ -162,6 +166,17 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
     why = backend_unavailable(cfg.backend, pre, dec, "paged" in cfg.layouts)
     if why:
         raise ValueError(why)
+    from .faults import POLICIES
+
+    if cfg.policy not in POLICIES:
+        raise ValueError(f"policy = {cfg.policy!r} is not valid; valid: {', '.join(POLICIES)}"
+                         f"{preflight._suggest(cfg.policy, POLICIES)}")
+    for name in ("faults", "retries"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name} = {v!r}: give an int ≥ 0")
+    if not (isinstance(cfg.fault_timeout_s, (int, float)) and cfg.fault_timeout_s > 0):
+        raise ValueError(f"fault-timeout = {cfg.fault_timeout_s!r}: give seconds > 0")
     if cfg.bench and cfg.backend != "ipc":
         raise ValueError(f"bench times the send alone on the GPU, which only backend 'ipc' does here; got {cfg.backend!r}")
     from .. import models

@@ -145,7 +145,7 @@ def _watch(cfg: DisaggConfig, store, procs: list, progress: bool) -> None:
 
     from tqdm.auto import tqdm
 
-    total = (cfg.warmup + cfg.repeats) * (1 + len(cfg.modes)) * len(cfg.layouts) * len(cfg.contexts)
+    total = (cfg.warmup + cfg.repeats) * (1 + len(cfg.modes)) * len(cfg.layouts) * len(cfg.contexts) + cfg.faults
     bar = tqdm(total=total, desc=f"disagg {cfg.backend}", unit="req", disable=not progress or None, file=sys.stderr)
     try:
         while True:
@@ -296,10 +296,32 @@ def _write(run_, cfg: DisaggConfig, seconds: float) -> dict:
         summary["bench"] = bench_summary(got["bench"])
     if got.get("tuned"):
         summary["tuned_kernels"] = got["tuned"]
+    if got.get("faults"):
+        summary.update(fault_summary(got["faults"], cfg))
+        run_.save_table(pd.DataFrame(got["faults"]), "faults")
     summary = _clean(summary)
     Path(run_.dir, "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     run_.update(summary={k: v for k, v in summary.items() if k not in ("configs", "bench")})
     return summary
+
+
+def fault_summary(rows: list[dict], cfg: DisaggConfig) -> dict:
+    """The campaign in numbers: faults injected, how each was detected and what came of it. decoded_from_partial
+    counts decodes whose cache was not the reference's bytes (the number that must be 0); recovered counts
+    decodes after a fault that matched the colocated decode exactly; refused, requests not decoded."""
+    decoded = [r for r in rows if r["decoded"]]
+    by = {}
+    for r in rows:
+        by.setdefault(r["kind"], {}).setdefault(r["outcome"], 0)
+        by[r["kind"]][r["outcome"]] += 1
+    return {"faults_injected": len(rows), "policy": cfg.policy, "fault_timeout_s": cfg.fault_timeout_s,
+            "decoded_from_partial": sum(1 for r in decoded if not r["bytes_equal"]),
+            "recovered": sum(1 for r in decoded if r["outcome"] != "delivered" and r["tokens_match"]
+                             and r["logits_equal"]),
+            "refused": sum(1 for r in rows if r["outcome"] == "refused"),
+            "undetected": sum(1 for r in rows if r["detected_by"] == "not detected"),
+            "slowest_decision_ms": max(r["recover_ms"] for r in rows),
+            "outcomes_by_kind": by}
 
 
 def bench_summary(bench: list[dict]) -> list[dict]:

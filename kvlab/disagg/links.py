@@ -164,12 +164,15 @@ class DistLink:
         self._recvs: list = []
 
     # prefill side
-    def send(self, request: int, unit, src: Source) -> None:
+    def send(self, request: int, unit, src: Source, corrupt: bool = False) -> None:
+        """Send one unit. corrupt=True (fault injection): the bytes leave with the first byte's bits flipped."""
         import torch.distributed as dist
 
         t = src.view(unit)
         if self.host_staged:
             t = t.to("cpu")  # gloo moves host memory only: the copy to the host is part of this link's cost
+        if corrupt:
+            t = flip_first_byte(t.clone())
         self._works.append((dist.isend(t.contiguous(), dst=self.peer), t))
 
     def finish_sends(self, request: int) -> None:
@@ -186,32 +189,84 @@ class DistLink:
 
     # decode side
     def post_receive(self, request: int, plan, sink: Sink) -> None:
+        """Post one receive per unit. gloo: a waiter thread waits for them in order and queues each unit as it
+        completes — a gloo receive whose wait() timed out is dead for good, and the bytes sent for it later
+        would match the next receive posted (another request's destination), so the deadline is kept on the
+        queue instead, and a late unit still completes its own receive."""
+        import queue
+        import threading
+
         import torch.distributed as dist
 
         self._recvs = []
         for unit in plan:
             view = sink.landing_view(unit, host=self.host_staged)
             self._recvs.append((unit, dist.irecv(view, src=self.peer), view))
+        self._arrived: queue.SimpleQueue | None = None
+        if self.name == "gloo":
+            self._arrived = queue.SimpleQueue()
+            recvs, arrived = list(self._recvs), self._arrived
 
-    def wait_landed(self, request: int, sink: Sink, tracker, control=None) -> None:
-        from datetime import timedelta
+            def waiter():
+                for unit, work, _ in recvs:
+                    try:
+                        work.wait()
+                        arrived.put((unit, None))
+                    except Exception as err:  # a closed connection
+                        arrived.put((unit, err))
+                        return
 
-        for unit, work, view in self._recvs:
+            threading.Thread(target=waiter, name="kvlab-gloo-recv", daemon=True).start()
+
+    def _next(self, request: int, deadline: float, what: str):
+        """The next unit's receive, complete (TimeoutError at the deadline; the receive stays posted)."""
+        import queue
+        import time
+
+        unit, work, view = self._recvs[0]
+        if self._arrived is not None:
             try:
-                if self.name == "gloo":
-                    work.wait(timedelta(seconds=self.timeout_s))
-                else:
-                    work.wait()
-            except Exception as err:  # gloo: a timeout or a closed connection
-                self._recvs = []
-                raise TimeoutError(f"request {request}: layer(s) {list(unit)} did not arrive within {self.timeout_s:g} s "
-                                   f"({type(err).__name__}: {str(err).splitlines()[0][:160]})") from None
+                got, err = self._arrived.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"request {request}: layer(s) {list(unit)} {what}") from None
+            if err is not None:
+                raise TimeoutError(f"request {request}: the receive of layer(s) {list(unit)} failed "
+                                   f"({type(err).__name__}: {str(err).splitlines()[0][:160]})")
+        else:
+            work.wait()  # NCCL: the current stream waits; the process group's timeout bounds it
+        return self._recvs.pop(0)
+
+    def wait_landed(self, request: int, sink: Sink, tracker, control=None, timeout_s: float | None = None) -> None:
+        """Mark each unit landed as its receive completes, in order; TimeoutError at the first that does not
+        complete within `timeout_s` (default: the link's). The units still posted stay in `pending` (see drain)."""
+        import time
+
+        t = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + t
+        while self._recvs:
+            unit, work, view = self._next(request, deadline, f"did not arrive within {t:g} s")
             if sink.paged or self.host_staged:
                 sink.settle(unit, view)
             _sync(sink.device)  # landed = visible on the decode device
             for i in unit:
                 tracker.mark(request, i)
-        self._recvs = []
+
+    @property
+    def pending(self) -> list:
+        """The units whose receives are still posted (after a timeout)."""
+        return [unit for unit, _, _ in self._recvs]
+
+    def drain(self, request: int, timeout_s: float) -> list:
+        """Wait for every receive still posted (the sender sends late units or filler for them), so none of them
+        can land in a later request's destination; returns their units. TimeoutError if one never completes."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        done = []
+        while self._recvs:
+            unit, _, _ = self._next(request, deadline, "never completed: the channel to the prefill process is unusable")
+            done.append(unit)
+        return done
 
     def close(self) -> None:
         pass
@@ -243,11 +298,17 @@ class IpcLink:
     def post_receive(self, request: int, plan, sink: Sink) -> None:
         self._plan = plan
 
-    def wait_landed(self, request: int, sink: Sink, tracker, control) -> None:
-        for k, unit in enumerate(self._plan):
-            layers = control.wait(f"req{request}/landed/u{k}", f"request {request}'s layer(s) {_span(unit)} to land")
+    def wait_landed(self, request: int, sink: Sink, tracker, control, timeout_s: float | None = None) -> None:
+        for unit in self._plan:
+            key = f"req{request}/landed/u{0 if len(unit) > 1 else unit[0]}"  # as send() names it
+            layers = control.wait(key, f"request {request}'s layer(s) {_span(unit)} to land", timeout_s)
             for i in layers:
                 tracker.mark(request, i)
+
+    pending: list = []  # CUDA IPC posts nothing in advance: nothing to drain
+
+    def drain(self, request: int, timeout_s: float) -> list:
+        return []
 
     # prefill side
     def attach(self, tag: str, sink_rows_ids=None) -> torch.Tensor:
@@ -276,7 +337,7 @@ class IpcLink:
             rows = dst.view(-1, src.pool.rows.shape[1])
             kernels.copy_rows(src.pool.rows, src.rows.of(unit), rows, self._dst_rows.of(unit), config=self.kernel_config)
 
-    def send(self, request: int, unit, src: Source) -> None:
+    def send(self, request: int, unit, src: Source, corrupt: bool = False) -> None:
         if self.stream is None:  # a CPU-only process cannot use CUDA IPC; make_link refuses earlier
             raise RuntimeError("CUDA IPC needs CUDA")
         self._start_notifier()
@@ -284,6 +345,13 @@ class IpcLink:
         self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
             self._copy(unit, src)
+            if corrupt:  # fault injection: flip the first byte of the unit where it landed
+                dst = self._dst[self._tag]
+                if src.paged:
+                    row = dst.view(-1, src.pool.rows.shape[1])[self._dst_rows.of(unit)[0]]
+                    flip_first_byte(row)
+                else:
+                    flip_first_byte(dst if len(unit) == src.layers else dst[unit[0]])
             ev = torch.cuda.Event()
             ev.record(self.stream)
         self._q.put((request, 0 if len(unit) == src.layers else unit[0], unit, ev))
@@ -343,6 +411,13 @@ class IpcLink:
         self._dst = {}
         if self.stream is not None:
             torch.cuda.synchronize(self.device)
+
+
+def flip_first_byte(t: torch.Tensor) -> torch.Tensor:
+    """Flip every bit of the first byte of `t` (in place; contiguous), as a corrupted wire would."""
+    b = t.view(-1).view(torch.uint8)
+    b[:1].bitwise_not_()
+    return t
 
 
 def make_link(backend: str, role: str, device: torch.device, control, timeout_s: float, peer: int):

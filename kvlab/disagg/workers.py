@@ -123,13 +123,21 @@ class PrefillWorker:
             self.link.bind(msg["tag"], rows)
         if msg.get("bench"):
             return self.bench(src, msg)
-        drop = self.cfg.drop_layer
+        if mode == "resend":  # a retry: only the layers asked for, from the source the last prefill left
+            return self.resend(n, msg, src)
+        fault = msg.get("fault") or {}
+        drop = fault["layer"] if fault.get("kind") == "drop" else self.cfg.drop_layer
+        sent: list[int] = []
         _sync(self.dev)
         t0 = _ns()
         if mode == "layerwise":
             def on_layer(i):
-                if i != drop:
-                    self.link.send(n, (i,), src)
+                if i == drop:
+                    return
+                if fault.get("kind") == "delay" and i == fault["layer"]:
+                    time.sleep(fault["seconds"])  # past the decode side's deadline
+                self.link.send(n, (i,), src, corrupt=fault.get("kind") == "corrupt" and i == fault["layer"])
+                sent.append(i)
 
             hooks = LayerHooks(self.model, on_layer, ranges=False, point="attention" if src.paged else "cache")
             logits = self._prefill(ids, src, table, hooks)
@@ -142,13 +150,41 @@ class PrefillWorker:
         if mode == "bulk":
             for unit in units("bulk", src.layers):
                 self.link.send(n, unit, src)
+            sent = list(range(src.layers))
         if mode != "colocated":
             self.link.finish_sends(n)
         t2 = _ns()
         first = int(logits.argmax(-1).view(-1)[0])
-        return {"first_token": first, "t_prefill_start_ns": t0, "t_prefill_end_ns": t1, "t_sent_ns": t2,
-                "prefill_ms": (t1 - t0) / 1e6, "send_host_ms": (t2 - t1) / 1e6, "host": socket.gethostname(),
-                "bytes_moved": sum(src.nbytes(u) for u in units(mode if mode != "colocated" else "bulk", src.layers))}
+        self._first = first
+        out = {"first_token": first, "t_prefill_start_ns": t0, "t_prefill_end_ns": t1, "t_sent_ns": t2,
+               "prefill_ms": (t1 - t0) / 1e6, "send_host_ms": (t2 - t1) / 1e6, "host": socket.gethostname(),
+               "bytes_moved": sum(src.nbytes(u) for u in units(mode if mode != "colocated" else "bulk", src.layers)),
+               "sent": sent}
+        if msg.get("checksum"):
+            out.update(self.checksums(src))
+        return out
+
+    def checksums(self, src: Source) -> dict:
+        """Every layer's checksum of the true source (kvlab.disagg.faults.checksum), and its cost in ms."""
+        from .faults import checksum
+
+        _sync(self.dev)
+        t0 = _ns()
+        sums = [checksum(src.view((i,))) for i in range(src.layers)]
+        return {"checksums": sums, "checksum_ms": (_ns() - t0) / 1e6}
+
+    def resend(self, n: int, msg: dict, src: Source) -> dict:
+        """Send the layers `msg["layers"]` again (a retry of a request whose other layers landed)."""
+        t0 = _ns()
+        for i in msg["layers"]:
+            self.link.send(n, (i,), src)
+        self.link.finish_sends(n)
+        out = {"first_token": self._first, "t_prefill_start_ns": t0, "t_prefill_end_ns": t0, "t_sent_ns": _ns(),
+               "prefill_ms": 0.0, "send_host_ms": (_ns() - t0) / 1e6, "host": socket.gethostname(),
+               "bytes_moved": sum(src.nbytes((i,)) for i in msg["layers"]), "sent": list(msg["layers"])}
+        if msg.get("checksum"):
+            out.update(self.checksums(src))
+        return out
 
     def bench(self, src: Source, msg: dict) -> dict:
         """The bulk send alone (into the decode process's destination) against a plain contiguous copy of the
@@ -241,6 +277,14 @@ class PrefillWorker:
                 self.control.post("released", 1)
                 return
             self.control.post(f"req{n}/done", self.handle(n, msg))
+            if msg.get("fenced"):
+                # the decode side says which posted receives never got their layer (dropped): fill them, so no
+                # late byte can land in a later request's destination, then wait for the next request
+                ack = self.control.wait(f"req{n}/ack", f"request {n}'s acknowledgement")
+                ids, src, _ = self.source(msg["layout"], msg["context"])
+                for i in ack["drain"]:
+                    self.link.send(n, (i,), src)
+                self.link.finish_sends(n)
             n += 1
 
 
@@ -253,6 +297,7 @@ class DecodeWorker:
         self.rows: list[dict] = []
         self.bench_rows: list[dict] = []
         self.tuned: list[dict] = []
+        self.fault_rows: list[dict] = []
         self.n = 0
         self.progress = progress
 
@@ -318,6 +363,10 @@ class DecodeWorker:
                             self.bench_rows.append({"backend": cfg.backend, "layout": layout, "context": context,
                                                     "kind": kind, "sample": i, "ms": ms, "bytes": nbytes,
                                                     "gbps": nbytes / ms / 1e6, "kernel": kernel})
+                if cfg.faults and (layout, context) == (cfg.layouts[0], cfg.contexts[0]):
+                    from .faults import run_campaign
+
+                    self.fault_rows += run_campaign(self, base, sink, table, ref)
                 del sink
         bar.close()
         self._go({"stop": True})
@@ -418,7 +467,8 @@ def entry(rank: int, cfg_dict: dict, host: str, port: int, prefix: str, run_dir:
             if rank == DECODE:
                 w = DecodeWorker(cfg, model, dev, control, link, progress)
                 w.run()
-                out = {"rows": w.rows, "bench": w.bench_rows, "tuned": w.tuned, "pid": os.getpid(),
+                out = {"rows": w.rows, "bench": w.bench_rows, "tuned": w.tuned, "faults": w.fault_rows,
+                       "pid": os.getpid(),
                        "peer_pid": control.wait("pid/prefill", "the prefill process's pid"),
                        "host": socket.gethostname()}
                 control.wait("released", "the prefill process to let go of this process's memory")

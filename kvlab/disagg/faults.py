@@ -1,0 +1,168 @@
+"""Faults across the process boundary, and what the decode side does about them (issue 16).
+
+A campaign (`kvlab disagg --faults N --policy P`) sends N layer-wise requests, each with one fault the prefill
+side injects, drawn (seeded) from:
+
+    drop      layer k is never sent
+    delay     layer k leaves after the decode side's deadline (fault_timeout_s + 0.5 s)
+    corrupt   layer k's first byte arrives with its bits flipped
+
+The decode side detects a fault by its deadline (a layer that has not landed) or by a per-layer checksum
+computed on both sides, fences the channel (late layers are waited for, dropped ones are filled by the sender,
+so no byte of this request can land in a later request's destination), and then follows the policy, named as
+vLLM's kv_load_failure_policy names them:
+
+    fail       refuse: the request is not decoded (an IncompleteCacheError naming it and its layers)
+    retry      ask again for the missing or corrupt layers only, up to `retries` times with doubling backoff
+    recompute  prefill on the decode side itself, into the same destination
+
+Each fault's row (faults.csv): kind, layer, detected_by, outcome, attempts, recover_ms, and whether the decode
+that followed (if any) matched the colocated one exactly. `decoded_from_partial` counts decodes made from a cache
+that differed from the reference's bytes — the number that must be 0.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+__all__ = ["KINDS", "POLICIES", "checksum", "plan", "run_campaign"]
+
+KINDS = ("drop", "delay", "corrupt")
+POLICIES = ("fail", "retry", "recompute")
+
+
+def checksum(t: torch.Tensor) -> int:
+    """A per-layer integrity check computed where the bytes are (GPU or CPU): the sum of the tensor's 32-bit words
+    as int64 plus the sum of the words times their position mod 65521, so any single flipped bit and any swap of
+    two different words change it. (A CRC would be stronger; this one is two reductions on the device.)"""
+    flat = t.contiguous().view(-1)
+    if flat.numel() * flat.element_size() % 4 == 0:
+        words = flat.view(torch.int32).to(torch.int64)
+    else:
+        words = flat.view(torch.uint8).to(torch.int64)
+    pos = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65521 + 1
+    return int(words.sum()) * 65536 + int((words * pos).sum() % 4294967291)
+
+
+def plan(n: int, layers: int, seed: int = 0) -> list[dict]:
+    """n faults, kinds in turn (so every kind is exercised) and layers drawn at random (seeded)."""
+    rng = random.Random(seed)
+    return [{"kind": KINDS[k % len(KINDS)], "layer": rng.randrange(layers)} for k in range(n)]
+
+
+def _sink_checksums(sink, layers) -> dict[int, int]:
+    return {i: checksum(sink.landing_view((i,)) if not sink.paged else sink.pool.rows.index_select(0, sink.rows.of((i,))))
+            for i in layers}
+
+
+def run_campaign(w, base: dict, sink, table, ref) -> list[dict]:
+    """The campaign on one (layout, context), by the decode worker `w` (kvlab.disagg.workers.DecodeWorker)."""
+    from ..steps import decode
+    from .protocol import IncompleteCacheError, LandedLayers
+
+    cfg = w.cfg
+    ref_buf, ref_first, ref_toks, ref_logits = ref
+    L = sink.layers
+    rows = []
+    for k, fault in enumerate(plan(cfg.faults, L, cfg.seed)):
+        fault = dict(fault, seconds=cfg.fault_timeout_s + 0.5)
+        t0 = time.monotonic()
+        sink.poison()
+        good: set[int] = set()
+        row = {"fault": k, "kind": fault["kind"], "layer": fault["layer"], "policy": cfg.policy,
+               "layout": base["layout"], "context": base["context"]}
+        attempts, detected, outcome, error = 0, "", "", ""
+        want = list(range(L))
+        while True:
+            attempts += 1
+            first_try = attempts == 1
+            bad, how, done = _attempt(w, base, sink, want, fault if first_try else None, good)
+            if first_try:
+                detected = how or "not detected"
+            if not bad:
+                outcome = "delivered" if first_try else "recovered (retry)"
+                break
+            if cfg.policy == "retry" and attempts <= cfg.retries:
+                time.sleep(0.05 * 2 ** (attempts - 1))
+                want = sorted(bad)
+                continue
+            if cfg.policy == "recompute":
+                _recompute(w, base, sink, table)
+                good = set(range(L))
+                outcome = "recovered (recompute)"
+                break
+            missing = sorted(bad)
+            error = str(IncompleteCacheError(f"request {w.n - 1}: {len(missing)} of {L} layers did not land intact on "
+                                             f"{w.dev} (missing or corrupt {missing}); decode refused"))
+            outcome = "refused"
+            break
+        row.update(detected_by=detected, outcome=outcome, attempts=attempts, error=error,
+                   recover_ms=(time.monotonic() - t0) * 1e3)
+        if outcome != "refused":
+            tracker = LandedLayers(L, str(w.dev))
+            tracker.begin(0)
+            for i in sorted(good):
+                tracker.mark(0, i)
+            tracker.require(0)  # the one gate before any decode
+            cache = sink.buffer if table is None else sink.pool.read(table)
+            toks, logits = decode(w.model, cache, torch.tensor([ref_first], device=w.dev), cfg.decode_tokens)
+            row.update(decoded=True, bytes_equal=bool(torch.equal(cache.data, ref_buf.data)),
+                       tokens_match=bool(torch.equal(toks.cpu(), ref_toks.cpu())),
+                       logits_equal=bool(torch.equal(logits.cpu(), ref_logits.cpu())))
+        else:
+            row.update(decoded=False, bytes_equal=None, tokens_match=None, logits_equal=None)
+        rows.append(row)
+        w.control.store.add("progress", 1)
+    return rows
+
+
+def _attempt(w, base, sink, layers: list[int], fault, good: set[int]):
+    """One request for `layers`, fenced: returns (bad layers, how the first problem was detected, done)."""
+    from .protocol import LandedLayers
+
+    cfg = w.cfg
+    plan_units = [(i,) for i in layers]
+    n = w.n
+    tracker = LandedLayers(sink.layers, str(w.dev))
+    tracker.begin(n)
+    w.link.post_receive(n, plan_units, sink)
+    # the first attempt prefills and sends every layer (with the fault); a retry asks for the bad layers only
+    mode = "layerwise" if fault is not None or len(layers) == sink.layers else "resend"
+    msg = dict(base, mode=mode, layers=layers, checksum=True, fenced=True)
+    if fault is not None:
+        msg["fault"] = fault
+    w._go(msg)
+    how = ""
+    try:
+        w.link.wait_landed(n, sink, tracker, w.control, cfg.fault_timeout_s)
+    except TimeoutError:
+        how = "deadline"
+    landed_in_time = {i for i in layers if i not in tracker.missing(n)}
+    done = w.control.wait(f"req{n}/done", f"request {n}'s prefill")
+    sent = set(done["sent"])
+    drain = [u[0] for u in w.link.pending if u[0] not in sent]
+    w.control.post(f"req{n}/ack", {"drain": drain})
+    w.link.drain(n, cfg.timeout_s)  # late layers and filler: the channel is clean before the next request
+    sums = _sink_checksums(sink, sorted(landed_in_time))
+    corrupt = {i for i, c in sums.items() if c != done["checksums"][i]}
+    if corrupt and not how:
+        how = "checksum"
+    ok = landed_in_time - corrupt
+    good |= ok
+    bad = set(layers) - ok
+    return bad, how, done
+
+
+def _recompute(w, base, sink, table) -> None:
+    """The decode side prefills the prompt itself, into its own destination."""
+    from ..paged import prefill_into_pages
+    from ..steps import make_prompt, prefill
+
+    ids = make_prompt(w.model.config.vocab_size, base["context"], w.dev, seed=w.cfg.seed)
+    if table is None:
+        prefill(w.model, ids, sink.buffer)
+    else:
+        prefill_into_pages(w.model, ids, sink.pool, table)
