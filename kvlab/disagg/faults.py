@@ -73,7 +73,7 @@ def run_campaign(w, base: dict, sink, table, ref) -> list[dict]:
         sink.poison()
         good: set[int] = set()
         row = {"fault": k, "kind": fault["kind"], "layer": fault["layer"], "policy": cfg.policy,
-               "layout": base["layout"], "context": base["context"]}
+               "layout": base["layout"], "context": base["context"], "fault_timeout_s": cfg.fault_timeout_s}
         attempts, detected, outcome, error = 0, "", "", ""
         want = list(range(L))
         while True:

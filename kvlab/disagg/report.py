@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-__all__ = ["load", "ttft_extra", "goal_table", "bench_table", "plot"]
+__all__ = ["load", "ttft_extra", "goal_table", "bench_table", "plot", "fault_table", "plot_faults"]
 
 
 def load(run_dir) -> tuple[pd.DataFrame, pd.DataFrame | None, dict]:
@@ -159,5 +159,54 @@ def plot(run_dir, title: str = ""):
     pre, dec = summary.get("prefill_device", "?"), summary.get("decode_device", "?")
     fig.suptitle(title or f"{summary.get('backend', '?')}: prefill on {pre}, decode on {dec}, two processes, "
                  f"{summary.get('model', '')}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def fault_table(faults: pd.DataFrame) -> pd.DataFrame:
+    """Per (policy, kind): faults, how they were detected, outcomes, decodes that differed from colocated, and the
+    time from the request to its decision (refused) or its recovered cache: median and max, ms."""
+    rows = []
+    for (policy, kind), g in faults.groupby(["policy", "kind"], sort=False):
+        dec = g[g["decoded"].astype(bool)]
+        rows.append({"policy": policy, "kind": kind, "faults": len(g),
+                     "detected by": ", ".join(f"{k} {v}" for k, v in g["detected_by"].value_counts().items()),
+                     "outcome": ", ".join(f"{k} {v}" for k, v in g["outcome"].value_counts().items()),
+                     "decodes ≠ colocated": int((~(dec["tokens_match"].astype(bool) & dec["logits_equal"].astype(bool)
+                                                   & dec["bytes_equal"].astype(bool))).sum()),
+                     "decision median ms": float(g["recover_ms"].median()), "decision max ms": float(g["recover_ms"].max())})
+    return pd.DataFrame(rows)
+
+
+def plot_faults(faults: pd.DataFrame, title: str = ""):
+    """Time from each faulty request to its outcome (refused, or a cache decoded exactly like colocated), by fault
+    kind (x) and policy (colour); the deadline drawn for reference."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from .. import plots
+
+    kinds = list(dict.fromkeys(faults["kind"]))
+    policies = list(dict.fromkeys(faults["policy"]))
+    fig, ax = plt.subplots(figsize=(6.6, 3.8))
+    colors = dict(zip(policies, [plots.BLUE, plots.VERMILLION, plots.GREEN, plots.ORANGE]))
+    width = 0.8 / max(1, len(policies))
+    rng = np.random.default_rng(0)
+    for j, pol in enumerate(policies):
+        for k, kind in enumerate(kinds):
+            v = faults[(faults["policy"] == pol) & (faults["kind"] == kind)]["recover_ms"].to_numpy()
+            if not len(v):
+                continue
+            x = k - 0.4 + width * (j + 0.5) + rng.uniform(-width * 0.3, width * 0.3, len(v))
+            ax.plot(x, v, "o", ms=3, alpha=0.6, color=colors[pol], label=pol if k == 0 else None)
+    if "fault_timeout_s" in faults.columns:
+        ax.axhline(float(faults["fault_timeout_s"].iloc[0]) * 1e3, color=plots.GREY, ls="--", lw=1,
+                   label="deadline")
+    ax.set_xticks(range(len(kinds)), kinds)
+    ax.set_yscale("log")
+    ax.set_ylabel("request → outcome (ms)")
+    ax.set_xlabel("fault injected")
+    ax.set_title(title or "faults: time to refuse or recover, by kind and policy")
+    ax.legend(fontsize=8, frameon=False, loc="lower right")
     fig.tight_layout()
     return fig
