@@ -674,6 +674,7 @@ def _cmd_trace(args) -> int:
     arg("--bench", action="store_true", help="ipc: also time the bulk send alone beside an in-process copy of the "
                                             "same bytes (its ceiling)"),
     arg("--port", type=int, default=0, help="port of the control store (default 0: a free one)"),
+    arg("--seed", type=int, default=0, help="seed of the weights, the prompt, the block tables and the fault plan"),
     arg("--faults", type=int, default=0, help="a fault-injection campaign of N layer-wise requests (drop, delay, "
                                                  "corrupt a layer) after the measurement; writes faults.csv"),
     arg("--policy", default="fail", help="what decode does about a fault: fail, retry, recompute (default fail)"),
@@ -697,7 +698,8 @@ Example: kvlab disagg --backend gloo --model kvlab-tiny --context 128 --decode-t
         layouts=args.layout, block_size=args.block_size, kv_dtype=args.kv_dtype, device=args.device,
         decode_device=args.decode_device, repeats=args.repeats, warmup=args.warmup,
         decode_tokens=args.decode_tokens, timeout_s=args.timeout, bench=args.bench, port=args.port,
-        faults=args.faults, policy=args.policy, retries=args.retries, fault_timeout_s=args.fault_timeout)
+        faults=args.faults, policy=args.policy, retries=args.retries, fault_timeout_s=args.fault_timeout,
+        seed=args.seed)
     try:
         summary = disagg.run(cfg, args.out, progress=not args.quiet)
     except disagg.DisaggError as err:

@@ -207,24 +207,27 @@ def test_disagg_gpu_nccl(tmp_path):
 
 @pytest.mark.parametrize("policy", ["fail", "retry", "recompute"])
 def test_fault_campaign_never_decodes_a_partial_cache(policy, tmp_path):
-    """Issue 16's campaign, small: one fault of each kind (drop, delay, corrupt). fail refuses each with a clear
-    error; retry and recompute recover each with a decode identical to colocated; nothing undetected, nothing
-    decoded from a partial or corrupt cache, no decision later than the deadline + 1 s."""
-    from kvlab.disagg.faults import KINDS
+    """Issue 16's campaign, small: each kind (drop, delay, corrupt) at each of the tiny model's two layers (seed 9
+    draws layers 1, 1, 1, 0, 0, 0: a dropped layer 0 is the case where, without per-unit tags, layer 1's bytes
+    landed in layer 0's receive). fail refuses each with a clear error; retry and recompute recover each with a
+    decode identical to colocated; nothing undetected, nothing decoded from a partial or corrupt cache, no
+    decision later than the deadline + 1 s."""
+    from kvlab.disagg.faults import KINDS, plan
 
-    cfg = disagg.DisaggConfig(repeats=1, warmup=0, modes=("layerwise",), faults=3, policy=policy,
+    assert [f["layer"] for f in plan(6, 2, seed=9)] == [1, 1, 1, 0, 0, 0]
+    cfg = disagg.DisaggConfig(repeats=1, warmup=0, modes=("layerwise",), faults=6, policy=policy, seed=9,
                               fault_timeout_s=0.5, layouts=("paged",) if policy == "retry" else ("contiguous",))
     s = disagg.run(cfg, tmp_path / "run", progress=False)
     df = pd.read_csv(tmp_path / "run" / "faults.csv")
-    assert sorted(df["kind"]) == sorted(KINDS) and s["faults_injected"] == 3
+    assert sorted(set(df["kind"])) == sorted(KINDS) and s["faults_injected"] == 6
     assert s["decoded_from_partial"] == 0 and s["undetected"] == 0
     assert set(df["detected_by"]) == {"deadline", "checksum"}
     assert (df[df.kind == "corrupt"]["detected_by"] == "checksum").all()
     if policy == "fail":
-        assert s["refused"] == 3 and not df["decoded"].any()
+        assert s["refused"] == 6 and not df["decoded"].any()
         assert df["error"].str.contains("decode refused").all() and df["error"].str.contains("missing or corrupt").all()
     else:
-        assert s["recovered"] == 3 and s["refused"] == 0
+        assert s["recovered"] == 6 and s["refused"] == 0
         assert df["tokens_match"].all() and df["logits_equal"].all() and df["bytes_equal"].all()
         want = "recovered (retry)" if policy == "retry" else "recovered (recompute)"
         assert (df["outcome"] == want).all()

@@ -211,5 +211,6 @@ def from_params(params, gpu: bool | None = None) -> DisaggConfig:
                        block_size=p.get("block_size", 16), kv_dtype=p.get("kv_dtype", "bf16"),
                        device=p.get("device", "auto"), decode_device=p.get("decode_device", "auto"),
                        repeats=p.get("repeats", 9), warmup=p.get("warmup", 2), decode_tokens=p.get("decode_tokens", 20),
-                       timeout_s=p.get("timeout_s", 120.0), bench=bench == "on")
+                       timeout_s=p.get("timeout_s", 120.0), bench=bench == "on", faults=p.get("faults", 0),
+                       policy=p.get("policy", "fail"))
     return check(cfg)

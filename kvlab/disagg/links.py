@@ -173,7 +173,7 @@ class DistLink:
             t = t.to("cpu")  # gloo moves host memory only: the copy to the host is part of this link's cost
         if corrupt:
             t = flip_first_byte(t.clone())
-        self._works.append((dist.isend(t.contiguous(), dst=self.peer), t))
+        self._works.append((dist.isend(t.contiguous(), dst=self.peer, tag=unit_tag(request, unit)), t))
 
     def finish_sends(self, request: int) -> None:
         from datetime import timedelta
@@ -201,7 +201,7 @@ class DistLink:
         self._recvs = []
         for unit in plan:
             view = sink.landing_view(unit, host=self.host_staged)
-            self._recvs.append((unit, dist.irecv(view, src=self.peer), view))
+            self._recvs.append((unit, dist.irecv(view, src=self.peer, tag=unit_tag(request, unit)), view))
         self._arrived: queue.SimpleQueue | None = None
         if self.name == "gloo":
             self._arrived = queue.SimpleQueue()
@@ -411,6 +411,15 @@ class IpcLink:
         self._dst = {}
         if self.stream is not None:
             torch.cuda.synchronize(self.device)
+
+
+def unit_tag(request: int, unit: tuple[int, ...]) -> int:
+    """The point-to-point tag of one unit of one request. gloo matches a receive to a send by peer and tag, so
+    with tags a layer that is never sent cannot let the next layer's bytes into its slot (without them, layer 1
+    sent after a dropped layer 0 landed in layer 0's receive). NCCL ignores tags and matches in order: it must
+    never skip a unit (its fault path is not built)."""
+    layer = 4095 if len(unit) > 1 else unit[0]
+    return (request % 500_000) * 4096 + layer
 
 
 def flip_first_byte(t: torch.Tensor) -> torch.Tensor:

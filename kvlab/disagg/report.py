@@ -203,10 +203,11 @@ def plot_faults(faults: pd.DataFrame, title: str = ""):
         ax.axhline(float(faults["fault_timeout_s"].iloc[0]) * 1e3, color=plots.GREY, ls="--", lw=1,
                    label="deadline")
     ax.set_xticks(range(len(kinds)), kinds)
+    ax.set_xlim(-0.5, len(kinds) - 0.5)
     ax.set_yscale("log")
     ax.set_ylabel("request → outcome (ms)")
     ax.set_xlabel("fault injected")
     ax.set_title(title or "faults: time to refuse or recover, by kind and policy")
-    ax.legend(fontsize=8, frameon=False, loc="lower right")
+    ax.legend(fontsize=8, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return fig
