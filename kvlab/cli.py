@@ -702,9 +702,12 @@ Example: kvlab disagg --backend gloo --model kvlab-tiny --context 128 --decode-t
         seed=args.seed)
     try:
         summary = disagg.run(cfg, args.out, progress=not args.quiet)
-    except disagg.DisaggError as err:
+    except (disagg.DisaggError, disagg.IncompleteCacheError, TimeoutError) as err:
         print(f"kvlab disagg: error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as err:
+        print(f"kvlab disagg: stopped ({err or 'Ctrl-C'}); the run folder says so", file=sys.stderr)
+        return 130
     if not summary:  # the prefill rank under torchrun: rank 0 reports
         return 0
     ok = summary["tokens_match"] and summary["logits_equal"] and summary["poison_left"] == 0

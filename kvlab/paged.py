@@ -253,7 +253,11 @@ class BlockPool:
     def expect(self, block_ids, landing) -> None:
         """A send (its kvlab.transfer.Landing) is writing `block_ids`: reads of them wait on its fate."""
         ids = np.asarray(block_ids, dtype=np.int64)
+        # a send into the very same blocks replaces the last record cheaply (repeated sends of one plan); otherwise
         # a send that landed (or was waited for) and is now fully covered by this one needs no record
+        if self._sends and self._sends[-1][0] is ids:
+            self._sends[-1] = (ids, landing)
+            return
         self._sends = [(b, lnd) for b, lnd in self._sends
                        if not (lnd.state == "landed" or lnd.waited) or not np.isin(b, ids).all()]
         self._sends.append((ids, landing))
@@ -263,23 +267,27 @@ class BlockPool:
         (unwaited): the blocks would be read half written."""
         from .transfer import TransferError
 
-        for ids, landing in reversed(self._sends):
-            hit = np.intersect1d(ids, table.ids)
+        left = np.asarray(table.ids)
+        for ids, landing in reversed(self._sends):  # per block, the newest send that wrote it decides
+            hit = np.intersect1d(ids, left)
             if not hit.size:
                 continue
             landing.check()
             if landing.state != "landed" and not landing.waited:
                 raise TransferError(f"{landing.name()} into blocks {hit[:8].tolist()}{'…' if hit.size > 8 else ''} "
                                     "is still in flight: wait for its landing before reading them")
-            return  # the latest send into these blocks decides
+            left = np.setdiff1d(left, hit)
+            if not left.size:
+                return
 
     def claim(self, table: "BlockTable") -> None:
         """Hold `table`'s blocks for its sequence; ValueError when another live sequence holds any of them (a send
         would overwrite it). A table that is garbage or was released frees its blocks."""
         import weakref
 
+        # a live table with the very same blocks is the same sequence asked again (a new BlockTable object for it)
         taken = [int(b) for b in table.ids if (o := self._owners.get(int(b))) is not None
-                 and (t := o()) is not None and t is not table]
+                 and (t := o()) is not None and t is not table and not np.array_equal(t.ids, table.ids)]
         if taken:
             raise ValueError(f"blocks {taken[:8]}{'…' if len(taken) > 8 else ''} ({len(taken)} of {table.num_blocks}) "
                              "hold another live sequence of this pool: release it (pool.release(table)) or take "

@@ -248,8 +248,9 @@ class PagedTransport:
     def new_landing(self, plan: Plan, events: list | None = None) -> Landing:
         """The Landing of a new send of `plan`: the next send id; the destination pool's reads of its blocks wait
         on it; a destination table's blocks are claimed for its sequence (refused if another live one holds them)."""
-        if plan.dst_table is not None:
-            self.pool.claim(plan.dst_table)
+        if plan.dst_table is not None and not plan.extra.get("claimed"):
+            self.pool.claim(plan.dst_table)  # once per plan: the ownership check stays out of timed sends
+            plan.extra["claimed"] = True
         self._sends += 1
         landing = Landing(self.spec.layers, events, send_id=self._sends, dest=f"{self.name} → {self.dest.label}")
         ids = plan.dst_table.ids if plan.dst_table is not None else np.arange(plan.n_blocks, dtype=np.int64)
@@ -272,9 +273,13 @@ class PagedTransport:
         compute = torch.cuda.current_stream(self.src_device)
         self.stream.wait_stream(compute)
         landing = self.new_landing(plan, [self._done] * L)
-        with torch.cuda.stream(self.stream):
-            self._copy(plan, 0, plan.rows)
-        self._done.record(self.stream)
+        try:
+            with torch.cuda.stream(self.stream):
+                self._copy(plan, 0, plan.rows)
+            self._done.record(self.stream)
+        except BaseException as err:
+            landing.abort(range(L), f"{type(err).__name__} while queuing the copy")
+            raise
         return landing
 
     def _wait_for_destination(self) -> None:

@@ -287,6 +287,28 @@ def disagg_bench(paths: list[str]) -> str:
     return _md(pd.DataFrame(rows))
 
 
+def faults(paths: list[str]) -> str:
+    """The fault campaigns (kvlab disagg --faults): per policy and fault kind, how faults were detected, what came
+    of them, decodes that differed from colocated, and the time to each decision."""
+    from .disagg import report as dr
+
+    frames = []
+    for path in paths:
+        record, d = _run(path)
+        f = pd.read_csv(d / "faults.csv")
+        f["run"] = _link(path)
+        frames.append(f)
+    t = dr.fault_table(pd.concat(frames, ignore_index=True))
+    runs = {f["policy"].iloc[0]: f["run"].iloc[0] for f in frames}
+    t.insert(0, "run", t["policy"].map(runs))
+    t["decision median ms"] = t["decision median ms"].map(lambda x: _g(x, 4))
+    t["decision max ms"] = t["decision max ms"].map(lambda x: _g(x, 4))
+    return _md(t)
+
+
+FAULT_RUNS = ["disagg/20261130-183813-cpu", "disagg/20261130-183945-cpu", "disagg/20261130-184123-cpu"]
+
+
 def _link(path: str) -> str:
     return f"[{path.split('/')[-1]}](data/{path}/)"
 
@@ -455,6 +477,7 @@ BLOCKS = {
         "deadline, 32k rerun (150123)": "handoff/20261130-150123-h200"}),
     "disagg_1gpu": lambda: disagg(DISAGG_RUNS[:2]),
     "disagg_bench_1gpu": lambda: disagg_bench([p for p in DISAGG_RUNS if (_data() / p / "bench.csv").is_file()]),
+    "faults_cpu": lambda: faults(FAULT_RUNS),
     "verdicts": verdicts,
     "verdict_counts": verdict_counts,
     "provenance": provenance_table,

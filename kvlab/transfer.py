@@ -285,21 +285,25 @@ class Transport:
             return landing
         compute = torch.cuda.current_stream(self.src_device)
         self.stream.wait_stream(compute)
-        with torch.cuda.stream(self.stream), dst_stream_context(self.dst_stream):
-            if self.granularity == "buffer":
-                self.buffer.data.copy_(src.data, non_blocking=True)
-                self._events[-1].record(self.stream)
-                events = [self._events[-1]] * L
-            else:
-                for i in range(L):
-                    if self.granularity == "layer":
-                        self.buffer.data[i].copy_(src.data[i], non_blocking=True)
-                    else:
-                        self.buffer.data[i, 0].copy_(src.data[i, 0], non_blocking=True)
-                        self.buffer.data[i, 1].copy_(src.data[i, 1], non_blocking=True)
-                    self._events[i].record(self.stream)
-                events = list(self._events)
-        return self.new_landing(events)
+        events = [self._events[-1]] * L if self.granularity == "buffer" else list(self._events)
+        landing = self.new_landing(events)  # before the copies: a send that fails while queuing is not readable
+        try:
+            with torch.cuda.stream(self.stream), dst_stream_context(self.dst_stream):
+                if self.granularity == "buffer":
+                    self.buffer.data.copy_(src.data, non_blocking=True)
+                    self._events[-1].record(self.stream)
+                else:
+                    for i in range(L):
+                        if self.granularity == "layer":
+                            self.buffer.data[i].copy_(src.data[i], non_blocking=True)
+                        else:
+                            self.buffer.data[i, 0].copy_(src.data[i, 0], non_blocking=True)
+                            self.buffer.data[i, 1].copy_(src.data[i, 1], non_blocking=True)
+                        self._events[i].record(self.stream)
+        except BaseException as err:
+            landing.abort(range(L), f"{type(err).__name__} while queuing the copies")
+            raise
+        return landing
 
     def _copy_all(self, src: KVBuffer) -> None:
         if self.granularity == "buffer":

@@ -108,6 +108,9 @@ def test_a_layer_that_never_arrives_is_refused_by_name(tmp_path):
     (["--layout", "pagd"], "did you mean 'paged'"),
     (["--model", "llama-3.1-8"], "did you mean 'llama-3.1-8b'"),
     (["--context", "1x"], "'1x' is not a token count"),
+    (["--context", "128,128"], "with a repeat"),
+    (["--policy", "retyr"], "did you mean 'retry'"),
+    (["--faults", "-1"], "faults = -1"),
     (["--kv-dtype", "fp8"], "kv_dtype = 'fp8' is not valid"),
     (["--repeats", "0"], "repeats = 0"),
     (["--device", "cuda:7"], "does not exist"),
@@ -148,7 +151,7 @@ def test_sigterm_stops_both_workers_and_marks_the_run(tmp_path):
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVLAB_")}
     env.update(_env(tmp_path), PYTHONPATH=str(REPO))
-    p = subprocess.Popen([sys.executable, "-m", "kvlab", "disagg", "--repeats", "500", "--quiet", "--out", str(out)],
+    p = subprocess.Popen([sys.executable, "-m", "kvlab", "disagg", "--repeats", "1000000", "--quiet", "--out", str(out)],
                          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not (out / "requests.csv").exists() and not list(out.glob("worker-*.log")) and time.monotonic() < deadline:

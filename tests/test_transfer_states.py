@@ -147,3 +147,32 @@ def test_a_pool_refuses_blocks_another_live_sequence_holds(tiny):
     t.pool.release(a)
     t.send(pool, table, b)  # a's sequence is done: its blocks may be reused
     assert t.pool.read(b).count_poison() == 0
+
+
+def test_the_same_sequence_asked_again_is_not_another_sequence(tiny):
+    """A new BlockTable object with the very same blocks (a fresh allocation from the same allocator state) is the
+    same sequence: it must not be refused while the transport's plan cache keeps the old table alive."""
+    ids, spec, n, pool, table = _paged(tiny)
+    t = make_transport("torch-index", spec, "same-gpu", 2 * n, "cpu")
+    prefill_into_pages(tiny, ids, pool, table)
+    for _ in range(3):
+        dst = BlockAllocator(2 * n, spec.block_size, seed=2).allocate(table.tokens)
+        t.send(pool, table, dst)
+        assert t.pool.read(dst).count_poison() == 0
+
+
+def test_a_read_checks_every_block_against_the_send_that_last_wrote_it(tiny):
+    """An older aborted send into some of a table's blocks is not hidden by a newer send into others."""
+    ids, spec, n, pool, table = _paged(tiny)
+    t = make_transport("torch-index", spec, "same-gpu", 2 * n, "cpu")
+    prefill_into_pages(tiny, ids, pool, table)
+    a = BlockTable(list(range(n)), table.tokens, spec.block_size)
+    sender = t.layerwise(pool, table, a)
+    sender.begin()
+    sender.abort("Ctrl-C")
+    t.pool.release(a)
+    b = BlockTable(list(range(n, 2 * n)), table.tokens, spec.block_size)
+    t.send(pool, table, b)  # lands in other blocks
+    mixed = BlockTable([0] + list(range(n + 1, 2 * n)), table.tokens, spec.block_size)
+    with pytest.raises(TransferError, match="aborted"):
+        t.pool.read(mixed)

@@ -137,6 +137,8 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
     cfg.model = preflight.model_ref(cfg.model, "model")
     preflight._weights(cfg.weights, "weights")
     cfg.contexts = tuple(preflight.token_list(cfg.contexts, "context", 1))
+    if len(set(cfg.contexts)) != len(cfg.contexts):
+        raise ValueError(f"context lists {list(cfg.contexts)} with a repeat; give each once")
     cfg.modes = tuple(preflight.name_list(cfg.modes, "mode"))
     cfg.layouts = tuple(preflight.name_list(cfg.layouts, "layout"))
     for what, items, valid in (("mode", cfg.modes, MODES), ("layout", cfg.layouts, LAYOUTS)):

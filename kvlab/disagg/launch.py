@@ -147,6 +147,7 @@ def _watch(cfg: DisaggConfig, store, procs: list, progress: bool) -> None:
 
     total = (cfg.warmup + cfg.repeats) * (1 + len(cfg.modes)) * len(cfg.layouts) * len(cfg.contexts) + cfg.faults
     bar = tqdm(total=total, desc=f"disagg {cfg.backend}", unit="req", disable=not progress or None, file=sys.stderr)
+    decode_done_at = None
     try:
         while True:
             time.sleep(0.2)
@@ -163,6 +164,11 @@ def _watch(cfg: DisaggConfig, store, procs: list, progress: bool) -> None:
                                   f"{_last_line(procs, bad[0][0])}")
             if all(c == 0 for _, c in codes):
                 return
+            if dict(codes).get("decode") == 0:
+                # the results are written; a prefill process that does not exit within the deadline is stopped
+                decode_done_at = decode_done_at or time.monotonic()
+                if time.monotonic() - decode_done_at > cfg.timeout_s:
+                    return
     finally:
         bar.close()
 

@@ -461,6 +461,16 @@ def entry(rank: int, cfg_dict: dict, host: str, port: int, prefix: str, run_dir:
         kw = {"device_id": dev} if pg == "nccl" else {}
         dist.init_process_group(pg, store=dist.PrefixStore("pg", store), rank=rank, world_size=2,
                                 timeout=timedelta(seconds=cfg.timeout_s), **kw)
+        if pg == "nccl":
+            # NCCL's first point-to-point call blocks until the peer makes one too; the decode side posts its
+            # receives before it sends a request, so without this exchange both sides would wait for each other
+            one = torch.zeros(1, device=dev)
+            for step in ((DECODE, PREFILL), (PREFILL, DECODE)):
+                if rank == step[0]:
+                    dist.send(one, dst=step[1])
+                else:
+                    dist.recv(one, src=step[0])
+            torch.cuda.synchronize(dev)
         model = _build(cfg, dev)
         link = make_link(cfg.backend, role, dev, control, cfg.timeout_s, peer=PREFILL if rank == DECODE else DECODE)
         try:
