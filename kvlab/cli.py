@@ -40,7 +40,7 @@ from pathlib import Path
 
 from kvlab import __version__, results
 from kvlab.params import (RUN_DIR_IS_SET, Parameter, UsageError, check_names, coerce, find_notebook,
-                          list_notebooks, notebooks_dir, parse_params, runnable_parameters)
+                          list_notebooks, notebooks_dir, parse_params, runnable_parameters, yaml_load)
 from kvlab.units import fmt_bytes
 
 
@@ -133,7 +133,18 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = ["kvlab", *argv]
     try:
         return int(args._func(args) or 0)
-    except (UsageError, ValueError, FileNotFoundError) as err:
+    except KeyboardInterrupt:
+        if os.environ.get("KVLAB_DEBUG"):
+            raise
+        print(f"kvlab {args.command}: interrupted (Ctrl-C); a run folder it had started says it stopped",
+              file=sys.stderr)
+        return 130
+    except OSError as err:  # PermissionError, NotADirectoryError, a full disk: one line, the path named
+        if os.environ.get("KVLAB_DEBUG"):
+            raise
+        print(f"kvlab {args.command}: error: {err.strerror or err}: {err.filename or ''}".rstrip(": "), file=sys.stderr)
+        return 2
+    except (UsageError, ValueError) as err:
         # ValueError: the library's own bad-input errors (an unknown model, tokens <= 0) already
         # name the value and what is valid; a traceback would only bury that line.
         if os.environ.get("KVLAB_DEBUG"):
@@ -294,6 +305,26 @@ _NO_PROGRESS = arg("--no-progress", action="store_true", help="hide papermill's 
 # --------------------------------------------------------------------------- run, run-all
 
 
+def _refuse_finished(folder: Path) -> None:
+    """--run-dir naming a folder that holds a finished run (or anything that is not a run folder): refused, so a
+    result is never overwritten without a word."""
+    folder = folder.expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"--run-dir {str(folder)!r} is a file, not a folder")
+    record = folder / "run.json"
+    if record.is_file():
+        try:
+            status = json.loads(record.read_text(encoding="utf-8")).get("status")
+        except (OSError, json.JSONDecodeError):
+            status = "unreadable"
+        if status == "finished":
+            raise UsageError(f"--run-dir {str(folder)!r} holds a finished run; give a new folder (or delete that one "
+                             "first) — kvlab does not overwrite a result")
+    elif folder.is_dir() and any(folder.iterdir()) and not (folder / results.STOPPED).is_file():
+        raise UsageError(f"--run-dir {str(folder)!r} is a folder with other files in it and no run.json; give a new "
+                         "or empty folder")
+
+
 @subcommand(
     "run", "execute one notebook through papermill into data/<study>/<run_id>/",
     arg("notebook", metavar="NOTEBOOK",
@@ -319,6 +350,8 @@ Example: kvlab run handoff -p contexts 64,128 -p destinations same-gpu"""
     declared = runnable_parameters(notebook)
     params = parse_params(args.params, declared, notebook.name)
     _preflight(notebook, params)
+    if args.run_dir:
+        _refuse_finished(Path(args.run_dir))
     keep_force = os.environ.get("KVLAB_PUBLISH", "").strip().lower() == "force"
     with _environment(**({"KVLAB_PUBLISH": "force" if keep_force else "1"} if args.publish else {})):
         outcome = execute(notebook, params, run_dir=args.run_dir or None,
@@ -377,6 +410,9 @@ A failed notebook does not stop the rest; the exit code is 1 if any failed. `mak
 # ----------------------------------------------------------------------------------- sweep
 
 
+MAX_GRID_POINTS = 10_000  # each point is a notebook run: more is a typing mistake, and expanding it could fill memory
+
+
 def load_grid(path: str | os.PathLike) -> list[dict]:
     """The points of a sweep grid file (YAML, or JSON for a ``.json`` file).
 
@@ -391,7 +427,7 @@ def load_grid(path: str | os.PathLike) -> list[dict]:
         raise UsageError(f"grid file {str(path)!r} does not exist")
     text = path.read_text(encoding="utf-8")
     try:
-        grid = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        grid = json.loads(text) if path.suffix == ".json" else yaml_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as err:
         raise UsageError(f"grid file {path} cannot be parsed: {err}") from None
     forms = ("a mapping of parameter name to a list of values (every combination), or a list of "
@@ -405,6 +441,12 @@ def load_grid(path: str | os.PathLike) -> list[dict]:
                     f"grid {path}: {name!r} must map to a non-empty list of values, got "
                     f"{values!r}; write e.g. {name}: [{values!r}]")
         names = list(grid)
+        size = 1
+        for values in grid.values():
+            size *= len(values)
+        if size > MAX_GRID_POINTS:
+            raise UsageError(f"grid {path} has {size:,} points ({' × '.join(str(len(v)) for v in grid.values())}); "
+                             f"kvlab sweep takes at most {MAX_GRID_POINTS:,}: split it, or list the points you want")
         return [{str(n): v for n, v in zip(names, combo)}
                 for combo in itertools.product(*grid.values())]
     if isinstance(grid, list):

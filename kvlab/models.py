@@ -100,6 +100,9 @@ class ModelSpec:
             value = getattr(self, fname)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelSpec {fname}={value!r}: must be a positive int")
+        if self.kv_heads > self.heads:
+            raise ValueError(f"ModelSpec kv_heads={self.kv_heads} > heads={self.heads}: a layer cannot have more KV "
+                             "heads than query heads")
         if self.attention == "mla" and not (self.kv_lora_rank
                                             and self.qk_rope_head_dim is not None):
             raise ValueError("attention='mla' needs kv_lora_rank and qk_rope_head_dim")
@@ -289,6 +292,14 @@ def _to_dict(x: Any) -> tuple[dict[str, Any], str]:
                      "PretrainedConfig, a dict, a path to config.json, or a directory holding one")
 
 
+def _refuse_hybrid(cfg: Mapping[str, Any]) -> None:
+    """Jamba-style configs name their attention layers by period and offset; the others are Mamba layers."""
+    if cfg.get("attn_layer_period") is not None or cfg.get("attn_layer_offset") is not None:
+        raise ValueError(f"{cfg.get('model_type', 'this')} config has attn_layer_period/attn_layer_offset: a hybrid "
+                         "model whose other layers keep no KV cache; kvlab would count them all and overstate the "
+                         "cache, so hybrid models are refused until they are modelled")
+
+
 def _sliding(cfg: Mapping[str, Any], layers: int) -> tuple[int | None, tuple[int, ...]]:
     """Which layers use a sliding window, and its length (tokens).
 
@@ -300,10 +311,17 @@ def _sliding(cfg: Mapping[str, Any], layers: int) -> tuple[int | None, tuple[int
       4. otherwise a non-null ``sliding_window`` applies to every layer (Mistral v0.1).
     """
     window = cfg.get("sliding_window")
+    if window is not None and not isinstance(window, bool) and isinstance(window, (int, float)) and window < 0:
+        raise ValueError(f"sliding_window = {window!r}: a window is a positive number of tokens (0 or null: none)")
     layer_types = cfg.get("layer_types")
     if layer_types is not None:
         if len(layer_types) != layers:
             raise ValueError(f"layer_types has {len(layer_types)} entries for {layers} layers")
+        other = sorted({str(t) for t in layer_types} - {"full_attention", "sliding_attention"})
+        if other:
+            raise ValueError(f"layer_types holds {other} layers: a hybrid model (linear attention or state-space "
+                             "layers keep no KV cache); kvlab counts every layer as an attention layer and would "
+                             "overstate this cache, so hybrid models are refused until they are modelled")
         idx = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
         if idx and not window:
             raise ValueError("layer_types marks sliding_attention layers but sliding_window is "
@@ -505,6 +523,7 @@ def from_hf_config(x: Any, *, name: str | None = None, source: str | None = None
         attention = "mha" if kv_heads == heads else ("mqa" if kv_heads == 1 else "gqa")
         kv_lora_rank = rope_dim = None
 
+    _refuse_hybrid(cfg)
     window, sliding_layers = _sliding(cfg, layers)
     total, active = param_count(cfg)
     how = "params: computed from the config"

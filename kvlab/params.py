@@ -196,6 +196,24 @@ def check_names(names, declared: Mapping[str, Parameter], notebook: str) -> None
                          f"valid parameters:\n{_declared_list(declared)}")
 
 
+def yaml_load(text: str):
+    """YAML as a user means it: only true/false are booleans. PyYAML follows YAML 1.1, where on/off/yes/no are too,
+    so a grid's `attribution: [off]` became the text "False" (issue 16)."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.yaml_implicit_resolvers = {
+        k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
+        for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                 list("tTfF"))
+    return yaml.load(text, Loader=Loader)
+
+
 def parse_params(pairs, declared: Mapping[str, Parameter], notebook: str) -> dict:
     """``-p NAME VALUE`` pairs → ``{name: value}``: names checked against ``declared``, values
     parsed as YAML (``-p contexts "[1024, 4096]"`` gives a list) and checked against the
@@ -209,7 +227,7 @@ def parse_params(pairs, declared: Mapping[str, Parameter], notebook: str) -> dic
             values[name] = raw
             continue
         try:
-            value = yaml.safe_load(raw)
+            value = yaml_load(raw)
         except yaml.YAMLError as err:
             where = getattr(err, "problem_mark", None)
             what = getattr(err, "problem", None) or str(err).splitlines()[0]

@@ -1,0 +1,76 @@
+"""Bad input found by issue 16's campaign, each refused in one line before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import kvlab_command
+from kvlab import models
+
+
+def _env(tmp_path) -> dict:
+    return {"KVLAB_DATA": str(tmp_path / "data"), "KVLAB_FIGURES": str(tmp_path / "figures"), "KVLAB_PRESET": "cpu"}
+
+
+def _one_line(done, says):
+    lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+    assert done.returncode == 2 and len(lines) == 1 and says in lines[0], done.stderr
+
+
+_BASE = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+             intermediate_size=128)
+
+
+@pytest.mark.parametrize("extra, says", [
+    (dict(model_type="qwen3_next", layer_types=["linear_attention", "full_attention"] * 2), "hybrid model"),
+    (dict(model_type="jamba", attn_layer_period=8, attn_layer_offset=4), "hybrid model"),
+    (dict(model_type="mistral", sliding_window=-5), "sliding_window = -5"),
+])
+def test_configs_that_would_give_wrong_bytes_are_refused(extra, says):
+    with pytest.raises(ValueError, match=says):
+        models.from_hf_config({**_BASE, **extra})
+
+
+def test_a_spec_with_more_kv_heads_than_heads_is_refused():
+    spec = models.get("kvlab-tiny")
+    import dataclasses
+
+    with pytest.raises(ValueError, match="more KV heads than query heads"):
+        dataclasses.replace(spec, kv_heads=spec.heads * 2)
+
+
+def test_yaml_off_in_a_grid_stays_off(tmp_path):
+    grid = tmp_path / "g.yaml"
+    grid.write_text("contexts: [64]\nattribution: [off, auto]\n")
+    done = kvlab_command(["sweep", "handoff", "--grid", str(grid), "--dry-run"], _env(tmp_path))
+    assert done.returncode == 0 and '"attribution": "off"' in done.stdout and "False" not in done.stdout, done.stdout
+
+
+def test_a_huge_grid_is_refused_before_it_is_expanded(tmp_path):
+    grid = tmp_path / "g.yaml"
+    grid.write_text("\n".join(f"p{i}: [{', '.join(str(j) for j in range(10))}]" for i in range(7)) + "\n")
+    done = kvlab_command(["sweep", "handoff", "--grid", str(grid), "--dry-run"], _env(tmp_path))
+    _one_line(done, "has 10,000,000 points")
+
+
+def test_run_dir_never_overwrites_a_finished_run(tmp_path):
+    folder = tmp_path / "done"
+    folder.mkdir()
+    (folder / "run.json").write_text('{"status": "finished"}')
+    done = kvlab_command(["run", "calculator", "--run-dir", str(folder)], _env(tmp_path))
+    _one_line(done, "holds a finished run")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    _one_line(kvlab_command(["run", "calculator", "--run-dir", str(other)], _env(tmp_path)), "no run.json")
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    _one_line(kvlab_command(["run", "calculator", "--run-dir", str(afile)], _env(tmp_path)), "is a file")
+
+
+def test_an_os_error_is_one_line(tmp_path):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where a folder should go")
+    done = kvlab_command(["disagg", "--quiet", "--out", str(blocker / "run")], _env(tmp_path))
+    lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+    assert done.returncode == 2 and len(lines) == 1 and "Not a directory" in lines[0], done.stderr
