@@ -142,8 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:  # PermissionError, NotADirectoryError, a full disk: one line, the path named
         if os.environ.get("KVLAB_DEBUG"):
             raise
-        print(f"kvlab {args.command}: error: {err.strerror or err}: {err.filename or ''}".rstrip(": "), file=sys.stderr)
-        return 2
+        where = " → ".join(str(f) for f in (err.filename, err.filename2) if f)
+        print(f"kvlab {args.command}: error: {err.strerror or err}" + (f": {where}" if where else ""), file=sys.stderr)
+        # a timeout or a lost connection is not the user's input: exit 1, as a failed run does
+        return 1 if isinstance(err, (TimeoutError, ConnectionError)) else 2
     except (UsageError, ValueError) as err:
         # ValueError: the library's own bad-input errors (an unknown model, tokens <= 0) already
         # name the value and what is valid; a traceback would only bury that line.
@@ -721,7 +723,9 @@ def _cmd_trace(args) -> int:
                                                  "corrupt a layer) after the measurement; writes faults.csv"),
     arg("--policy", default="fail", help="what decode does about a fault: fail, retry, recompute (default fail)"),
     arg("--retries", type=int, default=2, help="retry: attempts after the first (default 2)"),
-    arg("--fault-timeout", type=float, default=1.0, help="the campaign's deadline for a layer, seconds (default 1)"),
+    arg("--fault-timeout", type=float, default=1.0, help="the campaign's deadline for a request's layers, counted from "
+                                                          "the request, prefill included: above the prefill time "
+                                                          "(default 1 s)"),
     arg("--out", default="", help="run folder (default: a new data/disagg/<run_id>/)"),
     arg("--quiet", action="store_true", help="no progress bar"),
 )
@@ -735,6 +739,8 @@ def _cmd_disagg(args) -> int:
 Example: kvlab disagg --backend gloo --model kvlab-tiny --context 128 --decode-tokens 20 --out /tmp/kvlab-disagg"""
     from kvlab import disagg
 
+    if args.out:
+        _refuse_finished(Path(args.out))
     cfg = disagg.DisaggConfig(
         backend=args.backend, model=args.model, weights=args.weights, contexts=args.context, modes=args.mode,
         layouts=args.layout, block_size=args.block_size, kv_dtype=args.kv_dtype, device=args.device,

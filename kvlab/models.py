@@ -318,10 +318,14 @@ def _sliding(cfg: Mapping[str, Any], layers: int) -> tuple[int | None, tuple[int
         if len(layer_types) != layers:
             raise ValueError(f"layer_types has {len(layer_types)} entries for {layers} layers")
         other = sorted({str(t) for t in layer_types} - {"full_attention", "sliding_attention"})
-        if other:
-            raise ValueError(f"layer_types holds {other} layers: a hybrid model (linear attention or state-space "
+        hybrid = [t for t in other if any(k in t for k in ("linear", "mamba", "conv", "recurrent", "ssm"))]
+        if hybrid:
+            raise ValueError(f"layer_types holds {hybrid} layers: a hybrid model (linear-attention or state-space "
                              "layers keep no KV cache); kvlab counts every layer as an attention layer and would "
                              "overstate this cache, so hybrid models are refused until they are modelled")
+        if other:
+            raise ValueError(f"layer_types holds {other} layers; kvlab models full and sliding attention only, and "
+                             "would misstate this cache")
         idx = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
         if idx and not window:
             raise ValueError("layer_types marks sliding_attention layers but sliding_window is "

@@ -248,6 +248,7 @@ class BlockPool:
         self.data = data
         self._sends: list = []  # (destination block ids, Landing) of recent sends into this pool
         self._owners: dict = {}  # block id → weakref of the BlockTable (the live sequence) holding it
+        self.owner_epoch = 0  # changes whenever a block changes owner (transports re-check their claims then)
 
     # -- transfer states and ownership --------------------------------------------------------------
     def expect(self, block_ids, landing) -> None:
@@ -285,16 +286,21 @@ class BlockPool:
         would overwrite it). A table that is garbage or was released frees its blocks."""
         import weakref
 
-        # a live table with the very same blocks is the same sequence asked again (a new BlockTable object for it)
         taken = [int(b) for b in table.ids if (o := self._owners.get(int(b))) is not None
-                 and (t := o()) is not None and t is not table and not np.array_equal(t.ids, table.ids)]
+                 and (t := o()) is not None and t is not table]
         if taken:
             raise ValueError(f"blocks {taken[:8]}{'…' if len(taken) > 8 else ''} ({len(taken)} of {table.num_blocks}) "
                              "hold another live sequence of this pool: release it (pool.release(table)) or take "
                              "blocks from a BlockAllocator")
         ref = weakref.ref(table)
+        changed = False
         for b in table.ids:
-            self._owners[int(b)] = ref
+            o = self._owners.get(int(b))
+            if o is None or o() is not table:
+                self._owners[int(b)] = ref
+                changed = True
+        if changed:
+            self.owner_epoch += 1
 
     def release(self, table: "BlockTable") -> None:
         """Give `table`'s blocks back (their sequence is done)."""
@@ -302,6 +308,7 @@ class BlockPool:
             o = self._owners.get(int(b))
             if o is not None and o() is table:
                 del self._owners[int(b)]
+        self.owner_epoch += 1
 
     @classmethod
     def from_kv_buffer(cls, buffer: KVBuffer, block_size: int, num_blocks: int | None = None,

@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -50,11 +52,16 @@ class Plan:
 
     src_pool: BlockPool
     src_table: BlockTable
-    dst_table: BlockTable | None
-    n_blocks: int
+    dst_ref: "weakref.ref | None"  # the destination table, held weakly: a cached plan must not keep a sequence
+    n_blocks: int                  # the caller has dropped alive (its blocks would stay claimed)
     src_rows: np.ndarray
     dst_rows: np.ndarray
     extra: dict = field(default_factory=dict)
+    dst_ids: np.ndarray | None = None  # the destination block ids (packed 0 … n-1 when there is no table)
+
+    @property
+    def dst_table(self) -> BlockTable | None:
+        return self.dst_ref() if self.dst_ref is not None else None
 
     @property
     def rows(self) -> int:
@@ -208,7 +215,8 @@ class PagedTransport:
         """
         key = (id(src_pool), id(src_table), id(dst_table))
         plan = self._plans.get(key)
-        if plan is not None and plan.src_pool is src_pool and plan.src_table is src_table and plan.dst_table is dst_table:
+        if (plan is not None and plan.src_pool is src_pool and plan.src_table is src_table
+                and (plan.dst_ref is None) == (dst_table is None) and plan.dst_table is dst_table):
             self._plans.move_to_end(key)
             return plan
         plan = self._build_plan(src_pool, src_table, dst_table)
@@ -242,19 +250,22 @@ class PagedTransport:
         order = np.argsort(dst_ids, kind="stable")
         src_ids, dst_ids = src_table.ids[order], dst_ids[order]
         L = self.spec.layers
-        return Plan(src_pool, src_table, dst_table, n,
-                     _row_ids(L, src_pool.num_blocks, src_ids), _row_ids(L, self.pool.num_blocks, dst_ids))
+        return Plan(src_pool, src_table, weakref.ref(dst_table) if dst_table is not None else None, n,
+                    _row_ids(L, src_pool.num_blocks, src_ids), _row_ids(L, self.pool.num_blocks, dst_ids),
+                    dst_ids=np.asarray(dst_ids, dtype=np.int64))
 
     def new_landing(self, plan: Plan, events: list | None = None) -> Landing:
         """The Landing of a new send of `plan`: the next send id; the destination pool's reads of its blocks wait
         on it; a destination table's blocks are claimed for its sequence (refused if another live one holds them)."""
-        if plan.dst_table is not None and not plan.extra.get("claimed"):
-            self.pool.claim(plan.dst_table)  # once per plan: the ownership check stays out of timed sends
-            plan.extra["claimed"] = True
+        table = plan.dst_table
+        if table is not None and plan.extra.get("owner_epoch") != self.pool.owner_epoch:
+            # again whenever the pool's ownership changed since this plan last claimed (a release, another
+            # sequence's claim); otherwise the check stays out of timed sends
+            self.pool.claim(table)
+            plan.extra["owner_epoch"] = self.pool.owner_epoch
         self._sends += 1
         landing = Landing(self.spec.layers, events, send_id=self._sends, dest=f"{self.name} → {self.dest.label}")
-        ids = plan.dst_table.ids if plan.dst_table is not None else np.arange(plan.n_blocks, dtype=np.int64)
-        self.pool.expect(ids, landing)
+        self.pool.expect(plan.dst_ids, landing)
         return landing
 
     def send(self, src_pool: BlockPool, src_table: BlockTable, dst_table: BlockTable | None = None) -> Landing:

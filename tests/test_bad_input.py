@@ -25,6 +25,7 @@ _BASE = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key
     (dict(model_type="qwen3_next", layer_types=["linear_attention", "full_attention"] * 2), "hybrid model"),
     (dict(model_type="jamba", attn_layer_period=8, attn_layer_offset=4), "hybrid model"),
     (dict(model_type="mistral", sliding_window=-5), "sliding_window = -5"),
+    (dict(model_type="llama4_text", layer_types=["chunked_attention", "full_attention"] * 2), "full and sliding attention only"),
 ])
 def test_configs_that_would_give_wrong_bytes_are_refused(extra, says):
     with pytest.raises(ValueError, match=says):

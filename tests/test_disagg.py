@@ -111,6 +111,7 @@ def test_a_layer_that_never_arrives_is_refused_by_name(tmp_path):
     (["--context", "128,128"], "with a repeat"),
     (["--policy", "retyr"], "did you mean 'retry'"),
     (["--faults", "-1"], "faults = -1"),
+    (["--faults", "3", "--timeout", "1.5"], "must stay at least 1 s under timeout"),
     (["--kv-dtype", "fp8"], "kv_dtype = 'fp8' is not valid"),
     (["--repeats", "0"], "repeats = 0"),
     (["--device", "cuda:7"], "does not exist"),
@@ -243,6 +244,12 @@ def test_checksum_sees_one_flipped_bit_and_a_swap():
     from kvlab.disagg.faults import checksum
     from kvlab.disagg.links import flip_first_byte
 
+    far = torch.randn(70_000 * 2, dtype=torch.bfloat16)  # two words 65,521 apart (a weakness of the first version)
+    swapped = far.clone()
+    w = swapped.view(torch.int32)
+    w[[0, 65521]] = w[[65521, 0]].clone()
+    if not torch.equal(far, swapped):
+        assert checksum(swapped) != checksum(far)
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     assert checksum(x) == checksum(x.clone())
     assert checksum(flip_first_byte(x.clone())) != checksum(x)

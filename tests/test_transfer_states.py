@@ -149,9 +149,9 @@ def test_a_pool_refuses_blocks_another_live_sequence_holds(tiny):
     assert t.pool.read(b).count_poison() == 0
 
 
-def test_the_same_sequence_asked_again_is_not_another_sequence(tiny):
-    """A new BlockTable object with the very same blocks (a fresh allocation from the same allocator state) is the
-    same sequence: it must not be refused while the transport's plan cache keeps the old table alive."""
+def test_a_dropped_table_frees_its_blocks_even_while_a_plan_is_cached(tiny):
+    """Each request allocates its table afresh (the same blocks each time) and drops the last one: the transport's
+    cached plan must not keep the dropped table's claim alive."""
     ids, spec, n, pool, table = _paged(tiny)
     t = make_transport("torch-index", spec, "same-gpu", 2 * n, "cpu")
     prefill_into_pages(tiny, ids, pool, table)
@@ -176,3 +176,29 @@ def test_a_read_checks_every_block_against_the_send_that_last_wrote_it(tiny):
     mixed = BlockTable([0] + list(range(n + 1, 2 * n)), table.tokens, spec.block_size)
     with pytest.raises(TransferError, match="aborted"):
         t.pool.read(mixed)
+
+
+def test_a_cached_plan_cannot_write_blocks_another_sequence_took(tiny):
+    """Found in review: send to a, release a, send to b (overlapping a), then send to a again through its cached
+    plan — that last send would overwrite b's live blocks."""
+    ids, spec, n, pool, table = _paged(tiny)
+    t = make_transport("torch-index", spec, "same-gpu", 2 * n, "cpu")
+    prefill_into_pages(tiny, ids, pool, table)
+    a = BlockTable(list(range(n)), table.tokens, spec.block_size)
+    b = BlockTable(list(range(1, n + 1)), table.tokens, spec.block_size)
+    t.send(pool, table, a)
+    t.pool.release(a)
+    t.send(pool, table, b)
+    with pytest.raises(ValueError, match="hold another live sequence"):
+        t.send(pool, table, a)
+
+
+def test_two_live_tables_with_the_same_blocks_are_two_sequences(tiny):
+    ids, spec, n, pool, table = _paged(tiny)
+    t = make_transport("torch-index", spec, "same-gpu", 2 * n, "cpu")
+    prefill_into_pages(tiny, ids, pool, table)
+    a = BlockTable(list(range(n)), table.tokens, spec.block_size)
+    twin = BlockTable(list(range(n)), table.tokens, spec.block_size)
+    t.send(pool, table, a)
+    with pytest.raises(ValueError, match="hold another live sequence"):
+        t.send(pool, table, twin)

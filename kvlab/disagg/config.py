@@ -179,6 +179,12 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
             raise ValueError(f"{name} = {v!r}: give an int ≥ 0")
     if not (isinstance(cfg.fault_timeout_s, (int, float)) and cfg.fault_timeout_s > 0):
         raise ValueError(f"fault-timeout = {cfg.fault_timeout_s!r}: give seconds > 0")
+    if cfg.faults and cfg.backend not in ("gloo", "ipc"):
+        raise ValueError(f"faults: the campaign runs on gloo or ipc; {cfg.backend!r} matches sends in order and "
+                         "has no fault path yet")
+    if cfg.faults and cfg.fault_timeout_s + 1.0 >= cfg.timeout_s:
+        raise ValueError(f"fault-timeout = {cfg.fault_timeout_s:g} s must stay at least 1 s under timeout = "
+                         f"{cfg.timeout_s:g} s (a late layer is waited for after its deadline)")
     if cfg.bench and cfg.backend != "ipc":
         raise ValueError(f"bench times the send alone on the GPU, which only backend 'ipc' does here; got {cfg.backend!r}")
     from .. import models

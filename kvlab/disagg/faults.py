@@ -34,17 +34,18 @@ KINDS = ("drop", "delay", "corrupt")
 POLICIES = ("fail", "retry", "recompute")
 
 
-def checksum(t: torch.Tensor) -> int:
+def checksum(t: torch.Tensor) -> str:
     """A per-layer integrity check computed where the bytes are (GPU or CPU): the sum of the tensor's 32-bit words
-    as int64 plus the sum of the words times their position mod 65521, so any single flipped bit and any swap of
-    two different words change it. (A CRC would be stronger; this one is two reductions on the device.)"""
+    and the sum of each word times its position (1, 2, …; int64, wrapping), as text. Any single flipped bit
+    changes the first; a swap of two different words anywhere changes the second. (A CRC would be stronger
+    against many errors at once; this one is two reductions on the device.)"""
     flat = t.contiguous().view(-1)
     if flat.numel() * flat.element_size() % 4 == 0:
         words = flat.view(torch.int32).to(torch.int64)
     else:
         words = flat.view(torch.uint8).to(torch.int64)
-    pos = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65521 + 1
-    return int(words.sum()) * 65536 + int((words * pos).sum() % 4294967291)
+    pos = torch.arange(1, words.numel() + 1, device=words.device, dtype=torch.int64)
+    return f"{int(words.sum())}:{int((words * pos).sum())}"
 
 
 def plan(n: int, layers: int, seed: int = 0) -> list[dict]:
@@ -130,7 +131,7 @@ def _attempt(w, base, sink, layers: list[int], fault, good: set[int]):
     tracker.begin(n)
     w.link.post_receive(n, plan_units, sink)
     # the first attempt prefills and sends every layer (with the fault); a retry asks for the bad layers only
-    mode = "layerwise" if fault is not None or len(layers) == sink.layers else "resend"
+    mode = "layerwise" if fault is not None else "resend"
     msg = dict(base, mode=mode, layers=layers, checksum=True, fenced=True)
     if fault is not None:
         msg["fault"] = fault
