@@ -306,7 +306,7 @@ def faults(paths: list[str]) -> str:
     return _md(t)
 
 
-FAULT_RUNS = ["disagg/20261130-183813-cpu", "disagg/20261130-183945-cpu", "disagg/20261130-184123-cpu"]
+FAULT_RUNS = ["disagg/20261130-190554-cpu", "disagg/20261130-190727-cpu", "disagg/20261130-190910-cpu"]
 
 
 def _link(path: str) -> str:

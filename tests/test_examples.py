@@ -78,6 +78,16 @@ def test_readme_shows_the_commands_this_test_runs():
     assert all(c.startswith("kvlab ") for c, _ in README_COMMANDS), README_COMMANDS
 
 
+def _fresh_outputs(argv: list[str]) -> None:
+    """An example that writes to a fixed folder under /tmp (`--out /tmp/kvlab-disagg`) refuses to overwrite a
+    finished run, as it should: clear what an earlier run of this very example left there, so it runs as written."""
+    import os
+
+    for flag, value in zip(argv, argv[1:]):
+        if flag == "--out" and os.path.realpath(value).startswith("/tmp/") and os.path.isdir(value):
+            shutil.rmtree(value, ignore_errors=True)
+
+
 def _env(tmp_path) -> dict:
     return {"KVLAB_DATA": str(tmp_path / "data"), "KVLAB_FIGURES": str(tmp_path / "figures"), "KVLAB_PRESET": "cpu"}
 
@@ -91,6 +101,7 @@ def test_each_readme_command_runs_as_written(command, comment, tmp_path, workboo
         return
     if need and _have(need):
         pytest.skip(f"{command!r} is a measurement on {need}; the GPU sessions run it")
+    _fresh_outputs(argv)
     done = kvlab_command(argv, _env(tmp_path))
     if need:
         lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
@@ -111,6 +122,7 @@ def test_help_has_examples():
 
 @pytest.mark.parametrize("command", HELP_EXAMPLES)
 def test_each_help_example_runs_as_written(command, tmp_path):
+    _fresh_outputs(shlex.split(command)[1:])
     done = kvlab_command(shlex.split(command)[1:], _env(tmp_path))
     assert done.returncode == 0, f"{command!r} exited {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
 
