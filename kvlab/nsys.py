@@ -90,7 +90,11 @@ def load_nsys_sqlite(path: str | os.PathLike) -> pd.DataFrame:
                          "REPORT.nsys-rep); for a torch.profiler trace use load_kineto")
     db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
-        tables = _tables(db)
+        try:
+            tables = _tables(db)
+        except sqlite3.DatabaseError as err:
+            raise TraceError(f"{path} starts like an SQLite database but cannot be read ({err}): a truncated or "
+                             "corrupt export; export it again with nsys export --type sqlite") from None
         cuda = [t for t in ("CUPTI_ACTIVITY_KIND_KERNEL", "CUPTI_ACTIVITY_KIND_MEMCPY") if t in tables]
         if not cuda:
             raise TraceError(

@@ -295,8 +295,15 @@ def load_kineto(path: str | os.PathLike) -> pd.DataFrame:
             continue
         kind = _KINETO_KIND[cat]
         args = e.get("args") or {}
-        start = _ns(e["ts"])
-        end = start + max(_ns(e["dur"]), 0)
+        try:
+            start, dur = _ns(e["ts"]), _ns(e["dur"])
+        except (decimal.InvalidOperation, TypeError, ValueError):
+            raise TraceError(f"{path}: event {str(e.get('name', ''))[:60]!r} has ts={e['ts']!r}, dur={e['dur']!r}; "
+                             "a Kineto trace gives both as numbers of µs") from None
+        if dur < 0:  # a broken trace: say so rather than clamp it to zero and draw a wrong timeline
+            raise TraceError(f"{path}: event {str(e.get('name', ''))[:60]!r} has a negative duration "
+                             f"(dur={e['dur']!r} µs); the trace is corrupt")
+        end = start + dur
         row = {"kind": kind, "name": str(e.get("name", "")), "start_ns": start, "end_ns": end,
                "correlation": _as_int(args.get("correlation"))}
         gpu = kind in GPU_KINDS or cat == "gpu_user_annotation"

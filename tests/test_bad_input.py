@@ -75,3 +75,17 @@ def test_an_os_error_is_one_line(tmp_path):
     done = kvlab_command(["disagg", "--quiet", "--out", str(blocker / "run")], _env(tmp_path))
     lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
     assert done.returncode == 2 and len(lines) == 1 and "Not a directory" in lines[0], done.stderr
+
+
+@pytest.mark.parametrize("content, says", [
+    (b'{"traceEvents":[{"ph":"X","name":"k","ts":"abc","dur":5,"cat":"kernel","pid":0,"tid":7}]}',
+     "a Kineto trace gives both as numbers"),
+    (b'{"traceEvents":[{"ph":"X","name":"k","ts":10,"dur":-5,"cat":"kernel","pid":0,"tid":7}]}',
+     "negative duration"),
+    (b"SQLite format 3\x00" + b"\x00" * 50 + b"garbage" * 100, "cannot be read"),
+])
+def test_broken_traces_are_one_line(content, says, tmp_path):
+    f = tmp_path / ("t.sqlite" if content.startswith(b"SQLite") else "t.json")
+    f.write_bytes(content)
+    lines = [ln for ln in kvlab_command(["trace", "load", str(f)], _env(tmp_path)).stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and says in lines[0], lines
