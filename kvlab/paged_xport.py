@@ -503,9 +503,7 @@ class PagedLayerwiseSend:
     def begin(self) -> "PagedLayerwiseSend":
         """Call right before prefill: captures the compute stream; the send (and its Landing) starts here."""
         self.sent = 0
-        self._seen = [False] * self.layers
-        self._landing = self.t.new_landing(self.plan, list(self._done) if self.cuda else None)
-        self._landing.issuing = True
+        self._landing = self.t.new_landing(self.plan, list(self._done) if self.cuda else None).start_issuing()
         if self.cuda:
             self._compute = torch.cuda.current_stream(self.t.src_device)
             self.t._wait_for_destination()
@@ -513,11 +511,7 @@ class PagedLayerwiseSend:
 
     def on_layer(self, i: int) -> None:
         """Layer i's K and V are final in the source pool (on the compute stream): send them. Each layer once."""
-        if type(i) is not int or not 0 <= i < self.layers:
-            raise ValueError(f"layer-wise paged send: layer {i!r} is out of range (valid 0 … {self.layers - 1})")
-        if self._seen[i]:
-            raise ValueError(f"layer-wise paged send: layer {i} signalled twice in {self._landing.name()}")
-        self._seen[i] = True
+        self._landing.issue(i)
         lo, hi = self.plan.layer_range(i)
         self.sent += 1
         if not self.cuda:
@@ -536,20 +530,17 @@ class PagedLayerwiseSend:
     def abort(self, why: str = "aborted") -> None:
         """Prefill failed: the send is aborted and its blocks refused until a later send lands."""
         landing = getattr(self, "_landing", None)
-        if landing is not None and landing.state == "in-flight":
-            landing.issuing = False
-            unsent = {i for i, s in enumerate(self._seen) if not s}
-            landing.abort(sorted(unsent | {i for i in range(self.layers) if not landing.landed(i)}), why)
+        if landing is not None:
+            landing.abort_issuing(why)
 
     def finish(self) -> Landing:
         """After prefill returns: the Landing (per-layer events; layers not landed yet are in flight)."""
         if self.sent != self.layers:
-            missing = [i for i, s in enumerate(self._seen) if not s]
+            missing = self._landing.unissued
             self._landing.fail(missing, f"the send saw {self.sent} of {self.layers} layers")
             raise RuntimeError(f"layer-wise paged send saw {self.sent} of {self.layers} layers (missing {missing}): "
                                "were the hooks installed on every decoder layer?")
-        self._landing.issuing = False
-        return self._landing
+        return self._landing.end_issuing()
 
 
 # ---------------------------------------------------------------------------------------------------

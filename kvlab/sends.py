@@ -202,9 +202,7 @@ class LayerwiseSend:
         """Call right before prefill: captures the compute stream (arms, or starts the worker, if needed). The
         destination's next send starts here: its Landing is in flight until every layer has landed."""
         self.sent = 0
-        self._seen = [False] * self.layers
-        self._landing = self.t.new_landing(list(self._done) if self.cuda else None)
-        self._landing.issuing = True
+        self._landing = self.t.new_landing(list(self._done) if self.cuda else None).start_issuing()
         if self.cuda:
             self._compute = torch.cuda.current_stream(self.t.src_device)
             if self.mode in ("flag", "staged"):
@@ -229,12 +227,7 @@ class LayerwiseSend:
 
     def on_layer(self, i: int) -> None:
         """Layer i's K and V are final on the compute stream: send them. Each layer exactly once, 0 … L-1."""
-        seen = self._seen
-        if type(i) is not int or not 0 <= i < self.layers:
-            raise ValueError(f"layer-wise send: layer {i!r} is out of range (valid 0 … {self.layers - 1})")
-        if seen[i]:
-            raise ValueError(f"layer-wise send: layer {i} signalled twice in {self._landing.name()}")
-        seen[i] = True
+        self._landing.issue(i)
         self.sent += 1
         mode = self.mode
         if mode == "flag" or mode == "staged":
@@ -288,9 +281,6 @@ class LayerwiseSend:
             self._landing.landed_layers = last + 1
         self.host_done_ns = time.perf_counter_ns()
 
-    def _unsent(self) -> list[int]:
-        return [i for i, s in enumerate(getattr(self, "_seen", [])) if not s]
-
     def abort(self, why: str = "aborted") -> None:
         """Prefill failed: unblock whatever waits (copy stream, worker) and mark the send aborted, so the
         destination is refused until a later send lands (a layer already released may be half written too:
@@ -300,14 +290,13 @@ class LayerwiseSend:
             self._queue.put(-1)
             self._worker.join()
         landing = getattr(self, "_landing", None)
-        if landing is not None and landing.state == "in-flight":
-            landing.issuing = False
-            landing.abort(sorted(set(self._unsent()) | {i for i in range(self.layers) if not landing.landed(i)}), why)
+        if landing is not None:
+            landing.abort_issuing(why)
 
     def finish(self) -> Landing:
         """After prefill returns: the Landing of this send (layers not yet landed are still in flight)."""
         if self.sent != self.layers:
-            missing = self._unsent()
+            missing = self._landing.unissued
             self.abort()
             self._landing.fail(missing, f"the send saw {self.sent} of {self.layers} layers")
             raise RuntimeError(f"layer-wise send saw {self.sent} of {self.layers} layers (missing {missing}): were "
@@ -323,8 +312,7 @@ class LayerwiseSend:
         if self.cuda and self.t.dst_stream is not None and self.mode not in ("flag", "staged"):
             torch.cuda.set_stream(self._saved_dst_stream)
             torch.cuda.set_stream(self._compute)
-        self._landing.issuing = False
-        return self._landing
+        return self._landing.end_issuing()
 
 
 _LIBCUDA_WRITE = []  # [function or None], resolved once

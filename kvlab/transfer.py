@@ -114,6 +114,7 @@ class Landing:
         self.why = ""
         self.waited = False
         self.issuing = False  # a layer-wise send between begin() and finish(): not landed, whatever the events say
+        self._issued: list[bool] = []
 
     # -- state --------------------------------------------------------------------------------------
     @property
@@ -132,6 +133,37 @@ class Landing:
         """The send was stopped (prefill raised, Ctrl-C): layers `missing` may be unwritten or half written."""
         self._end, self.missing, self.why = "aborted", sorted(int(i) for i in missing), why
         return self
+
+    # -- a layer-wise send, between its begin() and finish() ----------------------------------------
+    def start_issuing(self) -> "Landing":
+        """The send's layers are issued one by one from now on (LayerwiseSend, PagedLayerwiseSend): it is in
+        flight until end_issuing(), whatever its events say."""
+        self.issuing = True
+        self._issued = [False] * self.layers
+        return self
+
+    def issue(self, i: int) -> None:
+        """Layer i leaves now: each of 0 … L-1 exactly once (ValueError for a repeat, a negative, out of range)."""
+        if type(i) is not int or not 0 <= i < self.layers:
+            raise ValueError(f"layer-wise send: layer {i!r} is out of range (valid 0 … {self.layers - 1})")
+        if self._issued[i]:
+            raise ValueError(f"layer-wise send: layer {i} signalled twice in {self.name()}")
+        self._issued[i] = True
+
+    @property
+    def unissued(self) -> list[int]:
+        return [i for i, sent in enumerate(self._issued) if not sent]
+
+    def end_issuing(self) -> "Landing":
+        self.issuing = False
+        return self
+
+    def abort_issuing(self, why: str) -> None:
+        """An issuing send was stopped: aborted, missing every layer not issued or not known to have landed (a
+        layer already released may be half written). A no-op once the send has ended."""
+        if self.state == "in-flight":
+            self.issuing = False
+            self.abort(sorted(set(self.unissued) | {i for i in range(self.layers) if not self.landed(i)}), why)
 
     def name(self) -> str:
         return f"send {self.send_id}" + (f" to {self.dest}" if self.dest else "")
@@ -255,10 +287,7 @@ class Transport:
         latest = self.latest
         if latest is None:
             raise TransferError(f"nothing has been sent to {self.dest.label} yet: its buffer holds poison")
-        if landing is not None and landing is not latest:
-            raise TransferError(f"{landing.name()} is not the latest send into {self.dest.label} ({latest.name()} "
-                                "is): its layers may have been overwritten; read the latest send's landing")
-        latest.check()
+        self.readable_landing(landing if landing is not None else latest)
         if latest.state != "landed" and not latest.waited:
             raise TransferError(f"{latest.name()} is still in flight: wait for its landing (receive(), wait() or "
                                 "stream_wait()) before reading the destination")
