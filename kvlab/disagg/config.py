@@ -58,6 +58,12 @@ class DisaggConfig:
     retries: int = 2  # retry: attempts after the first
     fault_timeout_s: float = 1.0  # the campaign's deadline for a layer to land
 
+    def spec(self):
+        """The model's ModelSpec: a registry name's, or read from the config.json / model folder `model` names."""
+        from .. import models
+
+        return models.from_hf_config(self.model) if os.path.exists(self.model) else models.get(self.model)
+
     def devices(self) -> tuple[str, str]:
         """(prefill device, decode device) with "auto" resolved."""
         import torch
@@ -187,10 +193,8 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
                          f"{cfg.timeout_s:g} s (a late layer is waited for after its deadline)")
     if cfg.bench and cfg.backend != "ipc":
         raise ValueError(f"bench times the send alone on the GPU, which only backend 'ipc' does here; got {cfg.backend!r}")
-    from .. import models
-
-    spec = models.get(cfg.model) if cfg.weights == "random" and not os.path.exists(cfg.model) else None
-    if spec is not None and cfg.drop_layer >= spec.layers:
+    spec = cfg.spec()
+    if cfg.drop_layer >= spec.layers:
         raise ValueError(f"drop_layer = {cfg.drop_layer}: {spec.name} has layers 0 … {spec.layers - 1}")
     return cfg
 

@@ -262,7 +262,8 @@ def _clean(x):
 def _write(run_, cfg: DisaggConfig, seconds: float) -> dict:
     import pandas as pd
 
-    from .. import calculator, models
+    from .. import calculator
+    from .report import bench_table
 
     path = Path(run_.dir, ROWS_FILE)
     got = json.loads(path.read_text())
@@ -272,7 +273,7 @@ def _write(run_, cfg: DisaggConfig, seconds: float) -> dict:
         run_.save_table(pd.DataFrame(got["bench"]), "bench")
     path.unlink()
     moved = [r for r in rows if r["mode"] != "colocated"]
-    spec = models.get(cfg.model) if cfg.weights == "random" and not os.path.exists(cfg.model) else models.from_hf_config(cfg.model)
+    spec = cfg.spec()
     pre, dec = cfg.devices()
     summary = {
         "backend": cfg.backend,
@@ -299,7 +300,7 @@ def _write(run_, cfg: DisaggConfig, seconds: float) -> dict:
         "configs": summarise(rows, cfg),
     }
     if got["bench"]:
-        summary["bench"] = bench_summary(got["bench"])
+        summary["bench"] = bench_table(pd.DataFrame(got["bench"])).to_dict("records")
     if got.get("tuned"):
         summary["tuned_kernels"] = got["tuned"]
     if got.get("faults"):
@@ -328,32 +329,3 @@ def fault_summary(rows: list[dict], cfg: DisaggConfig) -> dict:
             "undetected": sum(1 for r in rows if r["detected_by"] == "not detected"),
             "slowest_decision_ms": max(r["recover_ms"] for r in rows),
             "outcomes_by_kind": by}
-
-
-def bench_summary(bench: list[dict]) -> list[dict]:
-    """Per (layout, context): the send's median GB/s, the in-process ceiling's, and send / ceiling with a 95 %
-    interval that resamples both (timing.ratio_ci)."""
-    from ..timing import ratio_ci
-
-    groups: dict = {}
-    for b in bench:
-        groups.setdefault((b["layout"], b["context"]), {}).setdefault(b["kind"], []).append(b)
-    out = []
-    for (layout, context), kinds in sorted(groups.items()):
-        send = [b["ms"] for b in kinds["send"]]
-        ceil = [b["ms"] for b in kinds["ceiling"]]
-        nbytes = kinds["send"][0]["bytes"]
-        lo, hi = ratio_ci(ceil, send)
-        out.append({"layout": layout, "context": context, "n": len(send), "bytes": nbytes,
-                    "send_ms": statistics.median(send), "ceiling_ms": statistics.median(ceil),
-                    "send_gbps": nbytes / statistics.median(send) / 1e6,
-                    "ceiling_gbps": nbytes / statistics.median(ceil) / 1e6,
-                    "pct_of_ceiling": 100 * statistics.median(ceil) / statistics.median(send),
-                    "pct_lo": 100 * lo, "pct_hi": 100 * hi,
-                    "layer_ms": statistics.median(b["ms"] for b in kinds["layer"]),
-                    "kernel": kinds["send"][0]["kernel"]})
-        if kinds.get("send_default"):
-            d = [b["ms"] for b in kinds["send_default"]]
-            out[-1].update(send_default_ms=statistics.median(d),
-                           pct_default_of_ceiling=100 * statistics.median(ceil) / statistics.median(d))
-    return out

@@ -370,14 +370,8 @@ class IpcLink:
 
     def time_copy(self, unit, src: Source) -> float:
         """One send alone on the copy stream, in ms (CUDA events); no notification."""
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            start.record(self.stream)
-            self._copy(unit, src)
-            end.record(self.stream)
-        end.synchronize()
-        return start.elapsed_time(end)
+        return event_ms(self.stream, lambda: self._copy(unit, src))
 
     def _start_notifier(self) -> None:
         if self._thread is None:
@@ -411,6 +405,17 @@ class IpcLink:
         self._dst = {}
         if self.stream is not None:
             torch.cuda.synchronize(self.device)
+
+
+def event_ms(stream, fn) -> float:
+    """`fn()`'s work queued on `stream` between two CUDA events, in ms (waits for it)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        start.record(stream)
+        fn()
+        end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def unit_tag(request: int, unit: tuple[int, ...]) -> int:

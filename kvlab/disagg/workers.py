@@ -25,8 +25,9 @@ from pathlib import Path
 
 import torch
 
+from ..timing import sync_device
 from .config import DECODE, PREFILL, DisaggConfig
-from .links import Sink, Source, _Rows, make_link, units
+from .links import Sink, Source, _Rows, event_ms, make_link, units
 from .protocol import Control, IncompleteCacheError, LandedLayers
 
 __all__ = ["entry", "connect", "ROWS_FILE"]
@@ -47,16 +48,10 @@ def _ns() -> int:
     return time.monotonic_ns()
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def _build(cfg: DisaggConfig, dev: torch.device):
     from .. import models
 
-    spec = models.get(cfg.model) if cfg.weights == "random" and not os.path.exists(cfg.model) else cfg.model
-    return models.build(spec, weights=cfg.weights, device=dev, dtype=cfg.kv_dtype, seed=cfg.seed)
+    return models.build(cfg.model, weights=cfg.weights, device=dev, dtype=cfg.kv_dtype, seed=cfg.seed)
 
 
 def _pool_for(model, context: int, cfg: DisaggConfig, dev: torch.device, seed: int):
@@ -128,7 +123,7 @@ class PrefillWorker:
         fault = msg.get("fault") or {}
         drop = fault["layer"] if fault.get("kind") == "drop" else self.cfg.drop_layer
         sent: list[int] = []
-        _sync(self.dev)
+        sync_device(self.dev)
         t0 = _ns()
         if mode == "layerwise":
             def on_layer(i):
@@ -168,7 +163,7 @@ class PrefillWorker:
         """Every layer's checksum of the true source (kvlab.disagg.faults.checksum), and its cost in ms."""
         from .faults import checksum
 
-        _sync(self.dev)
+        sync_device(self.dev)
         t0 = _ns()
         sums = [checksum(src.view((i,))) for i in range(src.layers)]
         return {"checksums": sums, "checksum_ms": (_ns() - t0) / 1e6}
@@ -198,13 +193,7 @@ class PrefillWorker:
         send, plain, layer = [], [], []
 
         def time_plain():
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(stream):
-                s.record(stream)
-                b.copy_(a, non_blocking=True)
-                e.record(stream)
-            e.synchronize()
-            return s.elapsed_time(e)
+            return event_ms(stream, lambda: b.copy_(a, non_blocking=True))
 
         default = []
         tuned = None
@@ -248,13 +237,7 @@ class PrefillWorker:
         stream = self.link.stream
 
         def one(d, si, di):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(stream):
-                s.record(stream)
-                kernels.launch_rows(src.pool.rows, si, d, di, cfg)
-                e.record(stream)
-            e.synchronize()
-            return s.elapsed_time(e)
+            return event_ms(stream, lambda: kernels.launch_rows(src.pool.rows, si, d, di, cfg))
 
         out = {"local_pool_ms": [], "ipc_src_order_ms": [], "ipc_layer_order_ms": []}
         for k in range(msg["warmup"] + msg["n"]):
@@ -386,7 +369,7 @@ class DecodeWorker:
                        ttft_ms=done["prefill_ms"] + step_ms, same_host=done["host"] == socket.gethostname())
             return row
         sink.poison()
-        _sync(self.dev)
+        sync_device(self.dev)
         tracker = LandedLayers(sink.layers, str(self.dev))
         n = self.n
         tracker.begin(n)
@@ -406,7 +389,7 @@ class DecodeWorker:
             raise IncompleteCacheError(f"{err} — {late}" if late else str(err)) from None
         t0 = _ns()
         cache = sink.buffer if table is None else sink.pool.read(table)
-        _sync(self.dev)
+        sync_device(self.dev)
         read_ms = (_ns() - t0) / 1e6
         first = done["first_token"]
         step_ms = self._step(cache, first)
@@ -430,10 +413,10 @@ class DecodeWorker:
         """One decode step from `cache` (host-timed, synchronised), in ms: the first token's own cost."""
         from ..steps import decode
 
-        _sync(self.dev)
+        sync_device(self.dev)
         t0 = _ns()
         decode(self.model, cache, torch.tensor([first], device=self.dev), 1)
-        _sync(self.dev)
+        sync_device(self.dev)
         return (_ns() - t0) / 1e6
 
 
