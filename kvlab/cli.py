@@ -217,7 +217,8 @@ class Outcome:
 
 
 def execute(notebook: Path, params: Mapping, run_dir: str | os.PathLike | None = None,
-            progress: bool = True, invocation: Mapping | None = None) -> Outcome:
+            progress: bool = True, invocation: Mapping | None = None,
+            cell_timeout: float | None = None) -> Outcome:
     """Execute ``notebook`` through papermill with ``params`` (already validated) into
     ``run_dir`` (default: a new ``data/<study>/<run_id>/``), which the notebook gets as its
     ``run_dir`` parameter.
@@ -249,7 +250,7 @@ def execute(notebook: Path, params: Mapping, run_dir: str | os.PathLike | None =
             papermill.execute_notebook(
                 str(notebook), str(output), parameters={**params, "run_dir": str(folder)},
                 kernel_name="python3", cwd=str(notebook.parent), progress_bar=progress,
-                request_save_on_cell_execute=True,
+                request_save_on_cell_execute=True, execution_timeout=cell_timeout,
                 # the kernel's own start-up warnings ("running over TCP without encryption": a local
                 # kernel that papermill started for this run) are not the user's business
                 extra_arguments=["--IPKernelApp.log_level=ERROR"],
@@ -260,8 +261,11 @@ def execute(notebook: Path, params: Mapping, run_dir: str | os.PathLike | None =
             results.record_execution(folder, notebook.name, False, time.monotonic() - t0,
                                      "interrupted")
             raise
-        except Exception as err:  # the kernel died or would not start: still a failed run
-            error = f"{type(err).__name__}: {err}"
+        except Exception as err:  # the kernel died, would not start or timed out: still a failed run
+            first = (str(err).strip().splitlines() or [""])[0]
+            error = (f"{type(err).__name__}: a cell or the kernel's reply took longer than the cell timeout "
+                     f"({cell_timeout:g} s)" if cell_timeout and isinstance(err, TimeoutError)
+                     else f"{type(err).__name__}: {first}")
         finally:
             for name in _PAPERMILL_LOGGERS:
                 logging.getLogger(name).removeFilter(quiet)
@@ -302,6 +306,25 @@ _PARAM = arg("-p", "--param", dest="params", nargs=2, action="append", default=[
              help="set a notebook parameter; VALUE is YAML: 4096, 1e-3, true, '[1024, 4096]', "
                   "'{a: 1}' (a str parameter takes VALUE as written); repeatable")
 _NO_PROGRESS = arg("--no-progress", action="store_true", help="hide papermill's progress bar")
+_CELL_TIMEOUT = arg("--cell-timeout", metavar="S", default=None,
+                    help="stop a notebook whose cell (or kernel reply) takes longer than S seconds: the run is marked "
+                         "failed instead of waiting for ever (default: no limit, or KVLAB_CELL_TIMEOUT)")
+
+
+def cell_timeout(value: str | float | None) -> float | None:
+    """--cell-timeout S (or KVLAB_CELL_TIMEOUT when the flag is not given): seconds > 0, or None for no limit."""
+    source = "--cell-timeout"
+    if value is None:
+        value, source = os.environ.get("KVLAB_CELL_TIMEOUT", "").strip() or None, "KVLAB_CELL_TIMEOUT"
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise UsageError(f"{source} = {value!r}: give a number of seconds > 0 (e.g. 600), or leave it out for no limit")
+    return seconds
 
 
 # --------------------------------------------------------------------------- run, run-all
@@ -339,6 +362,7 @@ def _refuse_finished(folder: Path) -> None:
         help="also replace the README's figures in figures/<study>/ with this run's (only when the published "
              "ones came from a run with the same parameters; KVLAB_PUBLISH=force overrides)"),
     _NO_PROGRESS,
+    _CELL_TIMEOUT,
 )
 def _cmd_run(args) -> int:
     """Execute NOTEBOOK through papermill with its parameters (-p NAME VALUE) into a run folder.
@@ -352,12 +376,13 @@ Example: kvlab run handoff -p contexts 64,128 -p destinations same-gpu"""
     declared = runnable_parameters(notebook)
     params = parse_params(args.params, declared, notebook.name)
     _preflight(notebook, params)
+    timeout = cell_timeout(args.cell_timeout)
     if args.run_dir:
         _refuse_finished(Path(args.run_dir))
     keep_force = os.environ.get("KVLAB_PUBLISH", "").strip().lower() == "force"
     with _environment(**({"KVLAB_PUBLISH": "force" if keep_force else "1"} if args.publish else {})):
         outcome = execute(notebook, params, run_dir=args.run_dir or None,
-                          progress=not args.no_progress,
+                          progress=not args.no_progress, cell_timeout=timeout,
                           invocation={"argv": args.argv, "command": "run"})
     _report(outcome)
     print(outcome.run_dir)
@@ -368,6 +393,7 @@ Example: kvlab run handoff -p contexts 64,128 -p destinations same-gpu"""
     "run-all", "execute every notebook in notebooks/, in order, with default parameters",
     _PARAM,
     _NO_PROGRESS,
+    _CELL_TIMEOUT,
 )
 def _cmd_run_all(args) -> int:
     """Execute every notebook of notebooks/ in file-name order (00_…, 01_…), each into its own run
@@ -388,6 +414,7 @@ A failed notebook does not stop the rest; the exit code is 1 if any failed. `mak
                             for nb, params in declared.items())
         raise UsageError(f"no notebook declares {', '.join(map(repr, unknown))}; the notebooks' "
                          f"parameters:\n{listing}")
+    timeout = cell_timeout(args.cell_timeout)
     plans = []
     for nb in nbs:
         mine = [(n, v) for n, v in args.params if n in declared[nb]]
@@ -396,7 +423,7 @@ A failed notebook does not stop the rest; the exit code is 1 if any failed. `mak
     outcomes = []
     for nb, params in plans:
         print(f"== {nb.name}", flush=True)
-        outcome = execute(nb, params, progress=not args.no_progress,
+        outcome = execute(nb, params, progress=not args.no_progress, cell_timeout=timeout,
                           invocation={"argv": args.argv, "command": "run-all"})
         _report(outcome)
         outcomes.append(outcome)
@@ -486,6 +513,7 @@ def check_points(points: list[dict], declared: Mapping[str, Parameter],
     _PARAM,
     arg("--dry-run", action="store_true", help="validate and list the points; run nothing"),
     _NO_PROGRESS,
+    _CELL_TIMEOUT,
 )
 def _cmd_sweep(args) -> int:
     """Run NOTEBOOK once per point of the grid in FILE, each point in its own run folder.
@@ -502,6 +530,7 @@ Every point is validated before the first run; -p NAME VALUE fixes a parameter f
     declared = runnable_parameters(notebook)
     fixed = parse_params(args.params, declared, notebook.name)
     points = check_points(load_grid(args.grid), declared, notebook.name)
+    timeout = cell_timeout(args.cell_timeout)
     for i, point in enumerate(points):
         try:
             _preflight(notebook, {**fixed, **point})
@@ -514,7 +543,7 @@ Every point is validated before the first run; -p NAME VALUE fixes a parameter f
     outcomes = []
     for i, point in enumerate(points):
         print(f"== point {i + 1}/{len(points)}: {json.dumps(point)}", flush=True)
-        outcome = execute(notebook, {**fixed, **point}, progress=not args.no_progress,
+        outcome = execute(notebook, {**fixed, **point}, progress=not args.no_progress, cell_timeout=timeout,
                           invocation={"argv": args.argv, "command": "sweep",
                                       "grid": str(args.grid), "point": i, "points": len(points)})
         _report(outcome)

@@ -13,7 +13,10 @@ import pytest
 
 # Variables a developer's shell may carry that would change what kvlab does under test.
 _KVLAB_ENV = ("KVLAB_ROOT", "KVLAB_PRESET", "KVLAB_BATCH", "KVLAB_INVOCATION", "KVLAB_DEBUG", "KVLAB_PUBLISH",
-              "KVLAB_GIT_COMMIT")
+              "KVLAB_GIT_COMMIT", "KVLAB_CELL_TIMEOUT")
+# A notebook cell (or a kernel reply) that takes longer than this under test fails its test rather than hanging the
+# suite: the small-parameter notebooks take seconds on a CPU.
+CELL_TIMEOUT_S = "300"
 
 
 @pytest.fixture(autouse=True)
@@ -25,6 +28,7 @@ def kvlab_dirs(tmp_path, monkeypatch):
     dirs = SimpleNamespace(data=tmp_path / "kvlab-data", figures=tmp_path / "kvlab-figures")
     monkeypatch.setenv("KVLAB_DATA", str(dirs.data))
     monkeypatch.setenv("KVLAB_FIGURES", str(dirs.figures))
+    monkeypatch.setenv("KVLAB_CELL_TIMEOUT", CELL_TIMEOUT_S)
     return dirs
 
 
@@ -104,10 +108,11 @@ def kvlab_command(argv: list[str], env_extra: dict | None = None, timeout: int =
     """Run ``kvlab ARGV`` as a user would (a new process, the repository as working directory), with the data
     and figures roots and the published-figure switch taken from ``env_extra``, never the developer's shell."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVLAB_")}
+    env["KVLAB_CELL_TIMEOUT"] = CELL_TIMEOUT_S
     env.update(env_extra or {})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     return subprocess.run([sys.executable, "-m", "kvlab", *argv], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout, check=False)
+                          stdin=subprocess.DEVNULL, text=True, timeout=timeout, check=False)
 
 
 @pytest.fixture(scope="session")

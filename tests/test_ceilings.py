@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 import torch
 
+from conftest import CELL_TIMEOUT_S
 from kvlab import ceilings as C
 from kvlab import ceilings_fit as CF
 from kvlab.ceilings import measure, parse_size
@@ -427,7 +428,7 @@ def test_notebook_runs_on_cpu(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     pm.execute_notebook(str(REPO / "notebooks" / "01_link_ceilings.ipynb"), str(tmp_path / "out.ipynb"),
                         parameters={"sizes": "4K,16K,64K", "repeats": 3, "warmup": 1, "run_dir": str(run_dir)},
-                        progress_bar=False, kernel_name="python3")
+                        progress_bar=False, kernel_name="python3", execution_timeout=int(CELL_TIMEOUT_S))
     record = json.loads((run_dir / "run.json").read_text())
     assert Ceilings.from_json(record["ceilings"]).gbps("h2h") > 0
     assert (run_dir / "results.csv").is_file() and (run_dir / "fit.csv").is_file()

@@ -268,6 +268,31 @@ def test_run_all_continues_after_a_failure_and_fails_at_the_end(toy_project, mak
         "parameters"]["size"] == 2
 
 
+def test_a_cell_past_the_cell_timeout_fails_the_run_instead_of_hanging(toy_project, make_notebook, kvlab_dirs,
+                                                                        capsys):
+    import time
+
+    make_notebook(toy_project / "notebooks" / "01_slow.ipynb", 'run_dir: str = ""  # kvlab run sets it\n',
+                  "from kvlab import results\nrun = results.start('slow', {}, run_dir)", "import time\ntime.sleep(120)")
+    t0 = time.monotonic()
+    assert kvlab("run", "slow", "--no-progress", "--cell-timeout", "3") == 1
+    assert time.monotonic() - t0 < 90
+    err = capsys.readouterr().err
+    assert "longer than the cell timeout (3 s)" in err
+    record = json.loads(next((kvlab_dirs.data / "slow").glob("*/run.json")).read_text())
+    assert record["status"] == "failed" and "cell timeout" in record["execution"]["error"]
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "inf"])
+def test_a_bad_cell_timeout_is_one_line_before_anything_runs(toy_project, kvlab_dirs, capsys, monkeypatch, value):
+    assert kvlab("run", "toy", "--cell-timeout", value) == 2
+    assert f"--cell-timeout = {value!r}: give a number of seconds > 0" in capsys.readouterr().err
+    monkeypatch.setenv("KVLAB_CELL_TIMEOUT", value)
+    assert kvlab("run-all") == 2
+    assert f"KVLAB_CELL_TIMEOUT = {value!r}" in capsys.readouterr().err
+    assert created(kvlab_dirs.data) == []
+
+
 def test_run_all_refuses_a_name_no_notebook_declares(toy_project, kvlab_dirs, capsys):
     assert kvlab("run-all", "-p", "nope", "1") == 2
     err = capsys.readouterr().err
