@@ -291,7 +291,7 @@ def _check(src, src_idx, dst, dst_idx):
 
 
 def _check_bounds(src, src_idx, dst, dst_idx):
-    # a host sync: only for explicit checks (tests, the first send of a plan is checked on the host instead)
+    # a host sync; hot paths whose indices were validated on the host turn it off
     if src_idx.numel():
         lo, hi = int(src_idx.min()), int(src_idx.max())
         if lo < 0 or hi >= src.shape[0]:
@@ -307,14 +307,16 @@ def _kernel_device(src: torch.Tensor, dst: torch.Tensor) -> torch.device:
 
 
 def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor | None = None,
-              *, config: KernelConfig | None = None, backend: str = "auto", check_bounds: bool = False) -> str:
+              *, config: KernelConfig | None = None, backend: str = "auto", check_bounds: bool = True) -> str:
     """dst[dst_idx[i], :] = src[src_idx[i], :] for i < len(src_idx); dst_idx None → dst[i, :].
 
     src: [N_src, E], dst: [N_dst, E] contiguous, same dtype (any; rows are moved as raw words).
     src_idx, dst_idx: [R] int64 on src's device (the kernel runs there; dst may be a peer GPU's memory
     with peer access enabled, or pinned host memory, which the GPU reaches through UVA).
-    Indices are not bounds-checked on the device (that would cost a sync); pass check_bounds=True to
-    check them first, or validate them on the host as kvlab.paged does.
+    Indices are bounds-checked before the launch by default (a min and a max, then a host sync): the Triton
+    kernel itself does not check, so an index past the end would write or read memory it does not own without
+    an error. A caller whose indices are already validated on the host (kvlab.paged's plans) passes
+    check_bounds=False to keep the sync off its timed path.
 
     backend: "auto" (Triton when `triton_status` allows, else torch), "triton" or "torch".
     Enqueues on the current stream of src's device. Returns the backend used: "triton" or "torch".

@@ -38,6 +38,8 @@ __all__ = [
 ]
 
 ATTENTION_KINDS = ("mha", "gqa", "mqa", "mla")
+# model_type values whose attention is always MLA (transformers' DeepSeek-V2 and -V3 configs)
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
 @dataclass(frozen=True)
@@ -397,7 +399,7 @@ def param_count(cfg: Mapping[str, Any]) -> tuple[int, int]:
     inter = int(d.get("intermediate_size") or 0)
 
     # Attention.
-    if d.get("kv_lora_rank"):
+    if d.get("kv_lora_rank") is not None:
         q_rank = d.get("q_lora_rank")
         nope, rope = int(d["qk_nope_head_dim"]), int(d["qk_rope_head_dim"])
         v_dim, kv_rank = int(d["v_head_dim"]), int(d["kv_lora_rank"])
@@ -472,7 +474,7 @@ def from_hf_config(x: Any, *, name: str | None = None, source: str | None = None
 
     Derived where configs leave it implicit: ``head_dim = hidden_size // heads`` (unless given);
     ``kv_heads = heads`` when ``num_key_value_heads`` is absent; attention kind (``mla`` when
-    ``kv_lora_rank`` is set, else ``mha``/``mqa``/``gqa`` from KV vs query heads); sliding layers
+    ``kv_lora_rank`` is present or the model_type is a DeepSeek-V2/V3 one, else ``mha``/``mqa``/``gqa`` from KV vs query heads); sliding layers
     (see ``_sliding``). Missing required fields → ValueError naming them.
     """
     cfg, where = _to_dict(x)
@@ -481,9 +483,11 @@ def from_hf_config(x: Any, *, name: str | None = None, source: str | None = None
                                                                          cfg.get("model_type"))}
 
     missing = [keys[0] for keys in _FIELD_NAMES.values() if _first(cfg, keys) is None]
-    mla = bool(cfg.get("kv_lora_rank"))
+    # MLA by the field's presence (a 0 is then refused as a width, not read as "no MLA") or by a family
+    # that always uses it (its missing latent width is then named, not silently counted as GQA)
+    mla = cfg.get("kv_lora_rank") is not None or cfg.get("model_type") in MLA_MODEL_TYPES
     if mla:
-        missing += [k for k in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+        missing += [k for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
                     if cfg.get(k) is None]
     if cfg.get("intermediate_size") is None and cfg.get("moe_intermediate_size") is None:
         missing.append("intermediate_size")

@@ -89,3 +89,19 @@ def test_broken_traces_are_one_line(content, says, tmp_path):
     f.write_bytes(content)
     lines = [ln for ln in kvlab_command(["trace", "load", str(f)], _env(tmp_path)).stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and says in lines[0], lines
+
+
+_MLA = dict(model_type="deepseek_v3", num_hidden_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=100,
+            intermediate_size=128, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+
+
+def test_mla_is_found_by_its_field_or_family_not_by_a_truthy_width():
+    assert models.from_hf_config(_MLA).attention == "mla"
+    with pytest.raises(ValueError, match="kv_lora_rank=0 must be a positive integer"):
+        models.from_hf_config({**_MLA, "kv_lora_rank": 0})
+    with pytest.raises(ValueError, match="missing required field.*kv_lora_rank"):
+        models.from_hf_config({**_MLA, "kv_lora_rank": None})
+    # another family with the field set is read as MLA too (the field decides), so its missing MLA widths are named
+    with pytest.raises(ValueError, match="missing required field.*qk_rope_head_dim"):
+        models.from_hf_config({**_BASE, "model_type": "llama", "kv_lora_rank": 0})
+    assert models.from_hf_config({**_BASE, "model_type": "llama"}).attention == "gqa"

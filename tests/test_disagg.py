@@ -261,3 +261,13 @@ def test_checksum_sees_one_flipped_bit_and_a_swap():
     z = x.clone()
     z.view(-1).view(torch.int32)[5] ^= 1 << 7  # one bit
     assert checksum(z) != checksum(x)
+
+
+def test_paged_rows_from_the_peer_are_checked_against_the_pool_before_any_copy():
+    from kvlab.disagg.links import _Rows
+
+    rows = _Rows.for_ids(2, 4, [3, 0], "cpu")
+    assert rows.per_layer > 0 and int(rows.all.max()) >= 0
+    for bad in ([4], [-1], [0, 9]):
+        with pytest.raises(ValueError, match="outside a pool of 4 blocks"):
+            _Rows.for_ids(2, 4, bad, "cpu")

@@ -43,6 +43,9 @@ class _Rows:
     """Row indices of a paged cache: per layer and for all layers (in layer order), on a device."""
 
     def __init__(self, layers: int, num_blocks: int, block_ids: list[int], device):
+        bad = [b for b in block_ids if not 0 <= int(b) < num_blocks]
+        if bad:  # checked here, on the host, once: the row kernel that uses these rows does not check
+            raise ValueError(f"block ids {bad[:8]} are outside a pool of {num_blocks} blocks (valid 0…{num_blocks - 1})")
         per = [layer_rows(num_blocks, block_ids, i) for i in range(layers)]
         dev = torch.device(device)
         self.layer = [torch.tensor(p, dtype=torch.int64, device=dev) for p in per]
@@ -335,7 +338,9 @@ class IpcLink:
             view.copy_(src.buffer.data if len(unit) == src.layers else src.buffer.data[unit[0]], non_blocking=True)
         else:
             rows = dst.view(-1, src.pool.rows.shape[1])
-            kernels.copy_rows(src.pool.rows, src.rows.of(unit), rows, self._dst_rows.of(unit), config=self.kernel_config)
+            # both row lists were checked on the host when they were made (_Rows): no sync on the timed path
+            kernels.copy_rows(src.pool.rows, src.rows.of(unit), rows, self._dst_rows.of(unit), config=self.kernel_config,
+                              check_bounds=False)
 
     def send(self, request: int, unit, src: Source, corrupt: bool = False) -> None:
         if self.stream is None:  # a CPU-only process cannot use CUDA IPC; make_link refuses earlier
