@@ -229,6 +229,8 @@ def execute(notebook: Path, params: Mapping, run_dir: str | os.PathLike | None =
     """
     import papermill
 
+    from kvlab import nbexec
+
     notebook = Path(notebook)
     study = results.check_study(results.study_of(notebook))
     folder = Path(run_dir).expanduser().resolve() if run_dir else results.new_run_dir(study)
@@ -247,7 +249,7 @@ def execute(notebook: Path, params: Mapping, run_dir: str | os.PathLike | None =
     with _environment(KVLAB_BATCH="1", KVLAB_INVOCATION=json.dumps(invocation),
                       PYTHONPATH=python_path):
         try:
-            papermill.execute_notebook(
+            nbexec.execute_notebook(
                 str(notebook), str(output), parameters={**params, "run_dir": str(folder)},
                 kernel_name="python3", cwd=str(notebook.parent), progress_bar=progress,
                 request_save_on_cell_execute=True, execution_timeout=cell_timeout,

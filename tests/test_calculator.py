@@ -429,13 +429,13 @@ def test_notebook_is_committed_without_outputs():
 def test_notebook_runs_with_small_parameters(tmp_path, monkeypatch, kvlab_dirs):
     import nbformat
     import pandas as pd
-    import papermill
+    from kvlab import nbexec
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
     run_dir = tmp_path / "run"
     out = tmp_path / "out.ipynb"
-    papermill.execute_notebook(
+    nbexec.execute_notebook(
         str(NOTEBOOK), str(out), kernel_name="python3", cwd=str(REPO), progress_bar=False,
         execution_timeout=int(CELL_TIMEOUT_S),
         parameters={"run_dir": str(run_dir), "models": ["llama-2-7b", "gemma-2-9b"],

@@ -417,7 +417,9 @@ def test_notebook_is_committed_clean():
 
 @pytest.mark.slow
 def test_notebook_runs_on_cpu(tmp_path, monkeypatch):
-    pm = pytest.importorskip("papermill")
+    pytest.importorskip("papermill")
+    from kvlab import nbexec
+
     pytest.importorskip("kvlab.results")
     pytest.importorskip("kvlab.plots")
     monkeypatch.setenv("KVLAB_DATA", str(tmp_path / "data"))
@@ -426,9 +428,9 @@ def test_notebook_runs_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("KVLAB_BATCH", "1")
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     run_dir = tmp_path / "run"
-    pm.execute_notebook(str(REPO / "notebooks" / "01_link_ceilings.ipynb"), str(tmp_path / "out.ipynb"),
-                        parameters={"sizes": "4K,16K,64K", "repeats": 3, "warmup": 1, "run_dir": str(run_dir)},
-                        progress_bar=False, kernel_name="python3", execution_timeout=int(CELL_TIMEOUT_S))
+    nbexec.execute_notebook(str(REPO / "notebooks" / "01_link_ceilings.ipynb"), str(tmp_path / "out.ipynb"),
+                            parameters={"sizes": "4K,16K,64K", "repeats": 3, "warmup": 1, "run_dir": str(run_dir)},
+                            progress_bar=False, kernel_name="python3", execution_timeout=int(CELL_TIMEOUT_S))
     record = json.loads((run_dir / "run.json").read_text())
     assert Ceilings.from_json(record["ceilings"]).gbps("h2h") > 0
     assert (run_dir / "results.csv").is_file() and (run_dir / "fit.csv").is_file()

@@ -1,0 +1,65 @@
+"""kvlab.nbexec: kernel waits in slices, so a ZeroMQ wake-up that never comes costs one slice, not for ever."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from queue import Empty
+
+import pytest
+from jupyter_client.channels import AsyncZMQSocketChannel
+
+from kvlab import nbexec
+
+
+class _MissedWakeups:
+    """Stands in for jupyter_client's get_msg over a socket whose wake-up is lost: a message that is there is only
+    seen when the poll's own timeout ends (as pyzmq's poll then checks once more); with no timeout it never is."""
+
+    def __init__(self, message=None):
+        self.message, self.calls = message, 0
+
+    async def get_msg(self, timeout=None):  # patched onto the class as a bound method: no channel argument
+        self.calls += 1
+        if timeout is None:
+            await asyncio.sleep(3600)
+        await asyncio.sleep(timeout)
+        if self.message is None:
+            raise Empty
+        return self.message
+
+
+@pytest.fixture
+def missed(monkeypatch):
+    fake = _MissedWakeups({"msg": "reply"})
+    monkeypatch.setattr(AsyncZMQSocketChannel, "get_msg", fake.get_msg)
+    monkeypatch.setattr(nbexec, "SLICE_S", 0.05)
+    return fake
+
+
+def _get(timeout):
+    channel = nbexec.SlicedChannel.__new__(nbexec.SlicedChannel)  # no socket: the fake stands in for it
+    return asyncio.run(asyncio.wait_for(channel.get_msg(timeout), 5))
+
+
+def test_a_missed_wakeup_costs_one_slice_not_for_ever(missed):
+    t0 = time.monotonic()
+    assert _get(None) == {"msg": "reply"}  # unsliced, this wait would never end (wait_for would raise at 5 s)
+    assert time.monotonic() - t0 < 1 and missed.calls == 1
+
+
+def test_the_callers_timeout_still_holds(missed):
+    missed.message = None
+    t0 = time.monotonic()
+    with pytest.raises(Empty):
+        _get(0.3)
+    took = time.monotonic() - t0
+    assert 0.28 <= took < 1.5 and missed.calls >= 5  # 0.3 s in slices of 0.05 s
+
+
+def test_papermill_runs_get_the_sliced_client():
+    manager = nbexec.SlicedKernelManager()
+    assert manager.client_factory is nbexec.SlicedKernelClient
+    client = nbexec.SlicedKernelClient()
+    for name in ("shell", "iopub", "stdin", "control"):
+        assert getattr(client, f"{name}_channel_class") is nbexec.SlicedChannel
