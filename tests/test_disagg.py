@@ -271,3 +271,40 @@ def test_paged_rows_from_the_peer_are_checked_against_the_pool_before_any_copy()
     for bad in ([4], [-1], [0, 9]):
         with pytest.raises(ValueError, match="outside a pool of 4 blocks"):
             _Rows.for_ids(2, 4, bad, "cpu")
+
+
+def _netns_ok() -> str | None:
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        return "needs root and iproute2 (ip netns)"
+    probe = f"kvlab-probe-{os.getpid()}"
+    done = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None if done.returncode == 0 else f"cannot make a network namespace here: {done.stderr.strip()[:120]}"
+
+
+def test_readmes_two_node_commands_run_as_written_across_two_network_stacks(tmp_path):
+    """README's torchrun pair, each "node" in its own network namespace joined by veth: the rendezvous, the store
+    and gloo cross a (virtual) Ethernet link, and gloo must pick that link itself (no GLOO_SOCKET_IFNAME), since
+    this host's name resolves to a loopback address the other node cannot reach."""
+    why = _netns_ok()
+    if why:
+        pytest.skip(why)
+    import json
+
+    import two_nodes
+
+    got = two_nodes.run(tmp_path / "run")
+    assert got["returncodes"] == [0, 0], "\n".join(log[-1500:] for log in got["logs"])
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["tokens_match"] and summary["logits_equal"] and summary["poison_left"] == 0
+    assert summary["bytes_moved"] == summary["kv_cache_bytes"] and summary["context"] == 4096
+    launcher = summary["launcher"]
+    assert launcher["kind"] == "torchrun" and launcher["nnodes"] == 2
+    assert launcher["gloo_interface"] == got["link"]["interface"]
+    assert summary["pids"]["decode"] != summary["pids"]["prefill"]
+    # every request's cache crossed the veth: rank 0 received at least the bytes moved, times the requests
+    received = got["link"]["after"]["rx_bytes"] - got["link"]["before"]["rx_bytes"]
+    assert received >= summary["requests"] * summary["bytes_moved"]

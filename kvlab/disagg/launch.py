@@ -21,7 +21,7 @@ from pathlib import Path
 from .config import DECODE, DisaggConfig, check
 from .workers import ROWS_FILE, entry
 
-__all__ = ["run", "DisaggError", "under_torchrun", "summarise"]
+__all__ = ["run", "DisaggError", "under_torchrun", "summarise", "gloo_interface"]
 
 
 class DisaggError(RuntimeError):
@@ -198,6 +198,36 @@ def _stop(procs: list) -> None:
             p.wait()
 
 
+def gloo_interface(master_addr: str) -> tuple[str | None, str]:
+    """The network interface gloo should use on this node, and why.
+
+    gloo tells its peer to connect to the address this host's name resolves to. On many machines that is a
+    loopback address (127.0.1.1 in /etc/hosts, or 127.0.0.1), and the other node's connection is then refused
+    (seen here: `Gloo connectFullMesh failed ... remote=[127.0.0.1]`). So, unless GLOO_SOCKET_IFNAME is set, the
+    interface whose address routes to MASTER_ADDR is chosen (psutil lists the interfaces); nothing is chosen
+    when MASTER_ADDR is this host's own loopback (one node)."""
+    import ipaddress
+    import socket
+
+    import psutil
+
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return os.environ["GLOO_SOCKET_IFNAME"], "GLOO_SOCKET_IFNAME was set"
+    try:
+        target = socket.getaddrinfo(master_addr, None, socket.AF_INET)[0][4][0]
+    except OSError as err:
+        raise ValueError(f"MASTER_ADDR = {master_addr!r} does not resolve ({err}); give the decode node's address") from None
+    if ipaddress.ip_address(target).is_loopback:
+        return None, f"MASTER_ADDR {master_addr} is this host's loopback: gloo's own choice"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # connect() on UDP sends nothing
+        probe.connect((target, 9))
+        local = probe.getsockname()[0]
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == local for a in addrs):
+            return name, f"the interface with {local}, which routes to MASTER_ADDR {target}"
+    return None, f"no interface holds {local}: gloo's own choice"
+
+
 def _torchrun(cfg: DisaggConfig, out, progress: bool) -> dict:
     from .. import results
 
@@ -207,14 +237,21 @@ def _torchrun(cfg: DisaggConfig, out, progress: bool) -> dict:
                          f"got WORLD_SIZE={world}")
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     prefix = f"kvlab/{os.environ['TORCHELASTIC_RUN_ID']}"
+    iface, why = gloo_interface(host) if cfg.backend != "nccl" else (None, "nccl chooses its own")
+    if iface:
+        os.environ["GLOO_SOCKET_IFNAME"] = iface
     if rank != DECODE:
         entry(rank, _params(cfg), host, port, prefix, "", progress=False)
         return {}
+    launcher = {"kind": "torchrun", "nnodes": int(os.environ.get("GROUP_WORLD_SIZE", "0")) or None,
+                "node_rank": int(os.environ.get("GROUP_RANK", "0")), "master_addr": host, "master_port": port,
+                "run_id": os.environ["TORCHELASTIC_RUN_ID"], "gloo_interface": iface, "gloo_interface_why": why}
     run_ = results.start("disagg", _params(cfg), run_dir=out)
+    run_.update(launcher=launcher)
     t0 = time.monotonic()
     try:
         entry(rank, _params(cfg), host, port, prefix, str(run_.dir), progress)
-        summary = _write(run_, cfg, time.monotonic() - t0)
+        summary = _write(run_, cfg, time.monotonic() - t0, launcher)
         run_.finish()
         return summary
     except BaseException as err:
@@ -259,7 +296,7 @@ def _clean(x):
     return x
 
 
-def _write(run_, cfg: DisaggConfig, seconds: float) -> dict:
+def _write(run_, cfg: DisaggConfig, seconds: float, launcher: dict | None = None) -> dict:
     import pandas as pd
 
     from .. import calculator
@@ -278,6 +315,7 @@ def _write(run_, cfg: DisaggConfig, seconds: float) -> dict:
     summary = {
         "backend": cfg.backend,
         "processes": 2,
+        "launcher": launcher or {"kind": "subprocess"},
         "pids": {"decode": got["pid"], "prefill": got["peer_pid"]},
         "host": got["host"],
         "model": cfg.model,
