@@ -175,6 +175,58 @@ def test_sigterm_stops_both_workers_and_marks_the_run(tmp_path):
     assert not left, f"orphan workers: pids {left}"
 
 
+def _workers_of(out) -> dict[str, int]:
+    """pid of each disagg worker process whose run folder is `out`, by role."""
+    from pathlib import Path
+
+    found = {}
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"kvlab.disagg" in args and str(out).encode() in args:
+            rank = args[args.index(b"--rank") + 1]
+            found["decode" if rank == b"0" else "prefill"] = int(cmdline.parent.name)
+    return found
+
+
+def test_a_peer_that_dies_mid_run_is_named_in_one_line_and_leaves_no_orphan(tmp_path):
+    """The prefill process killed (SIGKILL: no goodbye, no posted error) while requests flow: the launcher names
+    it and its exit code in one line, stops the decode process and marks the run stopped, well inside the
+    deadline a decode-side wait would have used."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVLAB_")}
+    env.update(_env(tmp_path), PYTHONPATH=str(REPO))
+    p = subprocess.Popen([sys.executable, "-m", "kvlab", "disagg", "--repeats", "1000000", "--quiet", "--out", str(out)],
+                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while len(_workers_of(out)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(4)  # the workers are up and requests flow
+    os.kill(_workers_of(out)["prefill"], signal.SIGKILL)
+    t0 = time.monotonic()
+    _, err = p.communicate(timeout=60)
+    took = time.monotonic() - t0
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert p.returncode != 0 and len(lines) == 1, err
+    assert "the prefill process was killed by SIGKILL (exit code -9)" in lines[0], lines[0]
+    assert took < 30, f"the launcher took {took:.0f} s to notice"
+    run = json.loads((out / "run.json").read_text())
+    assert run["status"] == "failed" and "prefill" in run["stopped"] and (out / "STOPPED.txt").is_file()
+    time.sleep(1)
+    assert not _workers_of(out), "orphan workers"
+
+
 def test_a_port_in_use_is_refused(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

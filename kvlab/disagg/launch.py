@@ -160,7 +160,7 @@ def _watch(cfg: DisaggConfig, store, procs: list, progress: bool) -> None:
             bad = [(role, c) for role, c in codes if c not in (None, 0)]
             if bad:
                 time.sleep(0.5)  # its posted error may still be on its way
-                raise DisaggError(_worker_error(store) or f"the {bad[0][0]} process exited with code {bad[0][1]}: "
+                raise DisaggError(_worker_error(store) or f"the {bad[0][0]} process {_how_it_ended(bad[0][1])}: "
                                   f"{_last_line(procs, bad[0][0])}")
             if all(c == 0 for _, c in codes):
                 return
@@ -173,13 +173,23 @@ def _watch(cfg: DisaggConfig, store, procs: list, progress: bool) -> None:
         bar.close()
 
 
+def _how_it_ended(code: int) -> str:
+    """'exited with code 1', or 'was killed by SIGKILL (exit code -9)' for a signal."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name} (exit code {code})"
+        except ValueError:
+            pass
+    return f"exited with code {code}"
+
+
 def _last_line(procs: list, role: str) -> str:
     for r, p in procs:
         if r == role:
             try:
                 lines = [ln for ln in Path(p.args[p.args.index("--run-dir") + 1], f"worker-{role}.log")
                          .read_text(errors="replace").splitlines() if ln.strip()]
-                return lines[-1][:300] if lines else "(no output)"
+                return f"last line of its log: {lines[-1][:300]}" if lines else "its log is empty"
             except OSError:
                 return "(no log)"
     return ""
