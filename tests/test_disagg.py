@@ -191,10 +191,11 @@ def _workers_of(out) -> dict[str, int]:
     return found
 
 
-def test_a_peer_that_dies_mid_run_is_named_in_one_line_and_leaves_no_orphan(tmp_path):
-    """The prefill process killed (SIGKILL: no goodbye, no posted error) while requests flow: the launcher names
-    it and its exit code in one line, stops the decode process and marks the run stopped, well inside the
-    deadline a decode-side wait would have used."""
+@pytest.mark.parametrize("when", ["at start", "mid-run"])
+def test_a_peer_that_dies_is_named_in_one_line_and_leaves_no_orphan(when, tmp_path):
+    """The prefill process killed (SIGKILL: no goodbye, no posted error) as soon as it exists, or while requests
+    flow: the launcher names it and its signal in one line, stops the decode process and marks the run stopped,
+    well inside the deadline a decode-side wait would have used."""
     import os
     import signal
     import subprocess
@@ -210,9 +211,10 @@ def test_a_peer_that_dies_mid_run_is_named_in_one_line_and_leaves_no_orphan(tmp_
                          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
-    while len(_workers_of(out)) < 2 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(4)  # the workers are up and requests flow
+    while "prefill" not in _workers_of(out) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if when == "mid-run":
+        time.sleep(4)  # the workers are up and requests flow
     os.kill(_workers_of(out)["prefill"], signal.SIGKILL)
     t0 = time.monotonic()
     _, err = p.communicate(timeout=60)
