@@ -267,7 +267,25 @@ _DISAGG = [
          note="requests of the whole run whose decode differed in any way"),
 ]
 
-GOALS: dict[str, Goal] = {g.id: g for g in (*_HANDOFF, *_PAGED, *_OVERLAP, *_DISAGG)}
+# issue 16 (2026-11-30): the thresholds are the issue's, written before any campaign ran; put into this file after
+# the campaigns (commit of 2026-11-30 22:5x), unchanged. "No wait longer than its deadline + 1 s" is read strictly:
+# the whole decision about a fault, over all its attempts, may exceed one deadline per attempt by 1 s in all.
+_FAULTS_DECLARED = "issue 16, 2026-11-30 (in goals.py after the first campaigns, thresholds as the issue set them)"
+_FAULTS = [
+    Goal("faults.count", "faults", "≥ 100 faults injected per campaign", "faults_injected", ">=", 100, digits=0,
+         declared=_FAULTS_DECLARED),
+    Goal("faults.no_partial_decode", "faults", "0 decodes from a partial or corrupt cache", "decoded_from_partial",
+         "<=", 0, digits=0, declared=_FAULTS_DECLARED,
+         note="decodes whose cache differed from the colocated reference's bytes"),
+    Goal("faults.handled", "faults", "every fault refused (fail) or recovered with the colocated tokens and logits "
+         "(retry, recompute)", "unhandled", "<=", 0, digits=0, declared=_FAULTS_DECLARED,
+         note="faults not refused under fail, or not decoded identically after a fault under retry / recompute"),
+    Goal("faults.deadline", "faults", "no fault waits longer than its deadline + 1 s", "over_deadline_ms", "<=", 1000.0,
+         unit=" ms", digits=1, declared=_FAULTS_DECLARED,
+         note="the slowest decision's time minus one deadline per attempt it made"),
+]
+
+GOALS: dict[str, Goal] = {g.id: g for g in (*_HANDOFF, *_PAGED, *_OVERLAP, *_DISAGG, *_FAULTS)}
 
 
 def for_study(study: str) -> list[Goal]:

@@ -306,7 +306,6 @@ def faults(paths: list[str]) -> str:
     return _md(t)
 
 
-FAULT_RUNS = ["disagg/20261130-190554-cpu", "disagg/20261130-190727-cpu", "disagg/20261130-190910-cpu"]
 
 
 def _link(path: str) -> str:
@@ -323,8 +322,10 @@ VERDICT_RUNS = {
                          "overlap_timeline/20261129-114951-h200", "overlap_timeline/20261130-145803-h200"],
     "disagg": ["disagg/20261130-174816-h200", "disagg/20261130-175223-h200", "disagg/20261130-175620-h200",
                "disagg/20261130-175845-h200"],
+    "faults": ["disagg/20261130-190554-cpu", "disagg/20261130-190727-cpu", "disagg/20261130-190910-cpu"],
 }
 DISAGG_RUNS = VERDICT_RUNS["disagg"]
+FAULT_RUNS = VERDICT_RUNS["faults"]
 
 
 def _goals_of(study: str, path: str) -> pd.DataFrame:
@@ -335,6 +336,10 @@ def _goals_of(study: str, path: str) -> pd.DataFrame:
 
         g = goals.evaluate(goals.for_study("disagg"), dr.goal_table(_data() / path), keys=("layout", "mode", "context"))
         g.loc[g.id == "disagg.identical", ["layout", "mode", "context"]] = ["every request", "", float("nan")]
+    elif study == "faults":
+        from .disagg import report as dr
+
+        g = goals.evaluate(goals.for_study("faults"), dr.fault_goal_table(_data() / path), keys=("policy",))
     elif study == "handoff":
         g = handoff_report.goals(handoff_summary(path))
     elif study == "paged_transfer":
@@ -382,7 +387,8 @@ def verdicts() -> str:
                 ctx = getattr(r, "context", None)
                 has_ctx = ctx is not None and ctx == ctx
                 where = ", ".join(x for x in (_ctx(ctx) if has_ctx else "", getattr(r, "destination", "") or "",
-                                              getattr(r, "layout", "") or "", getattr(r, "mode", "") or "") if x)
+                                              getattr(r, "layout", "") or "", getattr(r, "mode", "") or "",
+                                              f"policy {r.policy}" if getattr(r, "policy", "") else "") if x)
                 host = _host(record)
                 if has_ctx and int(ctx) <= handoff_report.HOST_BOUND_CONTEXT:
                     host += "; " + _host_bound(study, path, record) + " (host-bound: holds on this host)"

@@ -161,3 +161,26 @@ def test_the_disagg_goals_judge_their_own_rows_only():
     lw = got[got.id == "disagg.layerwise_exposed"]
     assert set(lw.context) == {4096, 32768} and set(lw["mode"]) == {"layerwise"} and len(lw) == 2 * 2 * 2
     assert len(got[got.id == "disagg.identical"]) == 1
+
+
+def test_the_fault_campaigns_goals_from_their_committed_runs_and_from_a_bad_one(tmp_path):
+    import json
+
+    from kvlab.disagg import report as dr
+
+    for run, policy in (("20261130-190554-cpu", "fail"), ("20261130-190727-cpu", "retry"),
+                        ("20261130-190910-cpu", "recompute")):
+        t = dr.fault_goal_table(DATA / "disagg" / run)
+        assert t.policy.tolist() == [policy]
+        got = G.evaluate(G.for_study("faults"), t, keys=("policy",))
+        assert got.verdict.tolist() == ["met"] * 4, got[["id", "value", "verdict"]]
+    # a retry campaign where one fault was decoded from a partial cache, one was not recovered, and one decision
+    # came 1.2 s after its only deadline: three goals missed, and the count of 3 faults misses too
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "summary.json").write_text(json.dumps({"policy": "retry", "faults_injected": 3, "decoded_from_partial": 1,
+                                                  "refused": 1, "recovered": 2}))
+    (bad / "faults.csv").write_text("recover_ms,attempts,fault_timeout_s\n900,1,1.0\n2200,1,1.0\n2500,2,1.0\n")
+    got = G.evaluate(G.for_study("faults"), dr.fault_goal_table(bad), keys=("policy",)).set_index("id")
+    assert (got.verdict == "missed").all(), got[["value", "verdict"]]
+    assert got.loc["faults.deadline", "value"].startswith("1,200.0 ms")

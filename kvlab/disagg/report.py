@@ -100,6 +100,19 @@ def goal_table(run_dir) -> pd.DataFrame:
     return t
 
 
+def fault_goal_table(run_dir) -> pd.DataFrame:
+    """What the fault goals read, one row per campaign run: faults injected, decodes from a partial cache, faults
+    not handled under the run's policy, and the slowest decision's excess over one deadline per attempt."""
+    d = Path(run_dir)
+    summary = json.loads((d / "summary.json").read_text())
+    f = pd.read_csv(d / "faults.csv")
+    handled = summary["refused"] if summary["policy"] == "fail" else summary["recovered"]
+    over = (f["recover_ms"] - f["attempts"] * f["fault_timeout_s"] * 1e3).max()
+    return pd.DataFrame([{"policy": summary["policy"], "faults_injected": summary["faults_injected"],
+                          "decoded_from_partial": summary["decoded_from_partial"],
+                          "unhandled": summary["faults_injected"] - handled, "over_deadline_ms": float(over)}])
+
+
 def plot(run_dir, title: str = ""):
     """Left: what each mode adds to the decode side's TTFT over colocated, by context (paired rounds, median and
     95 % interval), per layout. Right (a run with a bench): the bulk send's GB/s beside its ceiling (a plain copy
