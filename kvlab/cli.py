@@ -752,6 +752,9 @@ def _cmd_trace(args) -> int:
     arg("--seed", type=int, default=0, help="seed of the weights, the prompt, the block tables and the fault plan"),
     arg("--faults", type=int, default=0, help="a fault-injection campaign of N layer-wise requests (drop, delay, "
                                                  "corrupt a layer) after the measurement; writes faults.csv"),
+    arg("--fault-kinds", default="drop,delay,corrupt",
+        help="the campaign's fault kinds, in turn: drop, delay, corrupt, kill (the prefill process dies mid-send and "
+             "a new one takes over; gloo) (default drop,delay,corrupt)"),
     arg("--policy", default="fail", help="what decode does about a fault: fail, retry, recompute (default fail)"),
     arg("--retries", type=int, default=2, help="retry: attempts after the first (default 2)"),
     arg("--fault-timeout", type=float, default=1.0, help="the campaign's deadline for a request's layers, counted from "
@@ -778,6 +781,7 @@ Example: kvlab disagg --backend gloo --model kvlab-tiny --context 128 --decode-t
         decode_device=args.decode_device, repeats=args.repeats, warmup=args.warmup,
         decode_tokens=args.decode_tokens, timeout_s=args.timeout, bench=args.bench, port=args.port,
         faults=args.faults, policy=args.policy, retries=args.retries, fault_timeout_s=args.fault_timeout,
+        fault_kinds=args.fault_kinds,
         seed=args.seed)
     try:
         summary = disagg.run(cfg, args.out, progress=not args.quiet)

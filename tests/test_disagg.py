@@ -270,7 +270,8 @@ def test_fault_campaign_never_decodes_a_partial_cache(policy, tmp_path):
     landed in layer 0's receive). fail refuses each with a clear error; retry and recompute recover each with a
     decode identical to colocated; nothing undetected, nothing decoded from a partial or corrupt cache, no
     decision later than the deadline + 1 s."""
-    from kvlab.disagg.faults import KINDS, plan
+    from kvlab.disagg.faults import DEFAULT_KINDS as KINDS
+    from kvlab.disagg.faults import plan
 
     assert [f["layer"] for f in plan(6, 2, seed=9)] == [1, 1, 1, 0, 0, 0]
     cfg = disagg.DisaggConfig(repeats=1, warmup=0, modes=("layerwise",), faults=6, policy=policy, seed=9,
@@ -292,6 +293,30 @@ def test_fault_campaign_never_decodes_a_partial_cache(policy, tmp_path):
     assert df["recover_ms"].max() <= (cfg.fault_timeout_s + 1.0) * 1e3 * (cfg.retries + 1)
     if policy == "fail":  # a refusal comes within the deadline + 1 s
         assert df["recover_ms"].max() <= (cfg.fault_timeout_s + 1.0) * 1e3
+
+
+@pytest.mark.parametrize("policy", ["fail", "retry", "recompute"])
+def test_a_sender_killed_mid_send_is_replaced_and_nothing_decodes_from_its_half(policy, tmp_path):
+    """kill: the prefill process sends layer 0, then dies by SIGKILL before layer 1 (seed 9 draws layer 1). The
+    decode side sees the receive fail, trusts no layer of that request (no live sender checksummed them), and
+    forms a new process group with the process the launcher started in the dead one's place. fail refuses and
+    names the death; retry asks the new process, which prefills and sends again; recompute prefills itself. The
+    run then goes on with the new process (its stop message is answered), and no process is left."""
+    cfg = disagg.DisaggConfig(repeats=1, warmup=0, modes=("layerwise",), faults=1, policy=policy, seed=9,
+                              fault_timeout_s=0.5, fault_kinds=("kill",))
+    s = disagg.run(cfg, tmp_path / "run", progress=False)
+    df = pd.read_csv(tmp_path / "run" / "faults.csv")
+    assert df["kind"].tolist() == ["kill"] and df["layer"].tolist() == [1]
+    assert s["decoded_from_partial"] == 0 and s["undetected"] == 0
+    assert df["detected_by"].iloc[0] in ("receive failed", "peer died")
+    assert (tmp_path / "run" / "worker-prefill-g1.log").is_file()  # the successor ran
+    if policy == "fail":
+        assert s["refused"] == 1 and not df["decoded"].any()
+        assert "the prefill process died mid-send" in df["error"].iloc[0]
+        assert df["recover_ms"].iloc[0] <= (cfg.fault_timeout_s + 1.0) * 1e3  # decided before the successor came
+    else:
+        assert s["recovered"] == 1 and df["tokens_match"].all() and df["logits_equal"].all() and df["bytes_equal"].all()
+    assert not _workers_of(tmp_path / "run")
 
 
 def test_checksum_sees_one_flipped_bit_and_a_swap():

@@ -11,7 +11,7 @@ from .workers import entry
 
 
 def main(argv=None) -> int:
-    """`python -m kvlab.disagg --rank R --config JSON --host H --port P --prefix X --run-dir D`: one worker,
+    """`python -m kvlab.disagg --rank R --config JSON --host H --port P --prefix X --run-dir D [--generation G]`: one worker,
     as the launcher starts it. A failure is posted to the control store and ends this process with code 1."""
     import argparse
 
@@ -22,9 +22,11 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--prefix", required=True)
     p.add_argument("--run-dir", required=True)
+    p.add_argument("--generation", type=int, default=0)
     a = p.parse_args(argv)
     try:
-        entry(a.rank, json.loads(a.config), a.host, a.port, a.prefix, a.run_dir, progress=False)
+        entry(a.rank, json.loads(a.config), a.host, a.port, a.prefix, a.run_dir, progress=False,
+              generation=a.generation)
     except BaseException:
         traceback.print_exc()
         return 1

@@ -57,6 +57,7 @@ class DisaggConfig:
     policy: str = "fail"  # what the decode side does about a fault: fail, retry, recompute (kvlab.disagg.faults)
     retries: int = 2  # retry: attempts after the first
     fault_timeout_s: float = 1.0  # the campaign's deadline for a layer to land
+    fault_kinds: tuple = ("drop", "delay", "corrupt")  # the campaign's kinds, in turn (kill: gloo only)
 
     def spec(self):
         """The model's ModelSpec: a registry name's, or read from the config.json / model folder `model` names."""
@@ -188,6 +189,16 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
     if cfg.faults and cfg.backend not in ("gloo", "ipc"):
         raise ValueError(f"faults: the campaign runs on gloo or ipc; {cfg.backend!r} matches sends in order and "
                          "has no fault path yet")
+    from .faults import KINDS
+
+    kinds = cfg.fault_kinds = tuple(preflight.name_list(cfg.fault_kinds, "fault-kinds"))
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        raise ValueError(f"fault-kinds = {','.join(kinds) or '(none)'}: valid kinds are {', '.join(KINDS)}"
+                         f"{preflight._suggest(bad[0], KINDS) if bad else ''}")
+    if cfg.faults and "kill" in kinds and cfg.backend != "gloo":
+        raise ValueError(f"fault-kinds: kill needs backend gloo (a new prefill process rejoins a new gloo group); "
+                         f"got {cfg.backend!r}")
     if cfg.faults and cfg.fault_timeout_s + 1.0 >= cfg.timeout_s:
         raise ValueError(f"fault-timeout = {cfg.fault_timeout_s:g} s must stay at least 1 s under timeout = "
                          f"{cfg.timeout_s:g} s (a late layer is waited for after its deadline)")

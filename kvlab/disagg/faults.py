@@ -6,10 +6,14 @@ side injects, drawn (seeded) from:
     drop      layer k is never sent
     delay     layer k leaves after the decode side's deadline (fault_timeout_s + 0.5 s)
     corrupt   layer k's first byte arrives with its bits flipped
+    kill      the prefill process sends the layers before k, then kills itself (SIGKILL: no goodbye); the launcher
+              starts a new prefill process (same seed, same weights) and the decode side forms a new process
+              group with it (gloo; only when asked for with --fault-kinds)
 
-The decode side detects a fault by its deadline (a layer that has not landed) or by a per-layer checksum
-computed on both sides, fences the channel (late layers are waited for, dropped ones are filled by the sender,
-so no byte of this request can land in a later request's destination), and then follows the policy, named as
+The decode side detects a fault by its deadline (a layer that has not landed), by a per-layer checksum
+computed on both sides, or by the launcher's record that the prefill process died (`dead/prefill/<generation>`),
+and after a death it trusts no layer of that request (none was checksummed by a sender that is gone). Otherwise it fences the channel (late layers are waited for, dropped ones are filled by the sender,
+so no byte of this request can land in a later request's destination). Then it follows the policy, named as
 vLLM's kv_load_failure_policy names them:
 
     fail       refuse: the request is not decoded (an IncompleteCacheError naming it and its layers)
@@ -28,9 +32,10 @@ import time
 
 import torch
 
-__all__ = ["KINDS", "POLICIES", "checksum", "plan", "run_campaign"]
+__all__ = ["KINDS", "DEFAULT_KINDS", "POLICIES", "checksum", "plan", "run_campaign"]
 
-KINDS = ("drop", "delay", "corrupt")
+KINDS = ("drop", "delay", "corrupt", "kill")
+DEFAULT_KINDS = ("drop", "delay", "corrupt")
 POLICIES = ("fail", "retry", "recompute")
 
 
@@ -48,10 +53,10 @@ def checksum(t: torch.Tensor) -> str:
     return f"{int(words.sum())}:{int((words * pos).sum())}"
 
 
-def plan(n: int, layers: int, seed: int = 0) -> list[dict]:
-    """n faults, kinds in turn (so every kind is exercised) and layers drawn at random (seeded)."""
+def plan(n: int, layers: int, seed: int = 0, kinds=DEFAULT_KINDS) -> list[dict]:
+    """n faults, `kinds` in turn (so every kind is exercised) and layers drawn at random (seeded)."""
     rng = random.Random(seed)
-    return [{"kind": KINDS[k % len(KINDS)], "layer": rng.randrange(layers)} for k in range(n)]
+    return [{"kind": kinds[k % len(kinds)], "layer": rng.randrange(layers)} for k in range(n)]
 
 
 def _sink_checksums(sink, layers) -> dict[int, int]:
@@ -68,7 +73,7 @@ def run_campaign(w, base: dict, sink, table, ref) -> list[dict]:
     ref_buf, ref_first, ref_toks, ref_logits = ref
     L = sink.layers
     rows = []
-    for k, fault in enumerate(plan(cfg.faults, L, cfg.seed)):
+    for k, fault in enumerate(plan(cfg.faults, L, cfg.seed, tuple(cfg.fault_kinds))):
         fault = dict(fault, seconds=cfg.fault_timeout_s + 0.5)
         t0 = time.monotonic()
         sink.poison()
@@ -88,6 +93,8 @@ def run_campaign(w, base: dict, sink, table, ref) -> list[dict]:
                 break
             if cfg.policy == "retry" and attempts <= cfg.retries:
                 time.sleep(0.05 * 2 ** (attempts - 1))
+                if w.peer_dead:  # ask the process that took the dead one's place: part of this recovery's time
+                    w.take_over()
                 want = sorted(bad)
                 continue
             if cfg.policy == "recompute":
@@ -96,12 +103,18 @@ def run_campaign(w, base: dict, sink, table, ref) -> list[dict]:
                 outcome = "recovered (recompute)"
                 break
             missing = sorted(bad)
+            why = ("the prefill process died mid-send, so no layer of it is trusted" if w.peer_dead
+                   else f"missing or corrupt {missing}")
             error = str(IncompleteCacheError(f"request {w.n - 1}: {len(missing)} of {L} layers did not land intact on "
-                                             f"{w.dev} (missing or corrupt {missing}); decode refused"))
+                                             f"{w.dev} ({why}); decode refused"))
             outcome = "refused"
             break
         row.update(detected_by=detected, outcome=outcome, attempts=attempts, error=error,
-                   recover_ms=(time.monotonic() - t0) * 1e3)
+                   recover_ms=(time.monotonic() - t0) * 1e3, takeover_ms=float("nan"))
+        if w.peer_dead:  # fail and recompute decided without the peer; the next request needs one
+            t1 = time.monotonic()
+            w.take_over()
+            row["takeover_ms"] = (time.monotonic() - t1) * 1e3
         if outcome != "refused":
             tracker = LandedLayers(L, str(w.dev))
             tracker.begin(0)
@@ -139,10 +152,13 @@ def _attempt(w, base, sink, layers: list[int], fault, good: set[int]):
     how = ""
     try:
         w.link.wait_landed(n, sink, tracker, w.control, cfg.fault_timeout_s)
-    except TimeoutError:
-        how = "deadline"
+    except TimeoutError as err:
+        how = "receive failed" if "failed" in str(err) else "deadline"
     landed_in_time = {i for i in layers if i not in tracker.missing(n)}
-    done = w.control.wait(f"req{n}/done", f"request {n}'s prefill")
+    done = _done_or_dead(w, n)
+    if done is None:  # the prefill process died: no layer of this request was checksummed by a live sender
+        w.peer_dead = True  # its successor is joined when the peer is next needed (take_over)
+        return set(layers), how or "peer died", None
     sent = set(done["sent"])
     drain = [u[0] for u in w.link.pending if u[0] not in sent]
     w.control.post(f"req{n}/ack", {"drain": drain})
@@ -155,6 +171,21 @@ def _attempt(w, base, sink, layers: list[int], fault, good: set[int]):
     good |= ok
     bad = set(layers) - ok
     return bad, how, done
+
+
+def _done_or_dead(w, n: int):
+    """Request n's `done` from the prefill process, or None when the launcher has recorded that process's death
+    first (a SIGKILL posts nothing); TimeoutError after the run's timeout."""
+    deadline = time.monotonic() + w.cfg.timeout_s
+    dead = f"dead/prefill/{w.generation}"
+    while time.monotonic() < deadline:
+        if w.control.ready(f"req{n}/done"):
+            return w.control.wait(f"req{n}/done", f"request {n}'s prefill")
+        if w.control.ready(dead):
+            return None
+        time.sleep(0.01)
+    raise TimeoutError(f"waited {w.cfg.timeout_s:g} s for request {n}'s prefill, and its process is neither done "
+                       "nor dead: it is stuck")
 
 
 def _recompute(w, base, sink, table) -> None:

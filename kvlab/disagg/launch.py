@@ -89,7 +89,7 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True, r
     old_term = _raise_on_sigterm()
     try:
         procs = _start_workers(cfg, store.port, run_.dir)
-        _watch(cfg, store, procs, progress)
+        _watch(cfg, store, procs, progress, restart=lambda g: _start(cfg, store.port, run_.dir, "prefill", g))
         summary = _write(run_, cfg, time.monotonic() - t0)
         if owned:
             run_.finish()
@@ -121,26 +121,33 @@ def _raise_on_sigterm():
     return signal.signal(signal.SIGTERM, handler)
 
 
-def _start_workers(cfg: DisaggConfig, port: int, run_dir: Path) -> list:
-    """The decode (rank 0) and the prefill (rank 1) process: `python -m kvlab.disagg`, each writing its
-    output to <run>/worker-<role>.log. Plain subprocesses rather than multiprocessing's spawn, so a caller's
-    script needs no ``if __name__ == "__main__"`` guard."""
+def _start(cfg: DisaggConfig, port: int, run_dir: Path, role: str, generation: int = 0):
+    """One worker: `python -m kvlab.disagg`, its output in <run>/worker-<role>.log (a prefill process started in
+    place of a dead one: worker-prefill-g<generation>.log). Plain subprocesses rather than multiprocessing's
+    spawn, so a caller's script needs no ``if __name__ == "__main__"`` guard."""
     import subprocess
     import sys
 
-    procs = []
-    for rank, role in ((DECODE, "decode"), (1 - DECODE, "prefill")):
-        cmd = [sys.executable, "-m", "kvlab.disagg", "--rank", str(rank), "--config", json.dumps(_params(cfg)),
-               "--host", "127.0.0.1", "--port", str(port), "--prefix", "kvlab", "--run-dir", str(run_dir)]
-        log = open(Path(run_dir, f"worker-{role}.log"), "w")
-        procs.append((role, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)))
-        log.close()
-    return procs
+    rank = DECODE if role == "decode" else 1 - DECODE
+    cmd = [sys.executable, "-m", "kvlab.disagg", "--rank", str(rank), "--config", json.dumps(_params(cfg)),
+           "--host", "127.0.0.1", "--port", str(port), "--prefix", "kvlab", "--run-dir", str(run_dir),
+           "--generation", str(generation)]
+    name = f"worker-{role}.log" if not generation else f"worker-{role}-g{generation}.log"
+    with open(Path(run_dir, name), "w") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
-def _watch(cfg: DisaggConfig, store, procs: list, progress: bool) -> None:
+def _start_workers(cfg: DisaggConfig, port: int, run_dir: Path) -> list:
+    """The decode (rank 0) and the prefill (rank 1) process."""
+    return [(role, _start(cfg, port, run_dir, role)) for role in ("decode", "prefill")]
+
+
+def _watch(cfg: DisaggConfig, store, procs: list, progress: bool, restart=None) -> None:
     """Wait for both workers, showing the decode side's progress; the first failure is a DisaggError naming the
-    process and its error (posted by the worker, else its exit code and last log line)."""
+    process and its error (posted by the worker, else its exit code and last log line). In a campaign with kill
+    faults, a prefill process killed by SIGKILL is the fault itself: its death is recorded in the store
+    (`dead/prefill/<generation>`), where the decode side looks for it, and `restart(generation + 1)` starts its
+    successor (at most one per fault)."""
     import sys
 
     from tqdm.auto import tqdm
@@ -148,15 +155,22 @@ def _watch(cfg: DisaggConfig, store, procs: list, progress: bool) -> None:
     total = (cfg.warmup + cfg.repeats) * (1 + len(cfg.modes)) * len(cfg.layouts) * len(cfg.contexts) + cfg.faults
     bar = tqdm(total=total, desc=f"disagg {cfg.backend}", unit="req", disable=not progress or None, file=sys.stderr)
     decode_done_at = None
+    generation = 0
+    kills = "kill" in cfg.fault_kinds and cfg.faults > 0 and restart is not None
     try:
         while True:
-            time.sleep(0.2)
+            time.sleep(0.05 if kills else 0.2)
             done = int(store.add("kvlab/progress", 0))
             bar.update(done - bar.n)
             why = _worker_error(store)
             if why:
                 raise DisaggError(why)
             codes = [(role, p.poll()) for role, p in procs]
+            if kills and dict(codes).get("prefill") == -signal.SIGKILL and generation < cfg.faults:
+                store.set(f"kvlab/dead/prefill/{generation}", json.dumps(-signal.SIGKILL))
+                generation += 1
+                procs[:] = [(r, p) for r, p in procs if r != "prefill"] + [("prefill", restart(generation))]
+                continue
             bad = [(role, c) for role, c in codes if c not in (None, 0)]
             if bad:
                 time.sleep(0.5)  # its posted error may still be on its way

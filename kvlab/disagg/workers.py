@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -73,6 +74,7 @@ class PrefillWorker:
     def __init__(self, cfg: DisaggConfig, model, dev: torch.device, control: Control, link):
         self.cfg, self.model, self.dev, self.control, self.link = cfg, model, dev, control, link
         self._sources: dict = {}
+        self._filled: set = set()  # the (layout, context) sources this process has prefilled
 
     def source(self, layout: str, context: int):
         from ..kvcache import KVBuffer, layout_for
@@ -82,6 +84,7 @@ class PrefillWorker:
         if key not in self._sources:
             self._sources.clear()  # one context's buffers at a time: 32k of a 7B model is 1.9 GB
             ids = make_prompt(self.model.config.vocab_size, context, self.dev, seed=self.cfg.seed)
+            self._filled.clear()
             if layout == "contiguous":
                 src = Source(buffer=KVBuffer(layout_for(self.model, context, dtype=self.cfg.kv_dtype), self.dev))
                 table = None
@@ -119,6 +122,9 @@ class PrefillWorker:
         if msg.get("bench"):
             return self.bench(src, msg)
         if mode == "resend":  # a retry: only the layers asked for, from the source the last prefill left
+            if (msg["layout"], msg["context"]) not in self._filled:  # a new process (its predecessor died)
+                self._first = int(self._prefill(ids, src, table).argmax(-1).view(-1)[0])
+                self._filled.add((msg["layout"], msg["context"]))
             return self.resend(n, msg, src)
         fault = msg.get("fault") or {}
         drop = fault["layer"] if fault.get("kind") == "drop" else self.cfg.drop_layer
@@ -131,6 +137,9 @@ class PrefillWorker:
                     return
                 if fault.get("kind") == "delay" and i == fault["layer"]:
                     time.sleep(fault["seconds"])  # past the decode side's deadline
+                if fault.get("kind") == "kill" and i == fault["layer"]:
+                    self.link.finish_sends(n)  # the layers before this one are on their way
+                    os.kill(os.getpid(), signal.SIGKILL)  # a crash: nothing posted, nothing closed
                 self.link.send(n, (i,), src, corrupt=fault.get("kind") == "corrupt" and i == fault["layer"])
                 sent.append(i)
 
@@ -138,6 +147,7 @@ class PrefillWorker:
             logits = self._prefill(ids, src, table, hooks)
         else:
             logits = self._prefill(ids, src, table)
+        self._filled.add((msg["layout"], msg["context"]))
         # prefill's end: its own stream only (a device-wide sync would wait for the layer-wise copies too)
         if self.dev.type == "cuda":
             torch.cuda.current_stream(self.dev).synchronize()
@@ -250,8 +260,10 @@ class PrefillWorker:
 
         return {k: statistics.median(v) for k, v in out.items()}
 
-    def serve(self) -> None:
-        n = 0
+    def serve(self, start: int = 0) -> None:
+        """Answer requests start, start + 1, … until told to stop (a process that replaces a dead one starts at
+        the request the decode side names)."""
+        n = start
         while True:
             # the decode side computes its reference before the first request: allow it the model's time
             msg = self.control.wait(f"req{n}/go", f"request {n} from the decode process", self.cfg.timeout_s * 2)
@@ -283,6 +295,21 @@ class DecodeWorker:
         self.fault_rows: list[dict] = []
         self.n = 0
         self.progress = progress
+        self.generation = 0  # of the prefill process now serving; a new one after each death (kill faults)
+        self.peer_dead = False  # the launcher recorded the current prefill process's death
+
+    def take_over(self) -> None:
+        """The prefill process died: leave its process group and form the next with the process the launcher
+        started in its place (it learns here which request to answer first), on a new link."""
+        import torch.distributed as dist
+
+        g = self.generation + 1
+        self.link.close()
+        dist.destroy_process_group()
+        self.control.post(f"gen{g}/from", self.n)
+        init_group(self.cfg, self.dev, self.control.store, DECODE, g)
+        self.link = make_link(self.cfg.backend, "decode", self.dev, self.control, self.cfg.timeout_s, peer=PREFILL)
+        self.generation, self.peer_dead = g, False
 
     def _go(self, msg: dict) -> int:
         n = self.n
@@ -423,11 +450,24 @@ class DecodeWorker:
 # ----------------------------------------------------------------------------------------- entry
 
 
-def entry(rank: int, cfg_dict: dict, host: str, port: int, prefix: str, run_dir: str, progress: bool = True) -> None:
-    """One process of the pair (torch.multiprocessing calls it with the rank first; torchrun through the CLI).
-    Errors are posted as ``error/<role>`` (one line) before they propagate, so the launcher can name them."""
+def init_group(cfg: DisaggConfig, dev: torch.device, store, rank: int, generation: int = 0) -> None:
+    """The two processes' torch.distributed group; generation g > 0 is a new group with a prefill process that
+    replaced a dead one (its own key prefix in the store)."""
     import torch.distributed as dist
     from datetime import timedelta
+
+    pg = "nccl" if cfg.backend == "nccl" else "gloo"
+    kw = {"device_id": dev} if pg == "nccl" else {}
+    dist.init_process_group(pg, store=dist.PrefixStore("pg" if not generation else f"pg{generation}", store),
+                            rank=rank, world_size=2, timeout=timedelta(seconds=cfg.timeout_s), **kw)
+
+
+def entry(rank: int, cfg_dict: dict, host: str, port: int, prefix: str, run_dir: str, progress: bool = True,
+          generation: int = 0) -> None:
+    """One process of the pair (torch.multiprocessing calls it with the rank first; torchrun through the CLI).
+    Errors are posted as ``error/<role>`` (one line) before they propagate, so the launcher can name them.
+    generation > 0: a prefill process started in place of a dead one."""
+    import torch.distributed as dist
 
     cfg = DisaggConfig(**cfg_dict)
     role = "decode" if rank == DECODE else "prefill"
@@ -440,11 +480,10 @@ def entry(rank: int, cfg_dict: dict, host: str, port: int, prefix: str, run_dir:
         dev = torch.device(dec if rank == DECODE else pre)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        pg = "nccl" if cfg.backend == "nccl" else "gloo"
-        kw = {"device_id": dev} if pg == "nccl" else {}
-        dist.init_process_group(pg, store=dist.PrefixStore("pg", store), rank=rank, world_size=2,
-                                timeout=timedelta(seconds=cfg.timeout_s), **kw)
-        if pg == "nccl":
+        if generation:  # a successor builds its model first, so it is ready when the decode side joins it
+            model = _build(cfg, dev)
+        init_group(cfg, dev, store, rank, generation)
+        if cfg.backend == "nccl":
             # NCCL's first point-to-point call blocks until the peer makes one too; the decode side posts its
             # receives before it sends a request, so without this exchange both sides would wait for each other
             one = torch.zeros(1, device=dev)
@@ -454,8 +493,10 @@ def entry(rank: int, cfg_dict: dict, host: str, port: int, prefix: str, run_dir:
                 else:
                     dist.recv(one, src=step[0])
             torch.cuda.synchronize(dev)
-        model = _build(cfg, dev)
+        if not generation:
+            model = _build(cfg, dev)
         link = make_link(cfg.backend, role, dev, control, cfg.timeout_s, peer=PREFILL if rank == DECODE else DECODE)
+        w = None
         try:
             if rank == DECODE:
                 w = DecodeWorker(cfg, model, dev, control, link, progress)
@@ -467,10 +508,11 @@ def entry(rank: int, cfg_dict: dict, host: str, port: int, prefix: str, run_dir:
                 control.wait("released", "the prefill process to let go of this process's memory")
                 Path(run_dir, ROWS_FILE).write_text(json.dumps(out))
             else:
+                start = control.wait(f"gen{generation}/from", "the request to answer first") if generation else 0
                 control.post("pid/prefill", os.getpid())
-                PrefillWorker(cfg, model, dev, control, link).serve()
+                PrefillWorker(cfg, model, dev, control, link).serve(start)
         finally:
-            link.close()
+            (w.link if w is not None else link).close()
         dist.destroy_process_group()
     except BaseException as err:
         line = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
