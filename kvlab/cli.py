@@ -32,6 +32,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -252,7 +253,8 @@ def execute(notebook: Path, params: Mapping, run_dir: str | os.PathLike | None =
             nbexec.execute_notebook(
                 str(notebook), str(output), parameters={**params, "run_dir": str(folder)},
                 kernel_name="python3", cwd=str(notebook.parent), progress_bar=progress,
-                request_save_on_cell_execute=True, execution_timeout=cell_timeout,
+                request_save_on_cell_execute=True,
+                execution_timeout=math.ceil(cell_timeout) if cell_timeout else None,  # nbclient takes whole seconds
                 # the kernel's own start-up warnings ("running over TCP without encryption": a local
                 # kernel that papermill started for this run) are not the user's business
                 extra_arguments=["--IPKernelApp.log_level=ERROR"],
@@ -266,7 +268,7 @@ def execute(notebook: Path, params: Mapping, run_dir: str | os.PathLike | None =
         except Exception as err:  # the kernel died, would not start or timed out: still a failed run
             first = (str(err).strip().splitlines() or [""])[0]
             error = (f"{type(err).__name__}: a cell or the kernel's reply took longer than the cell timeout "
-                     f"({cell_timeout:g} s)" if cell_timeout and isinstance(err, TimeoutError)
+                     f"({math.ceil(cell_timeout)} s)" if cell_timeout and "execution timed out" in str(err)
                      else f"{type(err).__name__}: {first}")
         finally:
             for name in _PAPERMILL_LOGGERS:

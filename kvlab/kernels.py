@@ -315,8 +315,8 @@ def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
     with peer access enabled, or pinned host memory, which the GPU reaches through UVA).
     Indices are bounds-checked before the launch by default (a min and a max, then a host sync): the Triton
     kernel itself does not check, so an index past the end would write or read memory it does not own without
-    an error. A caller whose indices are already validated on the host (kvlab.paged's plans) passes
-    check_bounds=False to keep the sync off its timed path.
+    an error. A caller whose indices are already validated on the host (kvlab.disagg's ipc send) passes
+    check_bounds=False to keep the sync off its timed path; kvlab.paged's plans call launch_rows directly.
 
     backend: "auto" (Triton when `triton_status` allows, else torch), "triton" or "torch".
     Enqueues on the current stream of src's device. Returns the backend used: "triton" or "torch".

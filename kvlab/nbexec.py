@@ -3,10 +3,11 @@
 nbclient waits for a cell's reply with ``await channel.get_msg(timeout)``, which polls a ZeroMQ socket through
 asyncio. That poll can miss the wake-up of a message that has already arrived (pyzmq's edge-triggered socket
 descriptor; zeromq/pyzmq#1558 shows the same: the event comes back only when the poll's timeout fires). With
-papermill's default of no timeout, the run then waits for ever. It happened in the calculator notebook run under
-pytest with both cores busy: 6 of 50 runs waited until their cell timeout (60 s) after the widget cell's last
-message had arrived, and a CI run with no timeout died of it at 90 minutes. With the waits below, 0 of 24 runs
-under the same load waited (longest run 14.2 s).
+papermill's default of no timeout, the run then waits for ever. Measured in data/probes/notebook_stalls (the
+calculator notebook under pytest, both cores of a 2-core machine kept busy, a 60-s cell timeout): 5 of 20 plain
+papermill runs stalled until the timeout, after the widget cell's last message had arrived; 0 of 20 with the
+waits below (longest run 12.2 s). A CI run of this workbook, with no timeout, most likely died of it at its
+90-minute limit (it stopped in that notebook's test, with no stack to show).
 
 The fix is to wait in slices: each ``get_msg`` polls for at most ``SLICE_S`` seconds at a time. When a slice
 ends, pyzmq checks the socket once more without waiting, so a missed wake-up costs at most one slice, and the

@@ -303,6 +303,10 @@ def faults(paths: list[str]) -> str:
     t.insert(0, "run", t["policy"].map(runs))
     t["decision median ms"] = t["decision median ms"].map(lambda x: _g(x, 4))
     t["decision max ms"] = t["decision max ms"].map(lambda x: _g(x, 4))
+    if t["new prefill process median ms"].notna().any():
+        t["new prefill process median ms"] = t["new prefill process median ms"].map(lambda x: _g(x, 4) if x == x else "—")
+    else:
+        t = t.drop(columns="new prefill process median ms")
     return _md(t)
 
 

@@ -283,6 +283,16 @@ def test_a_cell_past_the_cell_timeout_fails_the_run_instead_of_hanging(toy_proje
     assert record["status"] == "failed" and "cell timeout" in record["execution"]["error"]
 
 
+def test_a_fractional_cell_timeout_is_whole_seconds_for_papermill(monkeypatch):
+    from kvlab import nbexec
+
+    seen = {}
+    monkeypatch.setattr(nbexec, "execute_notebook", lambda *a, **kw: seen.update(kw))
+    nb = cli.find_notebook("calculator")
+    cli.execute(nb, {}, run_dir=None, progress=False, cell_timeout=2.5)
+    assert seen["execution_timeout"] == 3  # nbclient's timeout is an Integer trait: 2.5 would be refused
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "soon", "inf"])
 def test_a_bad_cell_timeout_is_one_line_before_anything_runs(toy_project, kvlab_dirs, capsys, monkeypatch, value):
     assert kvlab("run", "toy", "--cell-timeout", value) == 2

@@ -4,6 +4,7 @@ protocol's refusals, and bad input refused before anything starts. The ipc and n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -152,14 +153,23 @@ def test_sigterm_stops_both_workers_and_marks_the_run(tmp_path):
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVLAB_")}
     env.update(_env(tmp_path), PYTHONPATH=str(REPO))
-    p = subprocess.Popen([sys.executable, "-m", "kvlab", "disagg", "--repeats", "1000000", "--quiet", "--out", str(out)],
-                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not (out / "requests.csv").exists() and not list(out.glob("worker-*.log")) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(4)  # the workers are up and requests flow
-    p.send_signal(signal.SIGTERM)
-    p.wait(30)
+    port = _free_port()
+    p = subprocess.Popen([sys.executable, "-m", "kvlab", "disagg", "--repeats", "1000000", "--quiet", "--out", str(out),
+                          "--port", str(port)],
+                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while _requests_done(port) < 2 and time.monotonic() < deadline:  # the workers are up and requests flow
+            time.sleep(0.2)
+        p.send_signal(signal.SIGTERM)
+        p.wait(30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        for pid in _workers_of(out).values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     assert p.returncode != 0
     run = json.loads((out / "run.json").read_text())
     assert run["status"] == "failed" and "SIGTERM" in run["stopped"] and (out / "STOPPED.txt").is_file()
@@ -173,6 +183,23 @@ def test_sigterm_stops_both_workers_and_marks_the_run(tmp_path):
         if b"kvlab.disagg" in args and str(out).encode() in args:
             left.append(cmdline.parent.name)
     assert not left, f"orphan workers: pids {left}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _requests_done(port: int) -> int:
+    """Requests the decode worker has finished, from the launcher's control store (the `progress` counter)."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    try:
+        return int(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=2)).add("kvlab/progress", 0))
+    except Exception:  # the store is not up yet
+        return 0
 
 
 def _workers_of(out) -> dict[str, int]:
@@ -207,18 +234,29 @@ def test_a_peer_that_dies_is_named_in_one_line_and_leaves_no_orphan(when, tmp_pa
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVLAB_")}
     env.update(_env(tmp_path), PYTHONPATH=str(REPO))
-    p = subprocess.Popen([sys.executable, "-m", "kvlab", "disagg", "--repeats", "1000000", "--quiet", "--out", str(out)],
+    port = _free_port()
+    p = subprocess.Popen([sys.executable, "-m", "kvlab", "disagg", "--repeats", "1000000", "--quiet", "--out", str(out),
+                          "--port", str(port)],
                          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while "prefill" not in _workers_of(out) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if when == "mid-run":
-        time.sleep(4)  # the workers are up and requests flow
-    os.kill(_workers_of(out)["prefill"], signal.SIGKILL)
-    t0 = time.monotonic()
-    _, err = p.communicate(timeout=60)
-    took = time.monotonic() - t0
+    try:
+        deadline = time.monotonic() + 60
+        while "prefill" not in _workers_of(out) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if when == "mid-run":  # until the decode side has finished requests: they flow
+            while _requests_done(port) < 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert _requests_done(port) >= 2, "no requests finished within 60 s"
+        os.kill(_workers_of(out)["prefill"], signal.SIGKILL)
+        t0 = time.monotonic()
+        _, err = p.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:  # a failed assertion or a timeout here must not leave a run of a million rounds on CI's two cores
+        if p.poll() is None:
+            p.kill()
+        for pid in _workers_of(out).values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert p.returncode != 0 and len(lines) == 1, err
     assert "the prefill process was killed by SIGKILL (exit code -9)" in lines[0], lines[0]
@@ -360,8 +398,11 @@ def _netns_ok() -> str | None:
         return "needs root and iproute2 (ip netns)"
     probe = f"kvlab-probe-{os.getpid()}"
     done = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None if done.returncode == 0 else f"cannot make a network namespace here: {done.stderr.strip()[:120]}"
+    if done.returncode == 0:  # and a veth pair inside it, as the test makes
+        done = subprocess.run(["ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1"],
+                              capture_output=True, text=True)
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None if done.returncode == 0 else f"cannot make a network namespace and veth here: {done.stderr.strip()[:120]}"
 
 
 def test_readmes_two_node_commands_run_as_written_across_two_network_stacks(tmp_path):
@@ -387,3 +428,16 @@ def test_readmes_two_node_commands_run_as_written_across_two_network_stacks(tmp_
     # every request's cache crossed the veth: rank 0 received at least the bytes moved, times the requests
     received = got["link"]["after"]["rx_bytes"] - got["link"]["before"]["rx_bytes"]
     assert received >= summary["requests"] * summary["bytes_moved"]
+
+
+def test_gloo_interface_is_chosen_for_two_nodes_and_refused_where_it_cannot_work(monkeypatch):
+    from kvlab.disagg.launch import gloo_interface
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert gloo_interface("127.0.0.1", 1)[0] is None  # one node on loopback: gloo's own choice is right
+    with pytest.raises(ValueError, match="loopback address the other node cannot reach"):
+        gloo_interface("localhost", 2)
+    with pytest.raises(ValueError, match="does not resolve"):
+        gloo_interface("no-such-host.invalid", 2)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9")
+    assert gloo_interface("localhost", 2) == ("eth9", "GLOO_SOCKET_IFNAME was set")

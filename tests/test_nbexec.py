@@ -57,9 +57,16 @@ def test_the_callers_timeout_still_holds(missed):
     assert 0.28 <= took < 1.5 and missed.calls >= 5  # 0.3 s in slices of 0.05 s
 
 
-def test_papermill_runs_get_the_sliced_client():
-    manager = nbexec.SlicedKernelManager()
-    assert manager.client_factory is nbexec.SlicedKernelClient
-    client = nbexec.SlicedKernelClient()
+def test_papermill_runs_get_the_sliced_client(monkeypatch):
+    # nbclient makes its kernel client with km.client(): that must be the sliced one, with sliced channels
+    client = nbexec.SlicedKernelManager().client()
+    assert isinstance(client, nbexec.SlicedKernelClient)
     for name in ("shell", "iopub", "stdin", "control"):
         assert getattr(client, f"{name}_channel_class") is nbexec.SlicedChannel
+    # and kvlab's papermill call hands nbclient that manager
+    import papermill
+
+    seen = {}
+    monkeypatch.setattr(papermill, "execute_notebook", lambda *a, **kw: seen.update(kw))
+    nbexec.execute_notebook("in.ipynb", "out.ipynb", execution_timeout=5)
+    assert seen["kernel_manager_class"] is nbexec.SlicedKernelManager and seen["execution_timeout"] == 5

@@ -50,16 +50,32 @@ def namespaces(tag: str = ""):
         for ns, _, _ in nodes:
             _ip("netns", "add", ns)
             made.append(ns)
-        _ip("link", "add", nodes[0][1], "type", "veth", "peer", "name", nodes[1][1])
+        # the pair is made with each end already in its namespace: nothing is left in this one if a step fails
+        _ip("link", "add", nodes[0][1], "netns", a, "type", "veth", "peer", "name", nodes[1][1], "netns", b)
         for ns, dev, addr in nodes:
-            _ip("link", "set", dev, "netns", ns)
             _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
             _ip("-n", ns, "link", "set", dev, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
         yield nodes
     finally:
         for ns in made:
+            _kill_all_in(ns)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _kill_all_in(ns: str) -> None:
+    """SIGKILL every process in namespace `ns` (torchrun starts its workers in sessions of their own, so killing
+    torchrun alone would leave them), and wait until none is left: a namespace lives on while a process holds it."""
+    import time
+
+    for _ in range(50):
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), 9)
+        time.sleep(0.1)
 
 
 def link_bytes(ns: str, dev: str) -> dict:
@@ -85,21 +101,27 @@ def run(out: Path, timeout_s: float = 240.0, env: dict | None = None) -> dict:
         master = nodes[0][2]
         argvs = []
         for text in commands:
-            text = text.replace("$MASTER_ADDR", master).replace("/shared/disagg-run", str(out))
+            text = text.replace("$MASTER_ADDR", master).replace("/shared/disagg-run", shlex.quote(str(out)))
             argvs.append(shlex.split(text))
         before = link_bytes(nodes[0][0], nodes[0][1])
-        procs = [subprocess.Popen(["ip", "netns", "exec", ns, *argv], cwd=REPO, env=base, stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for (ns, _, _), argv in zip(nodes, argvs)]
-        logs, codes = [], []
-        for p in procs:
-            try:
-                logs.append(p.communicate(timeout=timeout_s)[0])
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                logs.append(p.communicate()[0])
-            codes.append(p.returncode)
+        procs, logs, codes = [], [], []
+        try:
+            for (ns, _, _), argv in zip(nodes, argvs):
+                procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *argv], cwd=REPO, env=base,
+                                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                              stderr=subprocess.STDOUT, text=True))
+            for p in procs:
+                try:
+                    logs.append(p.communicate(timeout=timeout_s)[0])
+                except subprocess.TimeoutExpired:
+                    for ns, _, _ in nodes:
+                        _kill_all_in(ns)
+                    logs.append(p.communicate()[0])
+                codes.append(p.returncode)
+        finally:  # an error or Ctrl-C here: nothing of this run outlives it (namespaces() kills the rest)
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
         after = link_bytes(nodes[0][0], nodes[0][1])
     return {"returncodes": codes, "logs": logs, "commands": [" ".join(a) for a in argvs],
             "link": {"interface": nodes[0][1], "before": before, "after": after}}

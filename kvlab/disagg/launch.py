@@ -222,14 +222,15 @@ def _stop(procs: list) -> None:
             p.wait()
 
 
-def gloo_interface(master_addr: str) -> tuple[str | None, str]:
+def gloo_interface(master_addr: str, nnodes: int = 1) -> tuple[str | None, str]:
     """The network interface gloo should use on this node, and why.
 
     gloo tells its peer to connect to the address this host's name resolves to. On many machines that is a
     loopback address (127.0.1.1 in /etc/hosts, or 127.0.0.1), and the other node's connection is then refused
     (seen here: `Gloo connectFullMesh failed ... remote=[127.0.0.1]`). So, unless GLOO_SOCKET_IFNAME is set, the
-    interface whose address routes to MASTER_ADDR is chosen (psutil lists the interfaces); nothing is chosen
-    when MASTER_ADDR is this host's own loopback (one node)."""
+    interface whose address routes to MASTER_ADDR is chosen (psutil lists the interfaces). MASTER_ADDR on this
+    host's loopback is fine for one node and refused for several (the other node could not reach it); with no
+    route to it, gloo keeps its own choice."""
     import ipaddress
     import socket
 
@@ -238,16 +239,23 @@ def gloo_interface(master_addr: str) -> tuple[str | None, str]:
     if os.environ.get("GLOO_SOCKET_IFNAME"):
         return os.environ["GLOO_SOCKET_IFNAME"], "GLOO_SOCKET_IFNAME was set"
     try:
-        target = socket.getaddrinfo(master_addr, None, socket.AF_INET)[0][4][0]
+        family, _, _, _, addr = socket.getaddrinfo(master_addr, None, type=socket.SOCK_DGRAM)[0]
     except OSError as err:
         raise ValueError(f"MASTER_ADDR = {master_addr!r} does not resolve ({err}); give the decode node's address") from None
-    if ipaddress.ip_address(target).is_loopback:
-        return None, f"MASTER_ADDR {master_addr} is this host's loopback: gloo's own choice"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # connect() on UDP sends nothing
-        probe.connect((target, 9))
-        local = probe.getsockname()[0]
+    target = addr[0]
+    if ipaddress.ip_address(target.split("%")[0]).is_loopback:
+        if nnodes > 1:
+            raise ValueError(f"MASTER_ADDR = {master_addr!r} is {target} on this node, a loopback address the other "
+                             "node cannot reach; give the decode node's network address, or set GLOO_SOCKET_IFNAME")
+        return None, f"MASTER_ADDR {master_addr} is this host's loopback (one node): gloo's own choice"
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:  # connect() on UDP sends nothing
+            probe.connect((target, 9))
+            local = probe.getsockname()[0].split("%")[0]
+    except OSError as err:
+        return None, f"no route to MASTER_ADDR {target} ({err.strerror or err}): gloo's own choice"
     for name, addrs in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address == local for a in addrs):
+        if any(a.family == family and a.address.split("%")[0] == local for a in addrs):
             return name, f"the interface with {local}, which routes to MASTER_ADDR {target}"
     return None, f"no interface holds {local}: gloo's own choice"
 
@@ -261,13 +269,14 @@ def _torchrun(cfg: DisaggConfig, out, progress: bool) -> dict:
                          f"got WORLD_SIZE={world}")
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     prefix = f"kvlab/{os.environ['TORCHELASTIC_RUN_ID']}"
-    iface, why = gloo_interface(host) if cfg.backend != "nccl" else (None, "nccl chooses its own")
+    nnodes = int(os.environ.get("GROUP_WORLD_SIZE", "0")) or None
+    iface, why = gloo_interface(host, nnodes or 1) if cfg.backend != "nccl" else (None, "nccl chooses its own")
     if iface:
         os.environ["GLOO_SOCKET_IFNAME"] = iface
     if rank != DECODE:
         entry(rank, _params(cfg), host, port, prefix, "", progress=False)
         return {}
-    launcher = {"kind": "torchrun", "nnodes": int(os.environ.get("GROUP_WORLD_SIZE", "0")) or None,
+    launcher = {"kind": "torchrun", "nnodes": nnodes,
                 "node_rank": int(os.environ.get("GROUP_RANK", "0")), "master_addr": host, "master_port": port,
                 "run_id": os.environ["TORCHELASTIC_RUN_ID"], "gloo_interface": iface, "gloo_interface_why": why}
     run_ = results.start("disagg", _params(cfg), run_dir=out)

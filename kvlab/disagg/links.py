@@ -291,6 +291,7 @@ class IpcLink:
         self._thread = None
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.kernel_config = None  # the Triton row kernel's config (None: kernels.DEFAULT_CONFIG); see tune()
+        self._checked: set = set()  # destinations whose row lists were checked against their size
 
     # decode side
     def expose(self, tag: str, sink: Sink) -> None:
@@ -338,7 +339,14 @@ class IpcLink:
             view.copy_(src.buffer.data if len(unit) == src.layers else src.buffer.data[unit[0]], non_blocking=True)
         else:
             rows = dst.view(-1, src.pool.rows.shape[1])
-            # both row lists were checked on the host when they were made (_Rows): no sync on the timed path
+            key = (self._tag, id(self._dst_rows))
+            if key not in self._checked:  # once per destination: the mapped pool must hold every row named
+                top = int(self._dst_rows.all.max())
+                if top >= rows.shape[0]:
+                    raise ValueError(f"the decode side's rows reach {top}, past the {rows.shape[0]} rows of the "
+                                     f"destination it shared ({self._tag})")
+                self._checked.add(key)
+            # both row lists were checked on the host (_Rows, above): no sync on the timed path
             kernels.copy_rows(src.pool.rows, src.rows.of(unit), rows, self._dst_rows.of(unit), config=self.kernel_config,
                               check_bounds=False)
 

@@ -191,7 +191,10 @@ def fault_table(faults: pd.DataFrame) -> pd.DataFrame:
                      "outcome": ", ".join(f"{k} {v}" for k, v in g["outcome"].value_counts().items()),
                      "decodes ≠ colocated": int((~(dec["tokens_match"].astype(bool) & dec["logits_equal"].astype(bool)
                                                    & dec["bytes_equal"].astype(bool))).sum()),
-                     "decision median ms": float(g["recover_ms"].median()), "decision max ms": float(g["recover_ms"].max())})
+                     "decision median ms": float(g["recover_ms"].median()), "decision max ms": float(g["recover_ms"].max()),
+                     # kill: the successor's start and join, after a fail or recompute decision (inside a retry's)
+                     "new prefill process median ms": float(g["takeover_ms"].median()) if "takeover_ms" in g
+                     else float("nan")})
     return pd.DataFrame(rows)
 
 

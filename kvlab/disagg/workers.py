@@ -10,7 +10,8 @@ until every layer has landed (each wait bounded by the deadline), refuses to dec
 
 Clocks: both processes read CLOCK_MONOTONIC (time.monotonic_ns), which one host shares, so "exposed" (last
 layer known landed on the decode side − prefill end on the prefill side) and the decode side's TTFT are
-differences of one clock. Across two nodes the clocks differ: `same_host` in the rows says which case a row is.
+differences of one clock. Across two nodes the clocks differ: `same_host` in the rows says which case a row is
+(the host name and the kernel's boot id agree: one clock).
 """
 
 from __future__ import annotations
@@ -43,6 +44,16 @@ def connect(host: str, port: int, prefix: str, timeout_s: float):
 
     store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
     return dist.PrefixStore(prefix, store)
+
+
+def host_id() -> str:
+    """This host's name and, where Linux gives it, its boot id: two processes whose ids agree read one monotonic
+    clock (two network namespaces of one machine do; two machines that share a name do not)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}" if boot else socket.gethostname()
 
 
 def _ns() -> int:
@@ -162,7 +173,7 @@ class PrefillWorker:
         first = int(logits.argmax(-1).view(-1)[0])
         self._first = first
         out = {"first_token": first, "t_prefill_start_ns": t0, "t_prefill_end_ns": t1, "t_sent_ns": t2,
-               "prefill_ms": (t1 - t0) / 1e6, "send_host_ms": (t2 - t1) / 1e6, "host": socket.gethostname(),
+               "prefill_ms": (t1 - t0) / 1e6, "send_host_ms": (t2 - t1) / 1e6, "host": host_id(),
                "bytes_moved": sum(src.nbytes(u) for u in units(mode if mode != "colocated" else "bulk", src.layers)),
                "sent": sent}
         if msg.get("checksum"):
@@ -185,7 +196,7 @@ class PrefillWorker:
             self.link.send(n, (i,), src)
         self.link.finish_sends(n)
         out = {"first_token": self._first, "t_prefill_start_ns": t0, "t_prefill_end_ns": t0, "t_sent_ns": _ns(),
-               "prefill_ms": 0.0, "send_host_ms": (_ns() - t0) / 1e6, "host": socket.gethostname(),
+               "prefill_ms": 0.0, "send_host_ms": (_ns() - t0) / 1e6, "host": host_id(),
                "bytes_moved": sum(src.nbytes((i,)) for i in msg["layers"]), "sent": list(msg["layers"])}
         if msg.get("checksum"):
             out.update(self.checksums(src))
@@ -393,7 +404,7 @@ class DecodeWorker:
             done = self.control.wait(f"req{n}/done", f"request {n}'s prefill")
             step_ms = self._step(ref_buf, ref_first)
             row.update(request=n, prefill_ms=done["prefill_ms"], step_ms=step_ms,
-                       ttft_ms=done["prefill_ms"] + step_ms, same_host=done["host"] == socket.gethostname())
+                       ttft_ms=done["prefill_ms"] + step_ms, same_host=done["host"] == host_id())
             return row
         sink.poison()
         sync_device(self.dev)
@@ -422,7 +433,7 @@ class DecodeWorker:
         step_ms = self._step(cache, first)
         t_first = _ns()
         toks, logits = decode(self.model, cache, torch.tensor([first], device=self.dev), cfg.decode_tokens)
-        same = done["host"] == socket.gethostname()
+        same = done["host"] == host_id()
         row.update(
             request=n, kv_bytes=ref_buf.nbytes, bytes_moved=done["bytes_moved"], prefill_ms=done["prefill_ms"],
             send_host_ms=done["send_host_ms"],
