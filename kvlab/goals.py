@@ -268,7 +268,7 @@ _DISAGG = [
 ]
 
 # issue 16 (2026-11-30): the thresholds are the issue's, written before any campaign ran; put into this file after
-# the campaigns (commit of 2026-11-30 22:5x), unchanged. "No wait longer than its deadline + 1 s" is read strictly:
+# the first three campaigns had run (commit 187e865), unchanged. "No wait longer than its deadline + 1 s" is read strictly:
 # the whole decision about a fault, over all its attempts, may exceed one deadline per attempt by 1 s in all.
 _FAULTS_DECLARED = "issue 16, 2026-11-30 (in goals.py after the first campaigns, thresholds as the issue set them)"
 _FAULTS = [

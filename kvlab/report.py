@@ -326,10 +326,12 @@ VERDICT_RUNS = {
                          "overlap_timeline/20261129-114951-h200", "overlap_timeline/20261130-145803-h200"],
     "disagg": ["disagg/20261130-174816-h200", "disagg/20261130-175223-h200", "disagg/20261130-175620-h200",
                "disagg/20261130-175845-h200"],
-    "faults": ["disagg/20261130-190554-cpu", "disagg/20261130-190727-cpu", "disagg/20261130-190910-cpu"],
+    "faults": ["disagg/20261130-190554-cpu", "disagg/20261130-190727-cpu", "disagg/20261130-190910-cpu",
+               "disagg/20261130-231101-cpu", "disagg/20261130-231342-cpu", "disagg/20261130-231636-cpu"],
 }
 DISAGG_RUNS = VERDICT_RUNS["disagg"]
-FAULT_RUNS = VERDICT_RUNS["faults"]
+FAULT_RUNS = VERDICT_RUNS["faults"][:3]  # drop, delay, corrupt
+KILL_RUNS = VERDICT_RUNS["faults"][3:]  # the same kinds and kill
 
 
 def _goals_of(study: str, path: str) -> pd.DataFrame:
@@ -488,6 +490,7 @@ BLOCKS = {
     "disagg_1gpu": lambda: disagg(DISAGG_RUNS[:2]),
     "disagg_bench_1gpu": lambda: disagg_bench([p for p in DISAGG_RUNS if (_data() / p / "bench.csv").is_file()]),
     "faults_cpu": lambda: faults(FAULT_RUNS),
+    "faults_kill_cpu": lambda: faults(KILL_RUNS),
     "verdicts": verdicts,
     "verdict_counts": verdict_counts,
     "provenance": provenance_table,

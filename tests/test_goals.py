@@ -174,6 +174,12 @@ def test_the_fault_campaigns_goals_from_their_committed_runs_and_from_a_bad_one(
         assert t.policy.tolist() == [policy]
         got = G.evaluate(G.for_study("faults"), t, keys=("policy",))
         assert got.verdict.tolist() == ["met"] * 4, got[["id", "value", "verdict"]]
+    # with kills (runs at 14ed606): every goal met but one, retry's deadline, since a kill's retry waits for a new
+    # prefill process to start
+    for run, missed in (("20261130-231101-cpu", []), ("20261130-231342-cpu", ["faults.deadline"]),
+                        ("20261130-231636-cpu", [])):
+        got = G.evaluate(G.for_study("faults"), dr.fault_goal_table(DATA / "disagg" / run), keys=("policy",))
+        assert sorted(got.loc[got.verdict != "met", "id"]) == missed, got[["id", "value", "verdict"]]
     # a retry campaign where one fault was decoded from a partial cache, one was not recovered, and one decision
     # came 1.2 s after its only deadline: three goals missed, and the count of 3 faults misses too
     bad = tmp_path / "bad"
