@@ -218,7 +218,7 @@ def _workers_of(out) -> dict[str, int]:
     return found
 
 
-@pytest.mark.parametrize("when", ["at start", "mid-run"])
+@pytest.mark.parametrize("when", ["at start", "mid-run", "mid-run, kill faults planned"])
 def test_a_peer_that_dies_is_named_in_one_line_and_leaves_no_orphan(when, tmp_path):
     """The prefill process killed (SIGKILL: no goodbye, no posted error) as soon as it exists, or while requests
     flow: the launcher names it and its signal in one line, stops the decode process and marks the run stopped,
@@ -235,15 +235,18 @@ def test_a_peer_that_dies_is_named_in_one_line_and_leaves_no_orphan(when, tmp_pa
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVLAB_")}
     env.update(_env(tmp_path), PYTHONPATH=str(REPO))
     port = _free_port()
+    # with kill faults planned, a SIGKILL the prefill process did not announce (the OOM killer, a user) is still
+    # a failure, not a fault to recover from
+    planned = ["--faults", "1", "--fault-kinds", "kill"] if "planned" in when else []
     p = subprocess.Popen([sys.executable, "-m", "kvlab", "disagg", "--repeats", "1000000", "--quiet", "--out", str(out),
-                          "--port", str(port)],
+                          "--port", str(port), *planned],
                          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          stdin=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
         while "prefill" not in _workers_of(out) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if when == "mid-run":  # until the decode side has finished requests: they flow
+        if when.startswith("mid-run"):  # until the decode side has finished requests: they flow
             while _requests_done(port) < 2 and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert _requests_done(port) >= 2, "no requests finished within 60 s"
@@ -348,6 +351,7 @@ def test_a_sender_killed_mid_send_is_replaced_and_nothing_decodes_from_its_half(
     assert s["decoded_from_partial"] == 0 and s["undetected"] == 0
     assert df["detected_by"].iloc[0] in ("receive failed", "peer died")
     assert (tmp_path / "run" / "worker-prefill-g1.log").is_file()  # the successor ran
+    assert [(k["generation"], k["layer"]) for k in s["prefill_kills"]] == [(0, 1)]  # the announced, planned death
     if policy == "fail":
         assert s["refused"] == 1 and not df["decoded"].any()
         assert "the prefill process died mid-send" in df["error"].iloc[0]
@@ -441,3 +445,11 @@ def test_gloo_interface_is_chosen_for_two_nodes_and_refused_where_it_cannot_work
         gloo_interface("no-such-host.invalid", 2)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9")
     assert gloo_interface("localhost", 2) == ("eth9", "GLOO_SOCKET_IFNAME was set")
+
+
+def test_kill_faults_are_refused_under_torchrun(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="kill needs kvlab's own launcher"):
+        disagg.run(disagg.DisaggConfig(faults=2, fault_kinds=("kill",)), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()

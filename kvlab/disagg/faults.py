@@ -182,6 +182,10 @@ def _done_or_dead(w, n: int):
         if w.control.ready(f"req{n}/done"):
             return w.control.wait(f"req{n}/done", f"request {n}'s prefill")
         if w.control.ready(dead):
+            planned = w.control.wait(f"kill/{w.generation}", "the prefill process's announced kill")
+            if planned["request"] != n:
+                raise RuntimeError(f"the prefill process died at request {planned['request']}, not at request {n} "
+                                   "whose kill was planned")
             return None
         time.sleep(0.01)
     raise TimeoutError(f"waited {w.cfg.timeout_s:g} s for request {n}'s prefill, and its process is neither done "

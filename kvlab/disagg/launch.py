@@ -1,7 +1,7 @@
 """Start the two processes, wait for them, and write the run: `run(cfg, out)`.
 
 On one host the launcher hosts the control store (a TCPStore on a free port, or --port) and starts the prefill
-and the decode worker with torch.multiprocessing (spawn). Under torchrun (two nodes, or two processes on one)
+and the decode worker as subprocesses (`python -m kvlab.disagg`). Under torchrun (two nodes, or two processes on one)
 every process runs `kvlab disagg` itself: rank 0 is the decode worker and writes the run, rank 1 prefills; both
 use torchrun's own store. Either way a worker that fails posts its error first, the launcher names it in one
 line, stops the other process (no orphans) and leaves the run folder marked as stopped.
@@ -79,6 +79,9 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True, r
 
     check(cfg)
     if under_torchrun():
+        if cfg.faults and "kill" in cfg.fault_kinds:
+            raise ValueError("fault-kinds: kill needs kvlab's own launcher, which starts the successor of a killed "
+                             "prefill process; under torchrun leave kill out")
         return _torchrun(cfg, out, progress)
     store = _store(cfg.port, cfg.timeout_s)
     owned = run is None
@@ -89,8 +92,8 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True, r
     old_term = _raise_on_sigterm()
     try:
         procs = _start_workers(cfg, store.port, run_.dir)
-        _watch(cfg, store, procs, progress, restart=lambda g: _start(cfg, store.port, run_.dir, "prefill", g))
-        summary = _write(run_, cfg, time.monotonic() - t0)
+        deaths = _watch(cfg, store, procs, progress, restart=lambda g: _start(cfg, store.port, run_.dir, "prefill", g))
+        summary = _write(run_, cfg, time.monotonic() - t0, deaths=deaths)
         if owned:
             run_.finish()
         return summary
@@ -142,12 +145,12 @@ def _start_workers(cfg: DisaggConfig, port: int, run_dir: Path) -> list:
     return [(role, _start(cfg, port, run_dir, role)) for role in ("decode", "prefill")]
 
 
-def _watch(cfg: DisaggConfig, store, procs: list, progress: bool, restart=None) -> None:
+def _watch(cfg: DisaggConfig, store, procs: list, progress: bool, restart=None) -> list[dict]:
     """Wait for both workers, showing the decode side's progress; the first failure is a DisaggError naming the
     process and its error (posted by the worker, else its exit code and last log line). In a campaign with kill
-    faults, a prefill process killed by SIGKILL is the fault itself: its death is recorded in the store
-    (`dead/prefill/<generation>`), where the decode side looks for it, and `restart(generation + 1)` starts its
-    successor (at most one per fault)."""
+    faults, a prefill process that announced its kill (`kill/<generation>`) and died by SIGKILL is the fault
+    itself: its death is recorded in the store (`dead/prefill/<generation>`), where the decode side looks for it,
+    and `restart(generation + 1)` starts its successor; any other death is a failure. Returns the planned deaths."""
     import sys
 
     from tqdm.auto import tqdm
@@ -156,6 +159,7 @@ def _watch(cfg: DisaggConfig, store, procs: list, progress: bool, restart=None) 
     bar = tqdm(total=total, desc=f"disagg {cfg.backend}", unit="req", disable=not progress or None, file=sys.stderr)
     decode_done_at = None
     generation = 0
+    deaths: list[dict] = []
     kills = "kill" in cfg.fault_kinds and cfg.faults > 0 and restart is not None
     try:
         while True:
@@ -166,8 +170,11 @@ def _watch(cfg: DisaggConfig, store, procs: list, progress: bool, restart=None) 
             if why:
                 raise DisaggError(why)
             codes = [(role, p.poll()) for role, p in procs]
-            if kills and dict(codes).get("prefill") == -signal.SIGKILL and generation < cfg.faults:
+            if (kills and dict(codes).get("prefill") == -signal.SIGKILL
+                    and store.check([f"kvlab/kill/{generation}"])):  # the kill it announced: the fault itself
                 store.set(f"kvlab/dead/prefill/{generation}", json.dumps(-signal.SIGKILL))
+                pid = next(p.pid for r, p in procs if r == "prefill")
+                deaths.append({"generation": generation, "pid": pid, **json.loads(store.get(f"kvlab/kill/{generation}"))})
                 generation += 1
                 procs[:] = [(r, p) for r, p in procs if r != "prefill"] + [("prefill", restart(generation))]
                 continue
@@ -177,12 +184,12 @@ def _watch(cfg: DisaggConfig, store, procs: list, progress: bool, restart=None) 
                 raise DisaggError(_worker_error(store) or f"the {bad[0][0]} process {_how_it_ended(bad[0][1])}: "
                                   f"{_last_line(procs, bad[0][0])}")
             if all(c == 0 for _, c in codes):
-                return
+                return deaths
             if dict(codes).get("decode") == 0:
                 # the results are written; a prefill process that does not exit within the deadline is stopped
                 decode_done_at = decode_done_at or time.monotonic()
                 if time.monotonic() - decode_done_at > cfg.timeout_s:
-                    return
+                    return deaths
     finally:
         bar.close()
 
@@ -201,7 +208,9 @@ def _last_line(procs: list, role: str) -> str:
     for r, p in procs:
         if r == role:
             try:
-                lines = [ln for ln in Path(p.args[p.args.index("--run-dir") + 1], f"worker-{role}.log")
+                gen = int(p.args[p.args.index("--generation") + 1]) if "--generation" in p.args else 0
+                name = f"worker-{role}.log" if not gen else f"worker-{role}-g{gen}.log"
+                lines = [ln for ln in Path(p.args[p.args.index("--run-dir") + 1], name)
                          .read_text(errors="replace").splitlines() if ln.strip()]
                 return f"last line of its log: {lines[-1][:300]}" if lines else "its log is empty"
             except OSError:
@@ -329,7 +338,7 @@ def _clean(x):
     return x
 
 
-def _write(run_, cfg: DisaggConfig, seconds: float, launcher: dict | None = None) -> dict:
+def _write(run_, cfg: DisaggConfig, seconds: float, launcher: dict | None = None, deaths: list | None = None) -> dict:
     import pandas as pd
 
     from .. import calculator
@@ -349,6 +358,7 @@ def _write(run_, cfg: DisaggConfig, seconds: float, launcher: dict | None = None
         "backend": cfg.backend,
         "processes": 2,
         "launcher": launcher or {"kind": "subprocess"},
+        "prefill_kills": deaths or [],  # kill faults: each dead prefill process (generation, pid, request, layer)
         "pids": {"decode": got["pid"], "prefill": got["peer_pid"]},
         "host": got["host"],
         "model": cfg.model,

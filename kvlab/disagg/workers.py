@@ -82,8 +82,9 @@ def _pool_for(model, context: int, cfg: DisaggConfig, dev: torch.device, seed: i
 
 
 class PrefillWorker:
-    def __init__(self, cfg: DisaggConfig, model, dev: torch.device, control: Control, link):
+    def __init__(self, cfg: DisaggConfig, model, dev: torch.device, control: Control, link, generation: int = 0):
         self.cfg, self.model, self.dev, self.control, self.link = cfg, model, dev, control, link
+        self.generation = generation
         self._sources: dict = {}
         self._filled: set = set()  # the (layout, context) sources this process has prefilled
 
@@ -150,7 +151,10 @@ class PrefillWorker:
                     time.sleep(fault["seconds"])  # past the decode side's deadline
                 if fault.get("kind") == "kill" and i == fault["layer"]:
                     self.link.finish_sends(n)  # the layers before this one are on their way
-                    os.kill(os.getpid(), signal.SIGKILL)  # a crash: nothing posted, nothing closed
+                    # the launcher restarts only a death announced here (a store set returns once stored): any
+                    # other SIGKILL (the OOM killer, a user) stays a failure of the run
+                    self.control.post(f"kill/{self.generation}", {"request": n, "layer": i})
+                    os.kill(os.getpid(), signal.SIGKILL)  # a crash: nothing else posted, nothing closed
                 self.link.send(n, (i,), src, corrupt=fault.get("kind") == "corrupt" and i == fault["layer"])
                 sent.append(i)
 
@@ -521,7 +525,7 @@ def entry(rank: int, cfg_dict: dict, host: str, port: int, prefix: str, run_dir:
             else:
                 start = control.wait(f"gen{generation}/from", "the request to answer first") if generation else 0
                 control.post("pid/prefill", os.getpid())
-                PrefillWorker(cfg, model, dev, control, link).serve(start)
+                PrefillWorker(cfg, model, dev, control, link, generation).serve(start)
         finally:
             (w.link if w is not None else link).close()
         dist.destroy_process_group()
