@@ -174,14 +174,7 @@ def test_sigterm_stops_both_workers_and_marks_the_run(tmp_path):
     run = json.loads((out / "run.json").read_text())
     assert run["status"] == "failed" and "SIGTERM" in run["stopped"] and (out / "STOPPED.txt").is_file()
     time.sleep(1)
-    left = []
-    for cmdline in __import__("pathlib").Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"kvlab.disagg" in args and str(out).encode() in args:
-            left.append(cmdline.parent.name)
+    left = _workers_of(out)
     assert not left, f"orphan workers: pids {left}"
 
 
@@ -392,6 +385,19 @@ def test_paged_rows_from_the_peer_are_checked_against_the_pool_before_any_copy()
     for bad in ([4], [-1], [0, 9]):
         with pytest.raises(ValueError, match="outside a pool of 4 blocks"):
             _Rows.for_ids(2, 4, bad, "cpu")
+    assert rows.top == int(rows.all.max())  # known on the host, without a device sync
+
+
+def test_the_ipc_send_refuses_rows_past_the_destination_the_decode_side_shared():
+    from kvlab.disagg.links import IpcLink, _Rows
+
+    link = IpcLink(torch.device("cpu"), control=None, timeout_s=1.0)
+    rows = _Rows.for_ids(2, 4, [3, 0], "cpu")
+    link._dst["t"] = torch.empty((rows.top + 1) * 8)  # exactly room for the highest row, 8 elements a row
+    link.bind("t", rows, 8)
+    link._dst["small"] = torch.empty(rows.top * 8)
+    with pytest.raises(ValueError, match=f"rows reach {rows.top}, past the {rows.top} rows"):
+        link.bind("small", rows, 8)
 
 
 def _netns_ok() -> str | None:

@@ -12,8 +12,9 @@ side injects, drawn (seeded) from:
 
 The decode side detects a fault by its deadline (a layer that has not landed), by a per-layer checksum
 computed on both sides, or by the launcher's record that the prefill process died (`dead/prefill/<generation>`),
-and after a death it trusts no layer of that request (none was checksummed by a sender that is gone). Otherwise it fences the channel (late layers are waited for, dropped ones are filled by the sender,
-so no byte of this request can land in a later request's destination). Then it follows the policy, named as
+and after a death it trusts no layer of that request (none was checksummed by a sender that is gone).
+Otherwise it fences the channel (late layers are waited for, dropped ones are filled by the sender, so no byte
+of this request can land in a later request's destination). Then it follows the policy, named as
 vLLM's kv_load_failure_policy names them:
 
     fail       refuse: the request is not decoded (an IncompleteCacheError naming it and its layers)

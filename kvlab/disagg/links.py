@@ -47,6 +47,7 @@ class _Rows:
         if bad:  # checked here, on the host, once: the row kernel that uses these rows does not check
             raise ValueError(f"block ids {bad[:8]} are outside a pool of {num_blocks} blocks (valid 0…{num_blocks - 1})")
         per = [layer_rows(num_blocks, block_ids, i) for i in range(layers)]
+        self.top = max((max(p) for p in per if len(p)), default=-1)  # the highest row named, known on the host
         dev = torch.device(device)
         self.layer = [torch.tensor(p, dtype=torch.int64, device=dev) for p in per]
         self.all = torch.cat(self.layer)
@@ -291,7 +292,6 @@ class IpcLink:
         self._thread = None
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.kernel_config = None  # the Triton row kernel's config (None: kernels.DEFAULT_CONFIG); see tune()
-        self._checked: set = set()  # destinations whose row lists were checked against their size
 
     # decode side
     def expose(self, tag: str, sink: Sink) -> None:
@@ -326,8 +326,14 @@ class IpcLink:
             self._dst = {tag: t}  # the decode side has moved on: release the mapping of its previous destination
         return self._dst[tag]
 
-    def bind(self, tag: str, dst_rows: "_Rows | None") -> None:
-        """The destination the next sends write into (and, paged, the decode pool's rows for them)."""
+    def bind(self, tag: str, dst_rows: "_Rows | None", row_elems: int = 0) -> None:
+        """The destination the next sends write into (and, paged, the decode pool's rows for them, each
+        `row_elems` elements wide: they must all fit the destination the decode side shared)."""
+        if dst_rows is not None:
+            have = self._dst[tag].numel() // row_elems
+            if dst_rows.top >= have:
+                raise ValueError(f"the decode side's rows reach {dst_rows.top}, past the {have} rows of the "
+                                 f"destination it shared ({tag})")
         self._tag, self._dst_rows = tag, dst_rows
 
     def _copy(self, unit, src: Source, on_stream=None) -> None:
@@ -339,14 +345,7 @@ class IpcLink:
             view.copy_(src.buffer.data if len(unit) == src.layers else src.buffer.data[unit[0]], non_blocking=True)
         else:
             rows = dst.view(-1, src.pool.rows.shape[1])
-            key = (self._tag, id(self._dst_rows))
-            if key not in self._checked:  # once per destination: the mapped pool must hold every row named
-                top = int(self._dst_rows.all.max())
-                if top >= rows.shape[0]:
-                    raise ValueError(f"the decode side's rows reach {top}, past the {rows.shape[0]} rows of the "
-                                     f"destination it shared ({self._tag})")
-                self._checked.add(key)
-            # both row lists were checked on the host (_Rows, above): no sync on the timed path
+            # both row lists were checked on the host (_Rows, bind): no sync on the timed path
             kernels.copy_rows(src.pool.rows, src.rows.of(unit), rows, self._dst_rows.of(unit), config=self.kernel_config,
                               check_bounds=False)
 

@@ -16,6 +16,7 @@ differences of one clock. Across two nodes the clocks differ: `same_host` in the
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -46,6 +47,7 @@ def connect(host: str, port: int, prefix: str, timeout_s: float):
     return dist.PrefixStore(prefix, store)
 
 
+@functools.lru_cache(maxsize=1)
 def host_id() -> str:
     """This host's name and, where Linux gives it, its boot id: two processes whose ids agree read one monotonic
     clock (two network namespaces of one machine do; two machines that share a name do not)."""
@@ -130,7 +132,7 @@ class PrefillWorker:
             rows = None
             if src.paged:
                 rows = _Rows.for_ids(src.layers, msg["dst_num_blocks"], msg["dst_blocks"], self.dev)
-            self.link.bind(msg["tag"], rows)
+            self.link.bind(msg["tag"], rows, src.pool.rows.shape[1] if src.paged else 0)
         if msg.get("bench"):
             return self.bench(src, msg)
         if mode == "resend":  # a retry: only the layers asked for, from the source the last prefill left
