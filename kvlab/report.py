@@ -310,8 +310,6 @@ def faults(paths: list[str]) -> str:
     return _md(t)
 
 
-
-
 def _link(path: str) -> str:
     return f"[{path.split('/')[-1]}](data/{path}/)"
 
