@@ -211,6 +211,44 @@ def _workers_of(out) -> dict[str, int]:
     return found
 
 
+@pytest.mark.parametrize("posted_first", [True, False])
+def test_a_signal_death_is_named_before_the_error_it_caused_in_its_peer(posted_first, tmp_path, monkeypatch):
+    """CI once saw the decode side's "Connection closed by peer" reach the launcher before the prefill process's
+    SIGKILL did, and the line named the consequence. Whichever arrives first, the death by a signal is the cause."""
+    from kvlab.disagg import launch
+
+    class Store:
+        def __init__(self):
+            self.kv = {}
+
+        def check(self, keys):
+            return all(k in self.kv for k in keys)
+
+        def get(self, k):
+            return self.kv[k]
+
+    class Proc:
+        def __init__(self, role, code):
+            self.code, self.args = code, ["x", "--run-dir", str(tmp_path)]
+            (tmp_path / f"worker-{role}.log").write_text(f"{role} was here\n")
+
+        def poll(self):
+            return self.code
+
+    monkeypatch.setattr(launch.time, "sleep", lambda s: None)
+    store = Store()
+    store.kv["kvlab/error/decode"] = json.dumps({"error": "RuntimeError: Connection closed by peer"})
+    procs = [("decode", Proc("decode", 1 if not posted_first else None)), ("prefill", Proc("prefill", -9))]
+    line = launch._first_cause(store, procs)
+    assert line == "the prefill process was killed by SIGKILL (exit code -9): last line of its log: prefill was here"
+    # without a death by a signal the posted error is the cause, and without either the exit code and the log
+    procs[1] = ("prefill", Proc("prefill", None))
+    assert launch._first_cause(store, procs) == "the decode process stopped: RuntimeError: Connection closed by peer"
+    del store.kv["kvlab/error/decode"]
+    procs[0] = ("decode", Proc("decode", 3))
+    assert launch._first_cause(store, procs) == "the decode process exited with code 3: last line of its log: decode was here"
+
+
 @pytest.mark.parametrize("when", ["at start", "mid-run", "mid-run, kill faults planned"])
 def test_a_peer_that_dies_is_named_in_one_line_and_leaves_no_orphan(when, tmp_path):
     """The prefill process killed (SIGKILL: no goodbye, no posted error) as soon as it exists, or while requests

@@ -166,9 +166,6 @@ def _watch(cfg: DisaggConfig, store, procs: list, progress: bool, restart=None) 
             time.sleep(0.05 if kills else 0.2)
             done = int(store.add("kvlab/progress", 0))
             bar.update(done - bar.n)
-            why = _worker_error(store)
-            if why:
-                raise DisaggError(why)
             codes = [(role, p.poll()) for role, p in procs]
             if (kills and dict(codes).get("prefill") == -signal.SIGKILL
                     and store.check([f"kvlab/kill/{generation}"])):  # the kill it announced: the fault itself
@@ -178,11 +175,8 @@ def _watch(cfg: DisaggConfig, store, procs: list, progress: bool, restart=None) 
                 generation += 1
                 procs[:] = [(r, p) for r, p in procs if r != "prefill"] + [("prefill", restart(generation))]
                 continue
-            bad = [(role, c) for role, c in codes if c not in (None, 0)]
-            if bad:
-                time.sleep(0.5)  # its posted error may still be on its way
-                raise DisaggError(_worker_error(store) or f"the {bad[0][0]} process {_how_it_ended(bad[0][1])}: "
-                                  f"{_last_line(procs, bad[0][0])}")
+            if _worker_error(store) or any(c not in (None, 0) for _, c in codes):
+                raise DisaggError(_first_cause(store, procs))
             if all(c == 0 for _, c in codes):
                 return deaths
             if dict(codes).get("decode") == 0:
@@ -192,6 +186,23 @@ def _watch(cfg: DisaggConfig, store, procs: list, progress: bool, restart=None) 
                     return deaths
     finally:
         bar.close()
+
+
+def _first_cause(store, procs: list) -> str:
+    """The line that names what went wrong first. A process killed by a signal (SIGKILL from the OOM killer or a
+    user) is the cause, and its peer's posted error ("Connection closed by peer") only the consequence, whichever
+    reached the launcher first; otherwise the posted error, else the exit code and the log's last line. Waits
+    0.5 s for the other side's exit code or posted error, which may still be on its way."""
+    time.sleep(0.5)
+    codes = [(role, p.poll()) for role, p in procs]
+    for role, code in codes:
+        if code is not None and code < 0:
+            return f"the {role} process {_how_it_ended(code)}: {_last_line(procs, role)}"
+    why = _worker_error(store)
+    if why:
+        return why
+    role, code = next((r, c) for r, c in codes if c not in (None, 0))
+    return f"the {role} process {_how_it_ended(code)}: {_last_line(procs, role)}"
 
 
 def _how_it_ended(code: int) -> str:
