@@ -8,7 +8,7 @@
     kvlab analyse RUN_DIR                                     a committed run's analysis, again
     kvlab report [--check]                                    the README's tables from the committed runs
     kvlab provenance [RUN_DIR ...] [--check]                  which code made each run; can it be rebuilt
-    kvlab disagg --backend gloo|ipc|nccl ...                  prefill and decode as two processes
+    kvlab disagg --backend gloo|ipc|nccl|nixl ...             prefill and decode as two processes
 
 Adding a subcommand is one function and its registration, with its options given either as
 ``arg(...)`` entries or by a module's own ``add_arguments(parser)`` (named as "module:function",
@@ -730,9 +730,10 @@ def _cmd_trace(args) -> int:
 
 
 @subcommand(
-    "disagg", "prefill and decode as two processes: move the cache across (gloo, ipc, nccl), decode, compare",
+    "disagg", "prefill and decode as two processes: move the cache across (gloo, ipc, nccl, nixl), decode, compare",
     arg("--backend", default="gloo", help="gloo (TCP; CPU or GPU via the host), ipc (CUDA IPC, one host, 1–2 GPUs), "
-                                        "nccl (two GPUs; two nodes under torchrun) (default gloo)"),
+                                        "nccl (two GPUs; two nodes under torchrun), nixl (two NIXL agents, UCX; "
+                                        "pip install 'kvlab[nixl]') (default gloo)"),
     arg("--model", default="kvlab-tiny", help="registry name or a config.json / model folder (default kvlab-tiny)"),
     arg("--weights", default="random", help="'random' (seeded, identical in both processes) or a local checkpoint"),
     arg("--context", default="128", help="prompt tokens; a list runs each: 128 or 4k,32k (default 128)"),
@@ -750,6 +751,8 @@ def _cmd_trace(args) -> int:
     arg("--timeout", type=float, default=120.0, help="deadline in seconds of every wait across the boundary (default 120)"),
     arg("--bench", action="store_true", help="ipc: also time the bulk send alone beside an in-process copy of the "
                                             "same bytes (its ceiling)"),
+    arg("--nixl-descs", default="block", help="nixl, paged: one descriptor per block (block) or per run of blocks "
+                                              "adjacent in both pools (merged) (default block)"),
     arg("--port", type=int, default=0, help="port of the control store (default 0: a free one)"),
     arg("--seed", type=int, default=0, help="seed of the weights, the prompt, the block tables and the fault plan"),
     arg("--faults", type=int, default=0, help="a fault-injection campaign of N layer-wise requests (drop, delay, "
@@ -783,7 +786,7 @@ Example: kvlab disagg --backend gloo --model kvlab-tiny --context 128 --decode-t
         decode_device=args.decode_device, repeats=args.repeats, warmup=args.warmup,
         decode_tokens=args.decode_tokens, timeout_s=args.timeout, bench=args.bench, port=args.port,
         faults=args.faults, policy=args.policy, retries=args.retries, fault_timeout_s=args.fault_timeout,
-        fault_kinds=args.fault_kinds,
+        fault_kinds=args.fault_kinds, nixl_descs=args.nixl_descs,
         seed=args.seed)
     try:
         summary = disagg.run(cfg, args.out, progress=not args.quiet)

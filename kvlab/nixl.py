@@ -14,7 +14,7 @@ from .paged import BlockPool
 from .paged_xport import PagedTransport
 from .transfer import Landing
 
-__all__ = ["NixlTransport", "nixl_version"]
+__all__ = ["NixlTransport", "nixl_version", "nixl_api"]
 
 
 def nixl_version() -> str | None:
@@ -26,6 +26,21 @@ def nixl_version() -> str | None:
         except metadata.PackageNotFoundError:
             continue
     return None
+
+
+def nixl_api():
+    """NIXL's Python API module (`nixl_agent`, `nixl_agent_config`): through the `nixl` meta package, or straight
+    from a CUDA build's own package (`nixl_cu13`, `nixl_cu12`) when only that is installed (kvlab's dev extra
+    installs nixl-cu13 alone: the meta package pulls both builds)."""
+    import importlib
+
+    errors = []
+    for mod in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
+        try:
+            return importlib.import_module(mod)
+        except ImportError as exc:
+            errors.append(f"{mod}: {exc}")
+    raise ImportError("; ".join(errors))
 
 
 _NIXL_AGENTS = itertools.count()
@@ -47,15 +62,14 @@ class NixlTransport(PagedTransport):
     @classmethod
     def _unavailable_here(cls, src, dest):
         try:
-            import nixl  # noqa: F401
-            from nixl._api import nixl_agent  # noqa: F401
+            nixl_api()
         except Exception as exc:
             return f"nixl is not installed or does not load ({type(exc).__name__}: {exc}): pip install 'kvlab[nixl]'"
         return None
 
     def _setup(self):
-        from nixl._api import nixl_agent, nixl_agent_config
-
+        api = nixl_api()
+        nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
         k = next(_NIXL_AGENTS)
         backend = self.opts["backend"]
         conf = nixl_agent_config(backends=[backend])

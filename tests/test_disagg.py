@@ -104,7 +104,6 @@ def test_a_layer_that_never_arrives_is_refused_by_name(tmp_path):
 
 @pytest.mark.parametrize("argv, says", [
     (["--backend", "glo"], "did you mean 'gloo'"),
-    (["--backend", "nixl"], "not built yet"),
     (["--mode", "bulky"], "did you mean 'bulk'"),
     (["--layout", "pagd"], "did you mean 'paged'"),
     (["--model", "llama-3.1-8"], "did you mean 'llama-3.1-8b'"),

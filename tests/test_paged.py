@@ -357,7 +357,6 @@ def test_unavailable_reasons_name_the_missing_piece():
 
 
 def test_nixl_transport_lands_blocks():
-    pytest.importorskip("nixl")
     if unavailable("nixl", "cpu", "pageable") is not None:
         pytest.skip(unavailable("nixl", "cpu", "pageable"))
     spec = _spec()
@@ -476,7 +475,8 @@ def test_decode_check_every_transport(tiny_model):
     df = paged_bench.decode_check(tiny_model, tokens=13, block_size=4, steps=4, device="cpu")
     ok = df[df.status == "ok"]
     assert set(ok["mode"]) == {"bulk", "layerwise"}
-    assert set(ok.method) == set(STREAM_METHODS)
+    # NIXL too where it loads (CI installs it): its two agents in this process pass the same check
+    assert set(ok.method) == set(STREAM_METHODS) | ({"nixl"} if unavailable("nixl", "cpu", "pageable") is None else set())
     assert ok.tokens_match.all() and ok.logits_equal.all() and ok.blocks_ok.all() and (ok.poison_left == 0).all()
     assert df.attrs["paged_prefill_logits_equal"]
 

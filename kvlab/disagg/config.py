@@ -22,7 +22,7 @@ class DisaggConfig:
     """One two-process run. Every (layout, context) pair is measured with every mode, interleaved round by
     round with a colocated prefill (the prefill process prefilling and sending nothing).
 
-    backend: gloo | ipc | nccl (nixl: see `backend_unavailable`); model: registry name or config path;
+    backend: gloo | ipc | nccl | nixl (what this machine lacks: `backend_unavailable`); model: registry name or config path;
     weights: "random" (seeded, identical in both processes) or a local checkpoint; contexts: prompt tokens;
     modes: bulk and/or layerwise; layouts: contiguous and/or paged (block_size tokens a block);
     kv_dtype: the model's and cache's dtype; device / decode_device: "auto", "cpu" or "cuda:N" (auto: cuda:0
@@ -58,6 +58,7 @@ class DisaggConfig:
     retries: int = 2  # retry: attempts after the first
     fault_timeout_s: float = 1.0  # the campaign's deadline for a layer to land
     fault_kinds: tuple = ("drop", "delay", "corrupt")  # the campaign's kinds, in turn (kill: gloo only)
+    nixl_descs: str = "block"  # nixl, paged: one descriptor per block ("block") or per run of adjacent blocks ("merged")
 
     def spec(self):
         """The model's ModelSpec: a registry name's, or read from the config.json / model folder `model` names."""
@@ -91,8 +92,11 @@ def backend_unavailable(backend: str, prefill: str, decode: str, paged: bool = F
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "nixl":
-        return ("backend 'nixl' across two processes is not built yet (kvlab's NIXL measurement is one agent in one "
-                "process: notebook 04); use gloo, ipc or nccl")
+        from .nixl_link import nixl_missing
+
+        why = nixl_missing()
+        if why:
+            return f"backend 'nixl': {why}; or use gloo" + (", ipc" if n else "")
     if backend == "ipc":
         if n == 0:
             return "backend 'ipc' is CUDA IPC and needs a GPU; this machine has none: use --backend gloo"
@@ -186,9 +190,15 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
             raise ValueError(f"{name} = {v!r}: give an int ≥ 0")
     if not (isinstance(cfg.fault_timeout_s, (int, float)) and cfg.fault_timeout_s > 0):
         raise ValueError(f"fault-timeout = {cfg.fault_timeout_s!r}: give seconds > 0")
-    if cfg.faults and cfg.backend not in ("gloo", "ipc"):
-        raise ValueError(f"faults: the campaign runs on gloo or ipc; {cfg.backend!r} matches sends in order and "
-                         "has no fault path yet")
+    if cfg.faults and cfg.backend not in ("gloo", "ipc", "nixl"):
+        raise ValueError(f"faults: the campaign runs on gloo, ipc or nixl; {cfg.backend!r} matches sends in order "
+                         "and has no fault path yet")
+    from .nixl_link import DESCS
+
+    if cfg.nixl_descs not in DESCS:
+        raise ValueError(f"nixl-descs = {cfg.nixl_descs!r} is not valid; valid: {', '.join(DESCS)}")
+    if cfg.nixl_descs != "block" and cfg.backend != "nixl":
+        raise ValueError(f"nixl-descs = {cfg.nixl_descs!r} is an option of backend nixl; got backend {cfg.backend!r}")
     from .faults import KINDS
 
     kinds = cfg.fault_kinds = tuple(preflight.name_list(cfg.fault_kinds, "fault-kinds"))

@@ -136,8 +136,12 @@ def _start(cfg: DisaggConfig, port: int, run_dir: Path, role: str, generation: i
            "--host", "127.0.0.1", "--port", str(port), "--prefix", "kvlab", "--run-dir", str(run_dir),
            "--generation", str(generation)]
     name = f"worker-{role}.log" if not generation else f"worker-{role}-g{generation}.log"
+    env = None
+    if cfg.backend == "nixl" and "UCX_PROTO_INFO" not in os.environ:
+        # UCX prints which transport each protocol chose (cma, cuda_ipc, tcp…) into the log: summary.json reads it
+        env = {**os.environ, "UCX_PROTO_INFO": "y"}
     with open(Path(run_dir, name), "w") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
 
 def _start_workers(cfg: DisaggConfig, port: int, run_dir: Path) -> list:
@@ -395,6 +399,8 @@ def _write(run_, cfg: DisaggConfig, seconds: float, launcher: dict | None = None
         summary["bench"] = bench_table(pd.DataFrame(got["bench"])).to_dict("records")
     if got.get("tuned"):
         summary["tuned_kernels"] = got["tuned"]
+    if cfg.backend == "nixl":
+        summary["nixl"] = _nixl_summary(run_.dir, cfg, launcher)
     if got.get("faults"):
         summary.update(fault_summary(got["faults"], cfg))
         run_.save_table(pd.DataFrame(got["faults"]), "faults")
@@ -402,6 +408,19 @@ def _write(run_, cfg: DisaggConfig, seconds: float, launcher: dict | None = None
     Path(run_.dir, "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     run_.update(summary={k: v for k, v in summary.items() if k not in ("configs", "bench")})
     return summary
+
+
+def _nixl_summary(run_dir, cfg: DisaggConfig, launcher: dict | None) -> dict:
+    """NIXL's version, the descriptor option and the transports UCX chose for the prefill agent's writes (from
+    UCX_PROTO_INFO in the prefill worker's log; under torchrun the logs are torchrun's: not read)."""
+    from ..nixl import nixl_version
+    from .nixl_link import ucx_transports
+
+    found = ucx_transports(Path(run_dir, "worker-prefill.log")) if not launcher else []
+    used = sorted({t for e in found if e["peer"] != "self" for t in e["transports"]})
+    return {"version": nixl_version(), "descs": cfg.nixl_descs, "operation": "WRITE", "agents": 2,
+            "ucx_writes": found, "ucx_transports": used or "unknown (no UCX_PROTO_INFO report in the prefill log)",
+            "tcp_fallback": any(t.startswith("tcp/") for t in used)}
 
 
 def fault_summary(rows: list[dict], cfg: DisaggConfig) -> dict:

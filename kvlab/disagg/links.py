@@ -23,6 +23,7 @@ from __future__ import annotations
 import queue
 import threading
 
+import numpy as np
 import torch
 
 from ..kvcache import KVBuffer
@@ -48,6 +49,7 @@ class _Rows:
             raise ValueError(f"block ids {bad[:8]} are outside a pool of {num_blocks} blocks (valid 0…{num_blocks - 1})")
         per = [layer_rows(num_blocks, block_ids, i) for i in range(layers)]
         self.top = max((max(p) for p in per if len(p)), default=-1)  # the highest row named, known on the host
+        self.host = [np.asarray(p, dtype=np.int64) for p in per]  # the same rows on the host (NIXL's descriptors)
         dev = torch.device(device)
         self.layer = [torch.tensor(p, dtype=torch.int64, device=dev) for p in per]
         self.all = torch.cat(self.layer)
@@ -446,7 +448,12 @@ def flip_first_byte(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def make_link(backend: str, role: str, device: torch.device, control, timeout_s: float, peer: int):
+def make_link(backend: str, role: str, device: torch.device, control, timeout_s: float, peer: int,
+              nixl_descs: str = "block"):
     if backend == "ipc":
         return IpcLink(device, control, timeout_s)
+    if backend == "nixl":
+        from .nixl_link import NixlLink
+
+        return NixlLink(role, device, control, timeout_s, descs=nixl_descs)
     return DistLink(backend, peer, device, timeout_s)

@@ -127,7 +127,7 @@ class PrefillWorker:
 
         ids, src, table = self.source(msg["layout"], msg["context"])
         mode = msg["mode"]
-        if self.link.name == "ipc" and mode != "colocated":
+        if self.link.name in ("ipc", "nixl") and mode != "colocated":
             self.link.attach(msg["tag"])
             rows = None
             if src.paged:
@@ -182,6 +182,8 @@ class PrefillWorker:
                "prefill_ms": (t1 - t0) / 1e6, "send_host_ms": (t2 - t1) / 1e6, "host": host_id(),
                "bytes_moved": sum(src.nbytes(u) for u in units(mode if mode != "colocated" else "bulk", src.layers)),
                "sent": sent}
+        if hasattr(self.link, "take_stats"):  # nixl: descriptors, transfers and posting time of this request
+            out["link"] = self.link.take_stats()
         if msg.get("checksum"):
             out.update(self.checksums(src))
         return out
@@ -325,7 +327,8 @@ class DecodeWorker:
         dist.destroy_process_group()
         self.control.post(f"gen{g}/from", self.n)
         init_group(self.cfg, self.dev, self.control.store, DECODE, g)
-        self.link = make_link(self.cfg.backend, "decode", self.dev, self.control, self.cfg.timeout_s, peer=PREFILL)
+        self.link = make_link(self.cfg.backend, "decode", self.dev, self.control, self.cfg.timeout_s, peer=PREFILL,
+                              nixl_descs=self.cfg.nixl_descs)
         self.generation, self.peer_dead = g, False
 
     def _go(self, msg: dict) -> int:
@@ -363,7 +366,7 @@ class DecodeWorker:
                     pool, table = _pool_for(self.model, context, cfg, self.dev, seed=cfg.seed + 2)
                     sink = Sink(pool=pool, block_ids=table.ids.tolist())
                 tag = f"{layout}-{context}"
-                if self.link.name == "ipc":
+                if self.link.name in ("ipc", "nixl"):
                     self.link.expose(tag, sink)
                 base = {"layout": layout, "context": context, "tag": tag}
                 if table is not None:
@@ -451,6 +454,9 @@ class DecodeWorker:
             logits_equal=bool(torch.equal(logits.cpu(), ref_logits.cpu())),
             bytes_equal=bool(torch.equal(cache.data, ref_buf.data)),
             poison_left=int(cache.count_poison()), same_host=same)
+        if "link" in done:  # nixl: what it took to post the request's transfers
+            row.update(descriptors=done["link"]["descriptors"], transfers=done["link"]["transfers"],
+                       post_ms=done["link"]["post_ms"])
         return row
 
     def _step(self, cache, first: int) -> float:
@@ -512,7 +518,8 @@ def entry(rank: int, cfg_dict: dict, host: str, port: int, prefix: str, run_dir:
             torch.cuda.synchronize(dev)
         if not generation:
             model = _build(cfg, dev)
-        link = make_link(cfg.backend, role, dev, control, cfg.timeout_s, peer=PREFILL if rank == DECODE else DECODE)
+        link = make_link(cfg.backend, role, dev, control, cfg.timeout_s, peer=PREFILL if rank == DECODE else DECODE,
+                         nixl_descs=cfg.nixl_descs)
         w = None
         try:
             if rank == DECODE:
