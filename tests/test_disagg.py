@@ -240,6 +240,11 @@ def test_a_signal_death_is_named_before_the_error_it_caused_in_its_peer(posted_f
     procs = [("decode", Proc("decode", 1 if not posted_first else None)), ("prefill", Proc("prefill", -9))]
     line = launch._first_cause(store, procs)
     assert line == "the prefill process was killed by SIGKILL (exit code -9): last line of its log: prefill was here"
+    # a process that posted its own error and then aborted on its way out (a C++ thread alive at exit) failed on
+    # that error: the abort is not the cause
+    procs[0] = ("decode", Proc("decode", -6))
+    procs[1] = ("prefill", Proc("prefill", None))
+    assert launch._first_cause(store, procs) == "the decode process stopped: RuntimeError: Connection closed by peer"
     # without a death by a signal the posted error is the cause, and without either the exit code and the log
     procs[1] = ("prefill", Proc("prefill", None))
     assert launch._first_cause(store, procs) == "the decode process stopped: RuntimeError: Connection closed by peer"

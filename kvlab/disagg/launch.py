@@ -193,14 +193,15 @@ def _watch(cfg: DisaggConfig, store, procs: list, progress: bool, restart=None) 
 
 
 def _first_cause(store, procs: list) -> str:
-    """The line that names what went wrong first. A process killed by a signal (SIGKILL from the OOM killer or a
-    user) is the cause, and its peer's posted error ("Connection closed by peer") only the consequence, whichever
-    reached the launcher first; otherwise the posted error, else the exit code and the log's last line. Waits
+    """The line that names what went wrong first. A process killed by a signal without posting an error (SIGKILL
+    from the OOM killer or a user) is the cause, and its peer's posted error ("Connection closed by peer") only
+    the consequence, whichever reached the launcher first; otherwise the posted error (a process that posted one
+    and then aborted on its way out failed on that error), else the exit code and the log's last line. Waits
     0.5 s for the other side's exit code or posted error, which may still be on its way."""
     time.sleep(0.5)
     codes = [(role, p.poll()) for role, p in procs]
     for role, code in codes:
-        if code is not None and code < 0:
+        if code is not None and code < 0 and not store.check([f"kvlab/error/{role}"]):
             return f"the {role} process {_how_it_ended(code)}: {_last_line(procs, role)}"
     why = _worker_error(store)
     if why:
