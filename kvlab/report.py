@@ -287,6 +287,27 @@ def disagg_bench(paths: list[str]) -> str:
     return _md(pd.DataFrame(rows))
 
 
+def disagg_nixl(paths: list[str]) -> str:
+    """Two NIXL agents (kvlab disagg --backend nixl): per run, layout, mode and context — descriptors and transfers a
+    request, the host time to build descriptor lists and post, the UCX transport that carried the writes."""
+    from .disagg import report as dr
+
+    rows = []
+    for path in paths:
+        record, d = _run(path)
+        s = json.loads((d / "summary.json").read_text())
+        ucx = s["nixl"]["ucx_transports"]
+        for r in dr.nixl_table(pd.read_csv(d / "requests.csv")).itertuples():
+            rows.append({"run": _link(path), "descriptors": s["nixl"]["descs"], "layout": r.layout, "mode": r.mode,
+                         "context": _ctx(r.context), "KiB": f"{r.kv_bytes // 1024:,}",
+                         "descriptors a request": ", ".join(f"{x:,}" for x in r.descriptors),
+                         "transfers": ", ".join(str(x) for x in r.transfers),
+                         "post ms median (min–max)": f"{_g(r.post_ms)} ({_g(r.post_ms_min)}–{_g(r.post_ms_max)})",
+                         "n": r.n, "UCX transport": ", ".join(ucx) if isinstance(ucx, list) else ucx,
+                         "decodes ≠ colocated": r.mismatched})
+    return _md(pd.DataFrame(rows))
+
+
 def faults(paths: list[str]) -> str:
     """The fault campaigns (kvlab disagg --faults): per policy and fault kind, how faults were detected, what came
     of them, decodes that differed from colocated, and the time to each decision."""
@@ -325,11 +346,14 @@ VERDICT_RUNS = {
     "disagg": ["disagg/20261130-174816-h200", "disagg/20261130-175223-h200", "disagg/20261130-175620-h200",
                "disagg/20261130-175845-h200"],
     "faults": ["disagg/20261130-190554-cpu", "disagg/20261130-190727-cpu", "disagg/20261130-190910-cpu",
-               "disagg/20261130-231101-cpu", "disagg/20261130-231342-cpu", "disagg/20261130-231636-cpu"],
+               "disagg/20261130-231101-cpu", "disagg/20261130-231342-cpu", "disagg/20261130-231636-cpu",
+               "disagg/20261201-003237-cpu", "disagg/20261201-003410-cpu", "disagg/20261201-003554-cpu"],
 }
 DISAGG_RUNS = VERDICT_RUNS["disagg"]
 FAULT_RUNS = VERDICT_RUNS["faults"][:3]  # drop, delay, corrupt
-KILL_RUNS = VERDICT_RUNS["faults"][3:]  # the same kinds and kill
+KILL_RUNS = VERDICT_RUNS["faults"][3:6]  # the same kinds and kill
+NIXL_FAULT_RUNS = VERDICT_RUNS["faults"][6:]  # drop, delay, corrupt over two NIXL agents, paged
+NIXL_RUNS = ["disagg/20261201-003207-cpu", "disagg/20261201-003224-cpu"]  # one descriptor a block; merged
 
 
 def _goals_of(study: str, path: str) -> pd.DataFrame:
@@ -489,6 +513,8 @@ BLOCKS = {
     "disagg_bench_1gpu": lambda: disagg_bench([p for p in DISAGG_RUNS if (_data() / p / "bench.csv").is_file()]),
     "faults_cpu": lambda: faults(FAULT_RUNS),
     "faults_kill_cpu": lambda: faults(KILL_RUNS),
+    "disagg_nixl_cpu": lambda: disagg_nixl(NIXL_RUNS),
+    "faults_nixl_cpu": lambda: faults(NIXL_FAULT_RUNS),
     "verdicts": verdicts,
     "verdict_counts": verdict_counts,
     "provenance": provenance_table,

@@ -6,6 +6,7 @@ and the inputs of the goals (kvlab.goals, study "disagg"). Nothing here measures
     ttft_extra(requests) → per (layout, mode, context): paired per-round TTFT − colocated TTFT, median, 95 % interval
     goal_table(run_dir)  → one row per (layout, mode, context) with what the goals read
     plot(run_dir)        → the figure: TTFT over colocated (left), the bulk send against its ceiling (right)
+    nixl_table(requests) → a nixl run: descriptors, transfers and posting time per (layout, mode, context)
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
-__all__ = ["load", "ttft_extra", "goal_table", "bench_table", "plot", "fault_table", "plot_faults"]
+__all__ = ["load", "ttft_extra", "goal_table", "bench_table", "plot", "fault_table", "plot_faults", "nixl_table"]
 
 
 def load(run_dir) -> tuple[pd.DataFrame, pd.DataFrame | None, dict]:
@@ -178,6 +179,23 @@ def plot(run_dir, title: str = ""):
                  f"{summary.get('model', '')}", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def nixl_table(req: pd.DataFrame) -> pd.DataFrame:
+    """A nixl run's requests per (layout, mode, context): descriptors and transfers a request (each the same in
+    every request), the host time spent building descriptor lists and posting — median, min, max, n — the
+    median exposed time and the decodes that differed from colocated."""
+    timed = req[(req["mode"] != "colocated") & ~req["warmup"].astype(bool)]
+    rows = []
+    for (layout, mode, context), g in timed.groupby(["layout", "mode", "context"], sort=False):
+        ok = g[["tokens_match", "logits_equal", "bytes_equal"]].astype(bool).all(axis=1) & (g["poison_left"] == 0)
+        rows.append({"layout": layout, "mode": mode, "context": int(context), "n": len(g),
+                     "descriptors": sorted(set(g["descriptors"].astype(int))),
+                     "transfers": sorted(set(g["transfers"].astype(int))), "kv_bytes": int(g["kv_bytes"].iloc[0]),
+                     "post_ms": float(g["post_ms"].median()), "post_ms_min": float(g["post_ms"].min()),
+                     "post_ms_max": float(g["post_ms"].max()), "exposed_ms": float(g["exposed_ms"].median()),
+                     "mismatched": int((~ok).sum())})
+    return pd.DataFrame(rows)
 
 
 def fault_table(faults: pd.DataFrame) -> pd.DataFrame:
