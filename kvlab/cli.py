@@ -759,7 +759,8 @@ def _cmd_trace(args) -> int:
                                                  "corrupt a layer) after the measurement; writes faults.csv"),
     arg("--fault-kinds", default="drop,delay,corrupt",
         help="the campaign's fault kinds, in turn: drop, delay, corrupt, kill (the prefill process dies mid-send and "
-             "a new one takes over; gloo) (default drop,delay,corrupt)"),
+             "a new one takes over; gloo), oom (the decode side runs out of memory as a layer lands; injected) "
+             "(default drop,delay,corrupt)"),
     arg("--policy", default="fail", help="what decode does about a fault: fail, retry, recompute (default fail)"),
     arg("--retries", type=int, default=2, help="retry: attempts after the first (default 2)"),
     arg("--fault-timeout", type=float, default=1.0, help="the campaign's deadline for a request's layers, counted from "

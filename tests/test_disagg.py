@@ -396,6 +396,27 @@ def test_a_sender_killed_mid_send_is_replaced_and_nothing_decodes_from_its_half(
     assert not _workers_of(tmp_path / "run")
 
 
+@pytest.mark.parametrize("policy", ["fail", "retry", "recompute"])
+def test_a_decode_side_out_of_memory_is_refused_or_recovered_never_decoded_half(policy, tmp_path):
+    """oom: the decode side's allocation fails as layer k lands (seed 9 draws layers 1 and 1; the paged layout,
+    whose later receives are drained after the failure). Layer k and after are not trusted: fail refuses and
+    says out of memory, retry asks for them again, recompute prefills on the decode side."""
+    cfg = disagg.DisaggConfig(repeats=1, warmup=0, modes=("layerwise",), faults=2, policy=policy, seed=9,
+                              fault_timeout_s=0.5, fault_kinds=("oom",), layouts=("paged",))
+    s = disagg.run(cfg, tmp_path / "run", progress=False)
+    df = pd.read_csv(tmp_path / "run" / "faults.csv")
+    assert df["kind"].tolist() == ["oom", "oom"] and (df["detected_by"] == "decode out of memory").all()
+    assert s["decoded_from_partial"] == 0 and s["undetected"] == 0
+    if policy == "fail":
+        assert s["refused"] == 2 and not df["decoded"].any()
+        assert df["error"].str.contains("ran out of memory as they landed: missing \\[1\\]").all(), df["error"]
+    else:
+        assert s["recovered"] == 2 and df["tokens_match"].all() and df["logits_equal"].all() and df["bytes_equal"].all()
+        if policy == "retry":
+            assert (df["attempts"] == 2).all()
+    assert df["recover_ms"].max() <= (cfg.fault_timeout_s + 1.0) * 1e3
+
+
 def test_checksum_sees_one_flipped_bit_and_a_swap():
     from kvlab.disagg.faults import checksum
     from kvlab.disagg.links import flip_first_byte

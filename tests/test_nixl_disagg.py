@@ -79,21 +79,23 @@ def test_nixl_summary_names_the_ucx_transport_it_used(nixl_run):
 @needs_nixl
 @pytest.mark.parametrize("policy", ["retry", "fail"])
 def test_nixl_fault_campaign_never_decodes_a_partial_cache(policy, tmp_path):
-    """Drop, delay and corrupt a layer over NIXL: a corrupt layer is written from a flipped copy (the source stays
-    true), so retry recovers it exactly; fail refuses each."""
+    """Drop, delay, corrupt a layer and run out of memory on the decode side over NIXL: a corrupt layer is written
+    from a flipped copy (the source stays true), so retry recovers it exactly; fail refuses each."""
     out = tmp_path / "run"
-    done = kvlab_command(["disagg", "--backend", "nixl", "--layout", "paged", "--repeats", "1", "--faults", "6",
-                          "--policy", policy, "--quiet", "--out", str(out)], _env(tmp_path))
+    done = kvlab_command(["disagg", "--backend", "nixl", "--layout", "paged", "--repeats", "1", "--faults", "8",
+                          "--fault-kinds", "drop,delay,corrupt,oom", "--fault-timeout", "0.5", "--policy", policy,
+                          "--quiet", "--out", str(out)], _env(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
-    assert s["faults_injected"] == 6 and s["decoded_from_partial"] == 0 and s["undetected"] == 0
+    assert s["faults_injected"] == 8 and s["decoded_from_partial"] == 0 and s["undetected"] == 0
     if policy == "retry":
-        assert s["recovered"] == 6
+        assert s["recovered"] == 8
     else:
-        assert s["refused"] == 6
+        assert s["refused"] == 8
     f = pd.read_csv(out / "faults.csv")
-    assert set(f["kind"]) == {"drop", "delay", "corrupt"}
+    assert set(f["kind"]) == {"drop", "delay", "corrupt", "oom"}
     assert set(f.loc[f["kind"] == "corrupt", "detected_by"]) == {"checksum"}
+    assert set(f.loc[f["kind"] == "oom", "detected_by"]) == {"decode out of memory"}
 
 
 def test_merge_runs_joins_rows_adjacent_on_both_sides_only():

@@ -57,7 +57,7 @@ class DisaggConfig:
     policy: str = "fail"  # what the decode side does about a fault: fail, retry, recompute (kvlab.disagg.faults)
     retries: int = 2  # retry: attempts after the first
     fault_timeout_s: float = 1.0  # the campaign's deadline for a layer to land
-    fault_kinds: tuple = ("drop", "delay", "corrupt")  # the campaign's kinds, in turn (kill: gloo only)
+    fault_kinds: tuple = ("drop", "delay", "corrupt")  # the campaign's kinds, in turn (also kill: gloo only; oom)
     nixl_descs: str = "block"  # nixl, paged: one descriptor per block ("block") or per run of adjacent blocks ("merged")
 
     def spec(self):

@@ -9,9 +9,13 @@ side injects, drawn (seeded) from:
     kill      the prefill process sends the layers before k, then kills itself (SIGKILL: no goodbye); the launcher
               starts a new prefill process (same seed, same weights) and the decode side forms a new process
               group with it (gloo; only when asked for with --fault-kinds)
+    oom       the decode side runs out of memory as layer k arrives: torch.OutOfMemoryError where the layer
+              would be marked landed (injected; memory is not really exhausted, and it is there again for a
+              retry or a recompute). Layer k and the layers after it are not trusted; the receives still posted
+              are drained (only when asked for with --fault-kinds)
 
 The decode side detects a fault by its deadline (a layer that has not landed), by a per-layer checksum
-computed on both sides, or by the launcher's record that the prefill process died (`dead/prefill/<generation>`),
+computed on both sides, by its own allocation failing (oom), or by the launcher's record that the prefill process died (`dead/prefill/<generation>`),
 and after a death it trusts no layer of that request (none was checksummed by a sender that is gone).
 Otherwise it fences the channel (late layers are waited for, dropped ones are filled by the sender, so no byte
 of this request can land in a later request's destination). Then it follows the policy, named as
@@ -33,9 +37,11 @@ import time
 
 import torch
 
+from .protocol import LandedLayers
+
 __all__ = ["KINDS", "DEFAULT_KINDS", "POLICIES", "checksum", "plan", "run_campaign"]
 
-KINDS = ("drop", "delay", "corrupt", "kill")
+KINDS = ("drop", "delay", "corrupt", "kill", "oom")
 DEFAULT_KINDS = ("drop", "delay", "corrupt")
 POLICIES = ("fail", "retry", "recompute")
 
@@ -105,7 +111,8 @@ def run_campaign(w, base: dict, sink, table, ref) -> list[dict]:
                 break
             missing = sorted(bad)
             why = ("the prefill process died mid-send, so no layer of it is trusted" if w.peer_dead
-                   else f"missing or corrupt {missing}")
+                   else f"the decode side ran out of memory as they landed: missing {missing}"
+                   if detected == "decode out of memory" else f"missing or corrupt {missing}")
             error = str(IncompleteCacheError(f"request {w.n - 1}: {len(missing)} of {L} layers did not land intact on "
                                              f"{w.dev} ({why}); decode refused"))
             outcome = "refused"
@@ -141,7 +148,8 @@ def _attempt(w, base, sink, layers: list[int], fault, good: set[int]):
     cfg = w.cfg
     plan_units = [(i,) for i in layers]
     n = w.n
-    tracker = LandedLayers(sink.layers, str(w.dev))
+    oom = fault is not None and fault["kind"] == "oom"
+    tracker = (_OutOfMemoryAt(sink.layers, str(w.dev), fault["layer"]) if oom else LandedLayers(sink.layers, str(w.dev)))
     tracker.begin(n)
     w.link.post_receive(n, plan_units, sink)
     # the first attempt prefills and sends every layer (with the fault); a retry asks for the bad layers only
@@ -155,6 +163,10 @@ def _attempt(w, base, sink, layers: list[int], fault, good: set[int]):
         w.link.wait_landed(n, sink, tracker, w.control, cfg.fault_timeout_s)
     except TimeoutError as err:
         how = "receive failed" if "failed" in str(err) else "deadline"
+    except torch.OutOfMemoryError:
+        if not oom:  # a real one: not this campaign's to handle
+            raise
+        how = "decode out of memory"
     landed_in_time = {i for i in layers if i not in tracker.missing(n)}
     done = _done_or_dead(w, n)
     if done is None:  # the prefill process died: no layer of this request was checksummed by a live sender
@@ -172,6 +184,22 @@ def _attempt(w, base, sink, layers: list[int], fault, good: set[int]):
     good |= ok
     bad = set(layers) - ok
     return bad, how, done
+
+
+class _OutOfMemoryAt(LandedLayers):
+    """LandedLayers whose layer `layer` cannot land: marking it raises torch.OutOfMemoryError once, as the decode
+    side's allocation for it would (the oom fault)."""
+
+    def __init__(self, layers: int, device: str, layer: int):
+        super().__init__(layers, device)
+        self.oom_layer: int | None = layer
+
+    def mark(self, request: int, layer: int) -> None:
+        if layer == self.oom_layer:
+            self.oom_layer = None
+            raise torch.OutOfMemoryError(f"request {request}: out of memory on {self.device} while layer {layer} "
+                                         "landed (injected)")
+        super().mark(request, layer)
 
 
 def _done_or_dead(w, n: int):
