@@ -415,6 +415,23 @@ def test_a_decode_side_out_of_memory_is_refused_or_recovered_never_decoded_half(
         if policy == "retry":
             assert (df["attempts"] == 2).all()
     assert df["recover_ms"].max() <= (cfg.fault_timeout_s + 1.0) * 1e3
+    # the checksums' cost, both sides: every layer of the source; on the decode side only layer 0 had landed
+    kv = calculator.kv_cache_bytes(models.get("kvlab-tiny"), 128, "bf16")
+    assert (df["checksum_send_bytes"] == kv).all() and (df["checksum_recv_bytes"] == kv // 2).all()
+    assert (df["checksum_send_ms"] > 0).all() and (df["checksum_recv_ms"] > 0).all()
+
+
+def test_checksum_table_reports_each_side_and_skips_what_was_not_checked():
+    from kvlab.disagg.report import checksum_table
+
+    f = pd.DataFrame({"checksum_send_ms": [1.0, 3.0, float("nan")], "checksum_send_bytes": [2e6, 2e6, float("nan")],
+                      "checksum_recv_ms": [0.5, 2.0, 1.0], "checksum_recv_bytes": [1e6, 1e6, 0]})
+    t = checksum_table(f).set_index("side")
+    send, recv = t.loc["prefill (source, every layer)"], t.loc["decode (the layers that landed)"]
+    assert send["requests"] == 2 and send["median ms"] == 2.0 and send["max ms"] == 3.0
+    assert abs(send["GB/s"] - (2.0 + 2 / 3) / 2) < 1e-9  # the median of 2 GB/s and 0.67 GB/s
+    assert recv["requests"] == 2 and recv["max ms"] == 2.0  # the request with nothing landed is not a rate
+    assert checksum_table(pd.DataFrame({"recover_ms": [1.0]})).empty  # a campaign from before the columns
 
 
 def test_checksum_sees_one_flipped_bit_and_a_swap():

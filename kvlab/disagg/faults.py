@@ -95,6 +95,10 @@ def run_campaign(w, base: dict, sink, table, ref) -> list[dict]:
             bad, how, done = _attempt(w, base, sink, want, fault if first_try else None, good)
             if first_try:
                 detected = how or "not detected"
+                if done is not None:  # what the per-layer checksums cost on each side (all layers; those landed)
+                    row.update(checksum_send_ms=done["checksum_ms"], checksum_send_bytes=done["checksum_bytes"],
+                               checksum_recv_ms=done["checksum_recv_ms"],
+                               checksum_recv_bytes=done["checksum_recv_bytes"])
             if not bad:
                 outcome = "delivered" if first_try else "recovered (retry)"
                 break
@@ -176,7 +180,13 @@ def _attempt(w, base, sink, layers: list[int], fault, good: set[int]):
     drain = [u[0] for u in w.link.pending if u[0] not in sent]
     w.control.post(f"req{n}/ack", {"drain": drain})
     w.link.drain(n, cfg.timeout_s)  # late layers and filler: the channel is clean before the next request
-    sums = _sink_checksums(sink, sorted(landed_in_time))
+    from ..timing import sync_device
+
+    sync_device(w.dev)
+    t0 = time.perf_counter()
+    sums = _sink_checksums(sink, sorted(landed_in_time))  # each checksum ends in int(): the device is done
+    done["checksum_recv_ms"] = (time.perf_counter() - t0) * 1e3
+    done["checksum_recv_bytes"] = len(landed_in_time) * done["checksum_bytes"] // sink.layers
     corrupt = {i for i, c in sums.items() if c != done["checksums"][i]}
     if corrupt and not how:
         how = "checksum"

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pandas as pd
 
-__all__ = ["load", "ttft_extra", "goal_table", "bench_table", "plot", "fault_table", "plot_faults", "nixl_table"]
+__all__ = ["load", "ttft_extra", "goal_table", "bench_table", "plot", "fault_table", "plot_faults", "nixl_table",
+           "checksum_table"]
 
 
 def load(run_dir) -> tuple[pd.DataFrame, pd.DataFrame | None, dict]:
@@ -195,6 +196,24 @@ def nixl_table(req: pd.DataFrame) -> pd.DataFrame:
                      "post_ms": float(g["post_ms"].median()), "post_ms_min": float(g["post_ms"].min()),
                      "post_ms_max": float(g["post_ms"].max()), "exposed_ms": float(g["exposed_ms"].median()),
                      "mismatched": int((~ok).sum())})
+    return pd.DataFrame(rows)
+
+
+def checksum_table(faults: pd.DataFrame) -> pd.DataFrame:
+    """What the per-layer checksums cost in a campaign: on the prefill side (every layer of the source) and on the
+    decode side (the layers that landed), per request — median and max ms, and the median rate in GB/s."""
+    rows = []
+    for side in ("send", "recv"):
+        ms, nbytes = f"checksum_{side}_ms", f"checksum_{side}_bytes"
+        if ms not in faults:
+            continue
+        g = faults[faults[ms].notna() & (faults[nbytes] > 0)]
+        if g.empty:
+            continue
+        rows.append({"side": "prefill (source, every layer)" if side == "send" else "decode (the layers that landed)",
+                     "requests": len(g), "MiB a request": float(g[nbytes].median()) / 2**20,
+                     "median ms": float(g[ms].median()), "max ms": float(g[ms].max()),
+                     "GB/s": float((g[nbytes] / g[ms] / 1e6).median())})
     return pd.DataFrame(rows)
 
 

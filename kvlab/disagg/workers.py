@@ -194,8 +194,9 @@ class PrefillWorker:
 
         sync_device(self.dev)
         t0 = _ns()
-        sums = [checksum(src.view((i,))) for i in range(src.layers)]
-        return {"checksums": sums, "checksum_ms": (_ns() - t0) / 1e6}
+        sums = [checksum(src.view((i,))) for i in range(src.layers)]  # each ends in int(): the device is done
+        return {"checksums": sums, "checksum_ms": (_ns() - t0) / 1e6,
+                "checksum_bytes": sum(src.nbytes((i,)) for i in range(src.layers))}
 
     def resend(self, n: int, msg: dict, src: Source) -> dict:
         """Send the layers `msg["layers"]` again (a retry of a request whose other layers landed)."""
