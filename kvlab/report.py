@@ -313,15 +313,17 @@ def faults(paths: list[str]) -> str:
     of them, decodes that differed from colocated, and the time to each decision."""
     from .disagg import report as dr
 
-    frames = []
-    for path in paths:
+    tables, backends = [], []
+    for path in paths:  # one run at a time: two runs may share a policy (another backend)
         record, d = _run(path)
-        f = pd.read_csv(d / "faults.csv")
-        f["run"] = _link(path)
-        frames.append(f)
-    t = dr.fault_table(pd.concat(frames, ignore_index=True))
-    runs = {f["policy"].iloc[0]: f["run"].iloc[0] for f in frames}
-    t.insert(0, "run", t["policy"].map(runs))
+        t = dr.fault_table(pd.read_csv(d / "faults.csv"))
+        t.insert(0, "run", _link(path))
+        backends.append(json.loads((d / "summary.json").read_text())["backend"])
+        t.insert(1, "backend", backends[-1])
+        tables.append(t)
+    t = pd.concat(tables, ignore_index=True)
+    if len(set(backends)) == 1:
+        t = t.drop(columns="backend")
     t["decision median ms"] = t["decision median ms"].map(lambda x: _g(x, 4))
     t["decision max ms"] = t["decision max ms"].map(lambda x: _g(x, 4))
     if t["new prefill process median ms"].notna().any():
@@ -329,6 +331,23 @@ def faults(paths: list[str]) -> str:
     else:
         t = t.drop(columns="new prefill process median ms")
     return _md(t)
+
+
+def checksum_cost(paths: list[str]) -> str:
+    """What the campaigns' per-layer checksums cost, per run (backend, layout, context) and side."""
+    from .disagg import report as dr
+
+    rows = []
+    for path in paths:
+        record, d = _run(path)
+        s = json.loads((d / "summary.json").read_text())
+        f = pd.read_csv(d / "faults.csv")
+        for r in dr.checksum_table(f).itertuples():
+            rows.append({"run": _link(path), "backend": f"{s['backend']} ({s['prefill_device']} → {s['decode_device']})",
+                         "layout": s["layouts"][0], "context": _ctx(s["contexts"][0]), "side": r.side,
+                         "requests": r.requests, "MiB a request": _g(r._3), "median ms": _g(r._4),
+                         "max ms": _g(r._5), "GB/s (median)": _g(r._6)})
+    return _md(pd.DataFrame(rows))
 
 
 def _link(path: str) -> str:
@@ -347,12 +366,15 @@ VERDICT_RUNS = {
                "disagg/20261130-175845-h200"],
     "faults": ["disagg/20261130-190554-cpu", "disagg/20261130-190727-cpu", "disagg/20261130-190910-cpu",
                "disagg/20261130-231101-cpu", "disagg/20261130-231342-cpu", "disagg/20261130-231636-cpu",
-               "disagg/20261201-003237-cpu", "disagg/20261201-003410-cpu", "disagg/20261201-003554-cpu"],
+               "disagg/20261201-003237-cpu", "disagg/20261201-003410-cpu", "disagg/20261201-003554-cpu",
+               "disagg/20261201-005329-cpu", "disagg/20261201-005442-cpu", "disagg/20261201-005602-cpu",
+               "disagg/20261201-005719-cpu"],
 }
 DISAGG_RUNS = VERDICT_RUNS["disagg"]
 FAULT_RUNS = VERDICT_RUNS["faults"][:3]  # drop, delay, corrupt
 KILL_RUNS = VERDICT_RUNS["faults"][3:6]  # the same kinds and kill
-NIXL_FAULT_RUNS = VERDICT_RUNS["faults"][6:]  # drop, delay, corrupt over two NIXL agents, paged
+NIXL_FAULT_RUNS = VERDICT_RUNS["faults"][6:9]  # drop, delay, corrupt over two NIXL agents, paged
+OOM_RUNS = VERDICT_RUNS["faults"][9:]  # drop, delay, corrupt, oom at 1k: gloo (fail, retry, recompute), nixl (retry)
 NIXL_RUNS = ["disagg/20261201-003207-cpu", "disagg/20261201-003224-cpu"]  # one descriptor a block; merged
 
 
@@ -515,6 +537,8 @@ BLOCKS = {
     "faults_kill_cpu": lambda: faults(KILL_RUNS),
     "disagg_nixl_cpu": lambda: disagg_nixl(NIXL_RUNS),
     "faults_nixl_cpu": lambda: faults(NIXL_FAULT_RUNS),
+    "faults_oom_cpu": lambda: faults(OOM_RUNS),
+    "checksum_cost_cpu": lambda: checksum_cost(OOM_RUNS),
     "verdicts": verdicts,
     "verdict_counts": verdict_counts,
     "provenance": provenance_table,
