@@ -245,6 +245,19 @@ def test_a_signal_death_is_named_before_the_error_it_caused_in_its_peer(posted_f
     procs[0] = ("decode", Proc("decode", -6))
     procs[1] = ("prefill", Proc("prefill", None))
     assert launch._first_cause(store, procs) == "the decode process stopped: RuntimeError: Connection closed by peer"
+    # the prefill process's death the kill campaign planned is a fault, never the cause of a failure
+    procs[0] = ("decode", Proc("decode", 1))
+    procs[1] = ("prefill", Proc("prefill", -9))
+    assert launch._first_cause(store, procs, planned_prefill_kill=True) == \
+        "the decode process stopped: RuntimeError: Connection closed by peer"
+    # a crash signal (SIGABRT from a library as its peer vanished) does not outrank a posted error: both are named
+    del store.kv["kvlab/error/decode"]
+    store.kv["kvlab/error/prefill"] = json.dumps({"error": "RuntimeError: NIXL transfer ERR"})
+    procs[:] = [("decode", Proc("decode", -6)), ("prefill", Proc("prefill", 1))]
+    assert launch._first_cause(store, procs) == ("the prefill process stopped: RuntimeError: NIXL transfer ERR (the "
+                                                 "decode process was killed by SIGABRT (exit code -6))")
+    del store.kv["kvlab/error/prefill"]
+    store.kv["kvlab/error/decode"] = json.dumps({"error": "RuntimeError: Connection closed by peer"})
     # without a death by a signal the posted error is the cause, and without either the exit code and the log
     procs[1] = ("prefill", Proc("prefill", None))
     assert launch._first_cause(store, procs) == "the decode process stopped: RuntimeError: Connection closed by peer"

@@ -83,7 +83,7 @@ def test_nixl_fault_campaign_never_decodes_a_partial_cache(policy, tmp_path):
     from a flipped copy (the source stays true), so retry recovers it exactly; fail refuses each."""
     out = tmp_path / "run"
     done = kvlab_command(["disagg", "--backend", "nixl", "--layout", "paged", "--repeats", "1", "--faults", "8",
-                          "--fault-kinds", "drop,delay,corrupt,oom", "--fault-timeout", "0.5", "--policy", policy,
+                          "--fault-kinds", "drop,delay,corrupt,oom", "--fault-timeout", "1", "--policy", policy,
                           "--quiet", "--out", str(out)], _env(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
@@ -96,6 +96,22 @@ def test_nixl_fault_campaign_never_decodes_a_partial_cache(policy, tmp_path):
     assert set(f["kind"]) == {"drop", "delay", "corrupt", "oom"}
     assert set(f.loc[f["kind"] == "corrupt", "detected_by"]) == {"checksum"}
     assert set(f.loc[f["kind"] == "oom", "detected_by"]) == {"decode out of memory"}
+
+
+@needs_nixl
+def test_nixl_merged_descriptors_move_the_cache_and_a_corrupt_copy_exactly(tmp_path):
+    """--nixl-descs merged end to end, with two corrupt faults (written from a copy whose rows are adjacent on the
+    prefill side only): every decode like colocated, each corrupt layer caught and recovered."""
+    out = tmp_path / "run"
+    done = kvlab_command(["disagg", "--backend", "nixl", "--layout", "paged", "--nixl-descs", "merged", "--repeats", "1",
+                          "--faults", "2", "--fault-kinds", "corrupt", "--policy", "retry", "--quiet", "--out", str(out)],
+                         _env(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["nixl"]["descs"] == "merged" and s["tokens_match"] and s["logits_equal"] and s["bytes_equal"]
+    assert s["recovered"] == 2 and s["decoded_from_partial"] == 0
+    f = pd.read_csv(out / "faults.csv")
+    assert (f["detected_by"] == "checksum").all() and f["bytes_equal"].all()
 
 
 def test_merge_runs_joins_rows_adjacent_on_both_sides_only():

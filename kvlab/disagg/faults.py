@@ -11,8 +11,8 @@ side injects, drawn (seeded) from:
               group with it (gloo; only when asked for with --fault-kinds)
     oom       the decode side runs out of memory as layer k arrives: torch.OutOfMemoryError where the layer
               would be marked landed (injected; memory is not really exhausted, and it is there again for a
-              retry or a recompute). Layer k and the layers after it are not trusted; the receives still posted
-              are drained (only when asked for with --fault-kinds)
+              retry or a recompute). Layer k and the layers not yet recorded as landed are not trusted; receives
+              still posted (gloo) are drained (only when asked for with --fault-kinds)
 
 The decode side detects a fault by its deadline (a layer that has not landed), by a per-layer checksum
 computed on both sides, by its own allocation failing (oom), or by the launcher's record that the prefill process died (`dead/prefill/<generation>`),

@@ -180,7 +180,8 @@ def _watch(cfg: DisaggConfig, store, procs: list, progress: bool, restart=None) 
                 procs[:] = [(r, p) for r, p in procs if r != "prefill"] + [("prefill", restart(generation))]
                 continue
             if _worker_error(store) or any(c not in (None, 0) for _, c in codes):
-                raise DisaggError(_first_cause(store, procs))
+                planned = kills and store.check([f"kvlab/kill/{generation}"])  # a fault: never the cause
+                raise DisaggError(_first_cause(store, procs, planned_prefill_kill=planned))
             if all(c == 0 for _, c in codes):
                 return deaths
             if dict(codes).get("decode") == 0:
@@ -192,26 +193,38 @@ def _watch(cfg: DisaggConfig, store, procs: list, progress: bool, restart=None) 
         bar.close()
 
 
-def _first_cause(store, procs: list) -> str:
-    """The line that names what went wrong first. A process killed by a signal without posting an error (SIGKILL
-    from the OOM killer or a user) is the cause, and its peer's posted error ("Connection closed by peer") only
-    the consequence, whichever reached the launcher first; otherwise the posted error (a process that posted one
-    and then aborted on its way out failed on that error), else the exit code and the log's last line. Waits
-    0.5 s for the other side's exit code or posted error, which may still be on its way."""
+def _first_cause(store, procs: list, planned_prefill_kill: bool = False) -> str:
+    """The line that names what went wrong first. A process killed from outside (SIGKILL: the OOM killer or a
+    user; SIGTERM) without posting an error is the cause, and its peer's posted error ("Connection closed by
+    peer") only the consequence, whichever reached the launcher first — unless it is the prefill process whose
+    kill the fault campaign planned. Otherwise the posted error, with a word on any other process that ended by
+    a signal (a crash on the way out, e.g. SIGABRT, whose order against the error is not known); else the exit
+    code and the log's last line. Waits 0.5 s for the other side's exit code or posted error, which may still
+    be on its way."""
     time.sleep(0.5)
     codes = [(role, p.poll()) for role, p in procs]
+
+    def posted(role):
+        return store.check([f"kvlab/error/{role}"])
+
     for role, code in codes:
-        if code is not None and code < 0 and not store.check([f"kvlab/error/{role}"]):
+        if (code in (-signal.SIGKILL, -signal.SIGTERM) and not posted(role)
+                and not (role == "prefill" and planned_prefill_kill)):
             return f"the {role} process {_how_it_ended(code)}: {_last_line(procs, role)}"
     why = _worker_error(store)
     if why:
-        return why
-    role, code = next((r, c) for r, c in codes if c not in (None, 0))
+        also = [f"the {role} process {_how_it_ended(code)}" for role, code in codes
+                if code is not None and code < 0 and not posted(role)
+                and not (role == "prefill" and planned_prefill_kill)]
+        return why + (f" ({'; '.join(also)})" if also else "")
+    role, code = next(((r, c) for r, c in codes if c not in (None, 0)), codes[0])
     return f"the {role} process {_how_it_ended(code)}: {_last_line(procs, role)}"
 
 
 def _how_it_ended(code: int) -> str:
     """'exited with code 1', or 'was killed by SIGKILL (exit code -9)' for a signal."""
+    if code is None:
+        return "is still running"
     if code < 0:
         try:
             return f"was killed by {signal.Signals(-code).name} (exit code {code})"
@@ -418,10 +431,10 @@ def _nixl_summary(run_dir, cfg: DisaggConfig, launcher: dict | None) -> dict:
     from .nixl_link import ucx_transports
 
     found = ucx_transports(Path(run_dir, "worker-prefill.log")) if not launcher else []
-    used = sorted({t for e in found if e["peer"] != "self" for t in e["transports"]})
+    used = sorted({t for e in found for t in e["transports"]})
     return {"version": nixl_version(), "descs": cfg.nixl_descs, "operation": "WRITE", "agents": 2,
             "ucx_writes": found, "ucx_transports": used or "unknown (no UCX_PROTO_INFO report in the prefill log)",
-            "tcp_fallback": any(t.startswith("tcp/") for t in used)}
+            "tcp_fallback": any(t.startswith("tcp/") for t in used) if used else None}
 
 
 def fault_summary(rows: list[dict], cfg: DisaggConfig) -> dict:

@@ -31,7 +31,7 @@ from ..paged import BlockPool
 
 __all__ = ["Source", "Sink", "layer_rows", "make_link", "BACKENDS"]
 
-BACKENDS = ("gloo", "ipc", "nccl")
+BACKENDS = ("gloo", "ipc", "nccl", "nixl")  # nixl: kvlab.disagg.nixl_link
 
 
 def layer_rows(num_blocks: int, block_ids: list[int], layer: int) -> list[int]:

@@ -82,6 +82,9 @@ class NixlLink:
         self.role, self.device, self.control, self.timeout_s, self.descs = role, device, control, timeout_s, descs
         self.agent_name = f"kvlab-{role}-{os.getpid()}"
         self.agent = api.nixl_agent(self.agent_name, api.nixl_agent_config(backends=["UCX"]))
+        # the agent is configured without NIXL's own locking (its default without a listener thread) and the
+        # poster thread and the main thread both call it: every call holds this lock
+        self._lock = threading.RLock()
         self._reg = None  # (tensor, registration) of the memory this side registered
         self._remote: dict = {}  # attach: tag -> destination info (prefill side)
         self._remote_name: str | None = None
@@ -98,11 +101,13 @@ class NixlLink:
         if self._reg is not None and self._reg[0] is t:
             return
         self._deregister()
-        self._reg = (t, self.agent.register_memory(t))
+        with self._lock:
+            self._reg = (t, self.agent.register_memory(t))
 
     def _deregister(self) -> None:
         if self._reg is not None:
-            self.agent.deregister_memory(self._reg[1])
+            with self._lock:
+                self.agent.deregister_memory(self._reg[1])
             self._reg = None
 
     # ------------------------------------------------------------------------------------------ decode side
@@ -111,7 +116,9 @@ class NixlLink:
         t = sink.tensor
         self._register(t)
         mem, dev = _mem(t.device)
-        self.control.post(f"nixl/{tag}", {"meta": base64.b64encode(self.agent.get_agent_metadata()).decode(),
+        with self._lock:
+            meta = self.agent.get_agent_metadata()
+        self.control.post(f"nixl/{tag}", {"meta": base64.b64encode(meta).decode(),
                                           "addr": t.data_ptr(), "nbytes": t.nbytes, "elem_bytes": t.element_size(),
                                           "mem": mem, "dev": dev})
 
@@ -119,7 +126,9 @@ class NixlLink:
         self._plan = list(plan)
 
     def _poll(self) -> None:
-        for msgs in self.agent.get_new_notifs().values():
+        with self._lock:
+            notifs = self.agent.get_new_notifs()
+        for msgs in notifs.values():
             for m in msgs:
                 m = m.decode() if isinstance(m, (bytes, bytearray)) else str(m)
                 hit = re.fullmatch(r"req(\d+)/u(\d+):([\d,]*)", m)
@@ -159,9 +168,10 @@ class NixlLink:
         """Load the decode agent's metadata for destination `tag` (once per tag)."""
         if tag not in self._remote:
             info = self.control.wait(f"nixl/{tag}", f"the decode side's destination {tag}")
-            if self._remote_name is not None:
-                self.agent.remove_remote_agent(self._remote_name)
-            name = self.agent.add_remote_agent(base64.b64decode(info["meta"]))
+            with self._lock:
+                if self._remote_name is not None:
+                    self.agent.remove_remote_agent(self._remote_name)
+                name = self.agent.add_remote_agent(base64.b64decode(info["meta"]))
             self._remote_name = name.decode() if isinstance(name, bytes) else name
             self._remote = {tag: info}  # the decode side has moved on from its previous destination
         return self._remote[tag]
@@ -175,9 +185,6 @@ class NixlLink:
             if dst_rows.top >= have:
                 raise ValueError(f"the decode side's rows reach {dst_rows.top}, past the {have} rows of the "
                                  f"destination it registered ({tag})")
-            if getattr(self, "_bound", (None, None))[0] != (tag, dst_rows.top, dst_rows.per_layer):
-                host = [r.cpu().numpy() for r in dst_rows.layer]
-                self._bound = ((tag, dst_rows.top, dst_rows.per_layer), host)
         self._tag, self._dst_rows = tag, dst_rows
 
     def _descs(self, unit, src: Source, staged: torch.Tensor | None = None):
@@ -185,16 +192,21 @@ class NixlLink:
         tensor of their own (src.view(unit), rows in table order) to write from instead of the source."""
         info = self._remote[self._tag]
         mem, dev = _mem(src.device)
+        if list(unit) != list(range(unit[0], unit[0] + len(unit))):
+            raise ValueError(f"a unit is a run of consecutive layers, got {list(unit)}")
         if not src.paged:
             layer_bytes = src.buffer.data[0].nbytes
             off = 0 if len(unit) == src.layers else unit[0] * layer_bytes
             n = layer_bytes * len(unit)
+            if off + n > info["nbytes"]:
+                raise ValueError(f"layers {_span(unit)} ({off + n:,} bytes in) do not fit the {info['nbytes']:,} bytes "
+                                 f"the decode side registered ({self._tag})")
             base = src.buffer.data.data_ptr() + off if staged is None else staged.data_ptr()
             loc = np.array([[base, n, dev]], dtype=np.int64)
             rem = np.array([[info["addr"] + off, n, info["dev"]]], dtype=np.int64)
             return loc, rem
         rb = src.pool.rows.shape[1] * src.pool.rows.element_size()
-        drows = np.concatenate([self._bound[1][i] for i in unit])
+        drows = np.concatenate([self._dst_rows.host[i] for i in unit])
         if staged is None:
             srows, base = np.concatenate([src.rows.host[i] for i in unit]), src.pool.data.data_ptr()
         else:
@@ -250,11 +262,17 @@ class NixlLink:
                         time.sleep(0.0002)
                     item[1].set()
                 elif item is not None and item[0] == "stop":
+                    deadline = time.monotonic() + 5
+                    while inflight and time.monotonic() < deadline:  # nothing is left after a flush; an abort
+                        inflight = self._progress(inflight)
+                        time.sleep(0.0002)
+                    for h, _, _, staged in inflight:
+                        self._release(h, staged)
                     return
             except BaseException as err:  # reported by finish_sends
                 self._error.append(err)
-                for h, *_ in inflight:
-                    self._release(h)
+                for h, _, _, staged in inflight:
+                    self._release(h, staged)
                 inflight = []
                 if item is not None and item[0] == "flush":
                     item[1].set()
@@ -264,48 +282,58 @@ class NixlLink:
             ev.synchronize()  # the unit's bytes are written: NIXL reads them as they are now
         staged = None
         if corrupt:  # a copy of the unit with its first byte flipped, registered for this one transfer
-            staged = flip_first_byte(src.view(unit).clone().contiguous())
+            copy = flip_first_byte(src.view(unit).clone().contiguous())
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
-            staged = (staged, self.agent.register_memory(staged))
-        t0 = time.perf_counter()
-        loc, rem = self._descs(unit, src, staged[0] if staged else None)
-        mem = _mem(src.device)[0]
-        local = self.agent.get_xfer_descs(loc, mem)
-        remote = self.agent.get_xfer_descs(rem, self._remote[self._tag]["mem"])
-        k = 0 if len(unit) == src.layers else unit[0]
-        note = f"req{request}/u{k}:{','.join(map(str, unit))}".encode()
-        handle = self.agent.initialize_xfer("WRITE", local, remote, self._remote_name, note)
-        state = self.agent.transfer(handle)
-        self._stats["post_ms"] += (time.perf_counter() - t0) * 1e3
-        self._stats["descriptors"] += len(loc)
-        self._stats["transfers"] += 1
-        if state not in ("PROC", "DONE"):
-            self._release(handle)
-            if staged is not None:
-                self.agent.deregister_memory(staged[1])
-            raise RuntimeError(f"request {request}: NIXL transfer of layer(s) {_span(unit)} ended in state {state!r}")
+            with self._lock:
+                staged = (copy, self.agent.register_memory(copy))
+        handle = None
+        try:
+            t0 = time.perf_counter()
+            loc, rem = self._descs(unit, src, staged[0] if staged else None)
+            k = 0 if len(unit) == src.layers else unit[0]
+            note = f"req{request}/u{k}:{','.join(map(str, unit))}".encode()
+            with self._lock:
+                local = self.agent.get_xfer_descs(loc, _mem(src.device)[0])
+                remote = self.agent.get_xfer_descs(rem, self._remote[self._tag]["mem"])
+                handle = self.agent.initialize_xfer("WRITE", local, remote, self._remote_name, note)
+                state = self.agent.transfer(handle)
+            self._stats["post_ms"] += (time.perf_counter() - t0) * 1e3
+            self._stats["descriptors"] += len(loc)
+            self._stats["transfers"] += 1
+            if state not in ("PROC", "DONE"):
+                raise RuntimeError(f"request {request}: NIXL transfer of layer(s) {_span(unit)} ended in state {state!r}")
+        except BaseException:
+            self._release(handle, staged)
+            raise
         return (handle, request, unit, staged)
 
     def _progress(self, inflight: list) -> list:
         left = []
         for h, request, unit, staged in inflight:
-            state = self.agent.check_xfer_state(h)
+            with self._lock:
+                state = self.agent.check_xfer_state(h)
             if state == "PROC":
                 left.append((h, request, unit, staged))
                 continue
-            self._release(h)
-            if staged is not None:
-                self.agent.deregister_memory(staged[1])
+            self._release(h, staged)
             if state != "DONE":
                 raise RuntimeError(f"request {request}: NIXL transfer of layer(s) {_span(unit)} ended in state {state!r}")
         return left
 
-    def _release(self, h) -> None:
-        try:
-            self.agent.release_xfer_handle(h)
-        except Exception:
-            pass
+    def _release(self, h, staged=None) -> None:
+        """Release a transfer handle (NIXL cancels it if it is still in flight) and the staged copy's registration."""
+        with self._lock:
+            if h is not None:
+                try:
+                    self.agent.release_xfer_handle(h)
+                except Exception:
+                    pass
+            if staged is not None:
+                try:
+                    self.agent.deregister_memory(staged[1])
+                except Exception:
+                    pass
 
     def finish_sends(self, request: int) -> None:
         """Wait until every queued unit is posted and DONE (the notifications are then on their way)."""
@@ -315,7 +343,9 @@ class NixlLink:
             if not done.wait(self.timeout_s + 5):
                 raise TimeoutError(f"request {request}: the NIXL poster did not finish within {self.timeout_s:g} s")
         if self._error:
-            raise self._error.pop()
+            err = self._error[0]
+            self._error.clear()
+            raise err
 
     def take_stats(self) -> dict:
         """This request's descriptors, transfers and posting time (ms), and reset them."""
@@ -323,16 +353,21 @@ class NixlLink:
         return out
 
     def close(self) -> None:
+        """Stop the poster (it finishes or releases what is in flight), forget the peer, release the memory. A poster
+        that does not stop within 10 s is left with its registrations, rather than have them pulled from under it."""
         if self._thread is not None:
             self._q.put(("stop",))
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=10)
+            if self._thread.is_alive():
+                return
             self._thread = None
-        if self._remote_name is not None:
-            try:
-                self.agent.remove_remote_agent(self._remote_name)
-            except Exception:
-                pass
-            self._remote_name = None
+        with self._lock:
+            if self._remote_name is not None:
+                try:
+                    self.agent.remove_remote_agent(self._remote_name)
+                except Exception:
+                    pass
+                self._remote_name = None
         self._remote = {}
         self._deregister()
 

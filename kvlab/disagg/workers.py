@@ -127,6 +127,8 @@ class PrefillWorker:
 
         ids, src, table = self.source(msg["layout"], msg["context"])
         mode = msg["mode"]
+        if hasattr(self.link, "take_stats"):  # nixl: this request's counts start from nothing
+            self.link.take_stats()
         if self.link.name in ("ipc", "nixl") and mode != "colocated":
             self.link.attach(msg["tag"])
             rows = None
@@ -207,6 +209,8 @@ class PrefillWorker:
         out = {"first_token": self._first, "t_prefill_start_ns": t0, "t_prefill_end_ns": t0, "t_sent_ns": _ns(),
                "prefill_ms": 0.0, "send_host_ms": (_ns() - t0) / 1e6, "host": host_id(),
                "bytes_moved": sum(src.nbytes((i,)) for i in msg["layers"]), "sent": list(msg["layers"])}
+        if hasattr(self.link, "take_stats"):
+            out["link"] = self.link.take_stats()
         if msg.get("checksum"):
             out.update(self.checksums(src))
         return out
@@ -522,6 +526,7 @@ def entry(rank: int, cfg_dict: dict, host: str, port: int, prefix: str, run_dir:
         link = make_link(cfg.backend, role, dev, control, cfg.timeout_s, peer=PREFILL if rank == DECODE else DECODE,
                          nixl_descs=cfg.nixl_descs)
         w = None
+        ok = False
         try:
             if rank == DECODE:
                 w = DecodeWorker(cfg, model, dev, control, link, progress)
@@ -536,8 +541,14 @@ def entry(rank: int, cfg_dict: dict, host: str, port: int, prefix: str, run_dir:
                 start = control.wait(f"gen{generation}/from", "the request to answer first") if generation else 0
                 control.post("pid/prefill", os.getpid())
                 PrefillWorker(cfg, model, dev, control, link, generation).serve(start)
+            ok = True
         finally:
-            (w.link if w is not None else link).close()
+            try:
+                (w.link if w is not None else link).close()
+            except Exception:
+                if ok:
+                    raise
+                # an error is already on its way out: it, not a close that failed after it, is what gets posted
         dist.destroy_process_group()
     except BaseException as err:
         line = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
