@@ -4,6 +4,7 @@ users run `kvlab disagg`)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 
@@ -34,4 +35,12 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code:
+        # a failed worker leaves without the interpreter's teardown: a gloo or NIXL thread still blocked there makes
+        # C++ call std::terminate (SIGABRT, "terminate called without an active exception"), and the launcher would
+        # then see a crash where this process has posted its error
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
