@@ -14,7 +14,7 @@ from .paged import BlockPool
 from .paged_xport import PagedTransport
 from .transfer import Landing
 
-__all__ = ["NixlTransport", "nixl_version", "nixl_api"]
+__all__ = ["NixlTransport", "nixl_version", "nixl_api", "nixl_missing"]
 
 
 def nixl_version() -> str | None:
@@ -43,6 +43,15 @@ def nixl_api():
     raise ImportError("; ".join(errors))
 
 
+def nixl_missing() -> str | None:
+    """Why NIXL cannot be used here (not installed, or its library does not load), or None."""
+    try:
+        nixl_api()
+    except Exception as exc:
+        return f"nixl is not installed or does not load ({type(exc).__name__}: {str(exc)[:200]}): pip install 'kvlab[nixl]'"
+    return None
+
+
 _NIXL_AGENTS = itertools.count()
 
 
@@ -61,11 +70,7 @@ class NixlTransport(PagedTransport):
 
     @classmethod
     def _unavailable_here(cls, src, dest):
-        try:
-            nixl_api()
-        except Exception as exc:
-            return f"nixl is not installed or does not load ({type(exc).__name__}: {exc}): pip install 'kvlab[nixl]'"
-        return None
+        return nixl_missing()
 
     def _setup(self):
         api = nixl_api()

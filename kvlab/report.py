@@ -295,9 +295,9 @@ def disagg_nixl(paths: list[str]) -> str:
     rows = []
     for path in paths:
         record, d = _run(path)
-        s = json.loads((d / "summary.json").read_text())
+        req, _, s = dr.load(d)
         ucx = s["nixl"]["ucx_transports"]
-        for r in dr.nixl_table(pd.read_csv(d / "requests.csv")).itertuples():
+        for r in dr.nixl_table(req).itertuples():
             rows.append({"run": _link(path), "descriptors": s["nixl"]["descs"], "layout": r.layout, "mode": r.mode,
                          "context": _ctx(r.context), "KiB": f"{r.kv_bytes // 1024:,}",
                          "descriptors a request": ", ".join(f"{x:,}" for x in r.descriptors),
@@ -342,11 +342,11 @@ def checksum_cost(paths: list[str]) -> str:
         record, d = _run(path)
         s = json.loads((d / "summary.json").read_text())
         f = pd.read_csv(d / "faults.csv")
-        for r in dr.checksum_table(f).itertuples():
+        for r in dr.checksum_table(f).to_dict("records"):
             rows.append({"run": _link(path), "backend": f"{s['backend']} ({s['prefill_device']} → {s['decode_device']})",
-                         "layout": s["layouts"][0], "context": _ctx(s["contexts"][0]), "side": r.side,
-                         "requests": r.requests, "MiB a request": _g(r._3), "median ms": _g(r._4),
-                         "max ms": _g(r._5), "GB/s (median)": _g(r._6)})
+                         "layout": s["layouts"][0], "context": _ctx(s["contexts"][0]), "side": r["side"],
+                         "requests": r["requests"], "MiB a request": _g(r["MiB a request"]),
+                         "median ms": _g(r["median ms"]), "max ms": _g(r["max ms"]), "GB/s (median)": _g(r["GB/s"])})
     return _md(pd.DataFrame(rows))
 
 

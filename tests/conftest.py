@@ -104,6 +104,11 @@ def make_notebook():
 REPO = Path(__file__).resolve().parent.parent
 
 
+def cpu_env(tmp_path) -> dict:
+    """The environment a test's `kvlab` command gets: data and figures under `tmp_path`, the CPU preset."""
+    return {"KVLAB_DATA": str(tmp_path / "data"), "KVLAB_FIGURES": str(tmp_path / "figures"), "KVLAB_PRESET": "cpu"}
+
+
 def kvlab_command(argv: list[str], env_extra: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run ``kvlab ARGV`` as a user would (a new process, the repository as working directory), with the data
     and figures roots and the published-figure switch taken from ``env_extra``, never the developer's shell."""

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import cpu_env as _env
 from conftest import kvlab_command
 from kvlab import models
-
-
-def _env(tmp_path) -> dict:
-    return {"KVLAB_DATA": str(tmp_path / "data"), "KVLAB_FIGURES": str(tmp_path / "figures"), "KVLAB_PRESET": "cpu"}
 
 
 def _one_line(done, says):

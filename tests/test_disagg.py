@@ -13,13 +13,10 @@ import pandas as pd
 import pytest
 import torch
 
+from conftest import cpu_env as _env
 from conftest import kvlab_command
 from kvlab import calculator, disagg, models
 from kvlab.disagg.protocol import IncompleteCacheError, LandedLayers
-
-
-def _env(tmp_path) -> dict:
-    return {"KVLAB_DATA": str(tmp_path / "data"), "KVLAB_FIGURES": str(tmp_path / "figures"), "KVLAB_PRESET": "cpu"}
 
 
 # ------------------------------------------------------------------------------------------ protocol

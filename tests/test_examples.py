@@ -11,6 +11,7 @@ import shutil
 import pytest
 
 from conftest import REPO, kvlab_command
+from conftest import cpu_env as _env
 
 README = REPO / "README.md"
 
@@ -86,10 +87,6 @@ def _fresh_outputs(argv: list[str]) -> None:
     for flag, value in zip(argv, argv[1:]):
         if flag == "--out" and os.path.realpath(value).startswith("/tmp/") and os.path.isdir(value):
             shutil.rmtree(value, ignore_errors=True)
-
-
-def _env(tmp_path) -> dict:
-    return {"KVLAB_DATA": str(tmp_path / "data"), "KVLAB_FIGURES": str(tmp_path / "figures"), "KVLAB_PRESET": "cpu"}
 
 
 @pytest.mark.parametrize("command, comment", README_COMMANDS, ids=[c for c, _ in README_COMMANDS])

@@ -10,16 +10,14 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from conftest import cpu_env as _env
 from conftest import kvlab_command
 from kvlab import calculator, models
-from kvlab.disagg.nixl_link import merge_runs, nixl_missing, ucx_transports
+from kvlab.disagg.nixl_link import merge_runs, ucx_transports
+from kvlab.nixl import nixl_missing
 
 MISSING = nixl_missing()
 needs_nixl = pytest.mark.skipif(MISSING is not None and not os.environ.get("CI"), reason=str(MISSING))
-
-
-def _env(tmp_path) -> dict:
-    return {"KVLAB_DATA": str(tmp_path / "data"), "KVLAB_FIGURES": str(tmp_path / "figures"), "KVLAB_PRESET": "cpu"}
 
 
 @pytest.fixture(scope="module")
@@ -169,9 +167,10 @@ def test_nixl_bad_input_is_one_line_before_anything_is_written(argv, says, tmp_p
 
 
 def test_a_machine_without_nixl_is_told_how_to_get_it(monkeypatch):
-    from kvlab.disagg import config, nixl_link
+    from kvlab import nixl
+    from kvlab.disagg import config
 
-    monkeypatch.setattr(nixl_link, "nixl_missing", lambda: "nixl is not installed or does not load (ImportError: x): "
+    monkeypatch.setattr(nixl, "nixl_missing", lambda: "nixl is not installed or does not load (ImportError: x): "
                                                            "pip install 'kvlab[nixl]'")
     why = config.backend_unavailable("nixl", "cpu", "cpu")
     assert why.startswith("backend 'nixl': nixl is not installed") and "pip install 'kvlab[nixl]'" in why

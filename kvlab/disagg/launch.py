@@ -135,13 +135,17 @@ def _start(cfg: DisaggConfig, port: int, run_dir: Path, role: str, generation: i
     cmd = [sys.executable, "-m", "kvlab.disagg", "--rank", str(rank), "--config", json.dumps(_params(cfg)),
            "--host", "127.0.0.1", "--port", str(port), "--prefix", "kvlab", "--run-dir", str(run_dir),
            "--generation", str(generation)]
-    name = f"worker-{role}.log" if not generation else f"worker-{role}-g{generation}.log"
     env = None
     if cfg.backend == "nixl" and "UCX_PROTO_INFO" not in os.environ:
         # UCX prints which transport each protocol chose (cma, cuda_ipc, tcp…) into the log: summary.json reads it
         env = {**os.environ, "UCX_PROTO_INFO": "y"}
-    with open(Path(run_dir, name), "w") as log:
+    with open(Path(run_dir, _log_name(role, generation)), "w") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+
+def _log_name(role: str, generation: int = 0) -> str:
+    """A worker's log in the run folder: worker-<role>.log, or worker-prefill-g<g>.log for a successor."""
+    return f"worker-{role}.log" if not generation else f"worker-{role}-g{generation}.log"
 
 
 def _start_workers(cfg: DisaggConfig, port: int, run_dir: Path) -> list:
@@ -171,8 +175,8 @@ def _watch(cfg: DisaggConfig, store, procs: list, progress: bool, restart=None) 
             done = int(store.add("kvlab/progress", 0))
             bar.update(done - bar.n)
             codes = [(role, p.poll()) for role, p in procs]
-            if (kills and dict(codes).get("prefill") == -signal.SIGKILL
-                    and store.check([f"kvlab/kill/{generation}"])):  # the kill it announced: the fault itself
+            announced = kills and store.check([f"kvlab/kill/{generation}"])  # a planned kill: a fault, never a cause
+            if announced and dict(codes).get("prefill") == -signal.SIGKILL:  # the kill it announced: the fault itself
                 store.set(f"kvlab/dead/prefill/{generation}", json.dumps(-signal.SIGKILL))
                 pid = next(p.pid for r, p in procs if r == "prefill")
                 deaths.append({"generation": generation, "pid": pid, **json.loads(store.get(f"kvlab/kill/{generation}"))})
@@ -180,8 +184,7 @@ def _watch(cfg: DisaggConfig, store, procs: list, progress: bool, restart=None) 
                 procs[:] = [(r, p) for r, p in procs if r != "prefill"] + [("prefill", restart(generation))]
                 continue
             if _worker_error(store) or any(c not in (None, 0) for _, c in codes):
-                planned = kills and store.check([f"kvlab/kill/{generation}"])  # a fault: never the cause
-                raise DisaggError(_first_cause(store, procs, planned_prefill_kill=planned))
+                raise DisaggError(_first_cause(store, procs, planned_prefill_kill=announced))
             if all(c == 0 for _, c in codes):
                 return deaths
             if dict(codes).get("decode") == 0:
@@ -204,18 +207,15 @@ def _first_cause(store, procs: list, planned_prefill_kill: bool = False) -> str:
     time.sleep(0.5)
     codes = [(role, p.poll()) for role, p in procs]
 
-    def posted(role):
-        return store.check([f"kvlab/error/{role}"])
-
-    for role, code in codes:
-        if (code in (-signal.SIGKILL, -signal.SIGTERM) and not posted(role)
-                and not (role == "prefill" and planned_prefill_kill)):
+    # deaths by a signal nothing else explains: the process posted no error of its own, and no campaign planned it
+    silent = {role: code for role, code in codes if code is not None and code < 0
+              and not store.check([f"kvlab/error/{role}"]) and not (role == "prefill" and planned_prefill_kill)}
+    for role, code in silent.items():
+        if code in (-signal.SIGKILL, -signal.SIGTERM):
             return f"the {role} process {_how_it_ended(code)}: {_last_line(procs, role)}"
     why = _worker_error(store)
     if why:
-        also = [f"the {role} process {_how_it_ended(code)}" for role, code in codes
-                if code is not None and code < 0 and not posted(role)
-                and not (role == "prefill" and planned_prefill_kill)]
+        also = [f"the {role} process {_how_it_ended(code)}" for role, code in silent.items()]
         return why + (f" ({'; '.join(also)})" if also else "")
     role, code = next(((r, c) for r, c in codes if c not in (None, 0)), codes[0])
     return f"the {role} process {_how_it_ended(code)}: {_last_line(procs, role)}"
@@ -238,8 +238,7 @@ def _last_line(procs: list, role: str) -> str:
         if r == role:
             try:
                 gen = int(p.args[p.args.index("--generation") + 1]) if "--generation" in p.args else 0
-                name = f"worker-{role}.log" if not gen else f"worker-{role}-g{gen}.log"
-                lines = [ln for ln in Path(p.args[p.args.index("--run-dir") + 1], name)
+                lines = [ln for ln in Path(p.args[p.args.index("--run-dir") + 1], _log_name(role, gen))
                          .read_text(errors="replace").splitlines() if ln.strip()]
                 return f"last line of its log: {lines[-1][:300]}" if lines else "its log is empty"
             except OSError:

@@ -34,20 +34,9 @@ import torch
 
 from .links import Sink, Source, _Rows, _span, flip_first_byte
 
-__all__ = ["NixlLink", "nixl_missing", "ucx_transports", "DESCS"]
+__all__ = ["NixlLink", "ucx_transports", "DESCS"]
 
 DESCS = ("block", "merged")
-
-
-def nixl_missing() -> str | None:
-    """Why NIXL cannot be used here (not installed, or its library does not load), or None."""
-    from ..nixl import nixl_api
-
-    try:
-        nixl_api()
-    except Exception as exc:
-        return f"nixl is not installed or does not load ({type(exc).__name__}: {str(exc)[:200]}): pip install 'kvlab[nixl]'"
-    return None
 
 
 def _mem(device: torch.device) -> tuple[str, int]:
