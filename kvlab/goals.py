@@ -248,6 +248,11 @@ def _disagg_layerwise_4k_32k(r, t) -> bool:
     return getattr(r, "mode", None) == "layerwise" and 4096 <= r.context <= 32768
 
 
+def _disagg_peer_32k(r, t) -> bool:
+    return (getattr(r, "mode", None) == "bulk" and r.context == 32768 and not bool(r.same_gpu)
+            and getattr(r, "backend", None) in ("ipc", "nccl"))
+
+
 def _disagg_run(r, t) -> bool:
     return bool(getattr(r, "first_row", False))  # one verdict for the whole run, on its first row
 
@@ -262,6 +267,12 @@ _DISAGG = [
          "exposed_ms", "<=", "layer_ms", lo="exposed_ms_lo", hi="exposed_ms_hi", unit=" ms", digits=3,
          applies=_disagg_layerwise_4k_32k, interval=_MEDIAN_CI, declared="issue 15, 2026-11-30 (in goals.py after the first runs, thresholds as the issue set them)",
          note="exposed as the decode side knows it: the last layer's landed message − the prefill's end"),
+    # written on 2026-12-01 before any two-GPU run with a bench (the issue's threshold, for each layout at 32k):
+    # the ceiling is a plain copy of the same bytes to the peer GPU inside the prefill process, measured in the
+    # same run by the same timer as the send (ipc: CUDA events; nccl: the host clock across the two processes)
+    Goal("disagg.peer_send", "disagg", "ipc and nccl bulk send ≥ 90 % of the peer copy of the same bytes, two GPUs",
+         "pct_of_ceiling", ">=", 90.0, lo="pct_lo", hi="pct_hi", unit=" %", digits=1, applies=_disagg_peer_32k,
+         interval=_SEND_CI, declared="issue 15, 2026-12-01 (before the first two-GPU run with a bench)"),
     Goal("disagg.identical", "disagg", "every decode identical to colocated (tokens, logits, bytes, no poison)",
          "mismatched_all", "<=", 0, digits=0, applies=_disagg_run, declared="issue 15, 2026-11-30 (in goals.py after the first runs, thresholds as the issue set them)",
          note="requests of the whole run whose decode differed in any way"),

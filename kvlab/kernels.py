@@ -267,7 +267,8 @@ def copy_rows_reference(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Ten
 # the launcher
 
 
-def _check(src, src_idx, dst, dst_idx):
+def _check(src, src_idx, dst, dst_idx, device=None):
+    dev = device if device is not None else src.device
     for name, t in (("src", src), ("dst", dst)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous 2-D tensor [rows, elems], got "
@@ -277,8 +278,8 @@ def _check(src, src_idx, dst, dst_idx):
                          f"dst {dst.dtype} × {dst.shape[1]} elems; they must match")
     if src_idx.dim() != 1 or src_idx.dtype != torch.int64:
         raise ValueError(f"src_idx must be a 1-D int64 tensor, got {src_idx.dtype} {tuple(src_idx.shape)}")
-    if src_idx.device != src.device:
-        raise ValueError(f"src_idx is on {src_idx.device} but src is on {src.device}; the kernel runs on src's device")
+    if src_idx.device != dev:
+        raise ValueError(f"src_idx is on {src_idx.device}; it must be on the kernel's device {dev}")
     if dst_idx is None:
         if src_idx.shape[0] > dst.shape[0]:
             raise ValueError(f"dst has {dst.shape[0]} rows, too few for {src_idx.shape[0]} gathered rows")
@@ -286,8 +287,8 @@ def _check(src, src_idx, dst, dst_idx):
         if dst_idx.dim() != 1 or dst_idx.dtype != torch.int64 or dst_idx.shape[0] != src_idx.shape[0]:
             raise ValueError(f"dst_idx must be 1-D int64 with {src_idx.shape[0]} entries (one per source row), "
                              f"got {dst_idx.dtype} {tuple(dst_idx.shape)}")
-        if dst_idx.device != src.device:
-            raise ValueError(f"dst_idx is on {dst_idx.device}; it must be on the kernel's device {src.device}")
+        if dst_idx.device != dev:
+            raise ValueError(f"dst_idx is on {dst_idx.device}; it must be on the kernel's device {dev}")
 
 
 def _check_bounds(src, src_idx, dst, dst_idx):
@@ -365,7 +366,7 @@ def launch_rows(src, src_idx, dst, dst_idx, config: KernelConfig, programs: int 
             raise ValueError(f"programs={programs!r}: expected an int ≥ 1 (the grid's size)")
         programs = min(n_tiles, programs)
     elif config.persistent:
-        programs = min(n_tiles, config.persistent * _sm_count(_kernel_device(src, dst)))
+        programs = min(n_tiles, config.persistent * _sm_count(src_idx.device))  # the indices live on the kernel's device
     else:
         programs = n_tiles
     kernel = _kernel(interpret)
@@ -413,16 +414,22 @@ def candidate_configs(row_words: int) -> list[KernelConfig]:
     return out or [DEFAULT_CONFIG]
 
 
-def tune(src, src_idx, dst, dst_idx=None, candidates=None, repeats: int = 5, warmup: int = 1):
+def tune(src, src_idx, dst, dst_idx=None, candidates=None, repeats: int = 5, warmup: int = 1, device=None):
     """Time each candidate config on these exact tensors (CUDA events, median of `repeats`); GPU only.
+    device: the GPU the kernel runs on (default src's; a pull from a peer GPU: dst's), which holds both index tensors.
 
     Writes dst rows exactly as copy_rows would (the same bytes each time), nothing else.
     Returns (best KernelConfig, [ {config…, "ms": median} ... ]) — on CPU: (DEFAULT_CONFIG, []).
     """
-    _check(src, src_idx, dst, dst_idx)
-    dev = _kernel_device(src, dst)
+    _check(src, src_idx, dst, dst_idx, device)
+    dev = torch.device(device) if device is not None else _kernel_device(src, dst)
     if dev.type != "cuda":
         return DEFAULT_CONFIG, []
+    with torch.cuda.device(dev):
+        return _tune(src, src_idx, dst, dst_idx, dev, candidates, repeats, warmup)
+
+
+def _tune(src, src_idx, dst, dst_idx, dev, candidates, repeats, warmup):
     row_words = as_words(src, word_dtype(src.shape[1] * src.element_size(), src, dst)).shape[1]
     candidates = list(candidates) if candidates is not None else candidate_configs(row_words)
     stream = torch.cuda.current_stream(dev)

@@ -123,16 +123,32 @@ def test_bad_input_is_one_line_before_anything_is_written(argv, says, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.device_count() > 0, reason="this checks the refusals of a machine without GPUs")
 @pytest.mark.parametrize("backend, says", [("ipc", "needs a GPU"), ("nccl", "needs two GPUs")])
-def test_backends_this_machine_lacks_are_refused(backend, says, monkeypatch):
-    monkeypatch.setenv("KVLAB_DISAGG_NCCL", "1")
+def test_backends_this_machine_lacks_are_refused(backend, says):
     with pytest.raises(ValueError, match=says):
         disagg.check(disagg.DisaggConfig(backend=backend))
 
 
-def test_nccl_is_off_until_its_hang_is_understood(monkeypatch):
-    monkeypatch.delenv("KVLAB_DISAGG_NCCL", raising=False)
-    with pytest.raises(ValueError, match="did not finish its first requests on 2×H200"):
-        disagg.check(disagg.DisaggConfig(backend="nccl"))
+def test_bench_is_refused_where_the_backend_has_none():
+    with pytest.raises(ValueError, match="bench times the send alone with backend ipc, nccl or gloo; got 'nixl'"):
+        disagg.check(disagg.DisaggConfig(backend="nixl", bench=True))
+
+
+def test_gloo_bench_times_the_send_against_a_copy_of_the_same_bytes(tmp_path):
+    """The bench of the torch.distributed backends on this CPU: every round's send (bulk, and the last layer)
+    is timed from the prefill side's start to the decode side's landing, beside an in-process copy of the same
+    bytes; both layouts, each round a positive time, the bytes those of the cache (or its last layer)."""
+    from kvlab import calculator
+
+    s = disagg.run(disagg.DisaggConfig(backend="gloo", layouts=("contiguous", "paged"), repeats=1, bench=True,
+                                       bench_repeats=3), tmp_path / "run", progress=False)
+    b = pd.read_csv(tmp_path / "run" / "bench.csv")
+    assert set(b["kind"]) == {"send", "ceiling", "layer"} and set(b["layout"]) == {"contiguous", "paged"}
+    assert (b.groupby(["layout", "kind"]).size() == 3).all() and (b["ms"] > 0).all()
+    assert (b["timer"] == "host clock, two processes").all()
+    spec = disagg.DisaggConfig().spec()
+    whole = calculator.kv_cache_bytes(spec, 128, "bfloat16")
+    assert set(b[b.kind != "layer"]["bytes"]) == {whole} and set(b[b.kind == "layer"]["bytes"]) == {whole // spec.layers}
+    assert s["tokens_match"] and s["logits_equal"]
 
 
 def test_sigterm_stops_both_workers_and_marks_the_run(tmp_path):
@@ -338,12 +354,23 @@ def test_disagg_gpu_ipc(tmp_path):
     assert len(s["bench"]) == 4
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2 or not os.environ.get("KVLAB_DISAGG_NCCL"),
-                    reason="NCCL needs two GPUs, and it is off until its first-run hang is understood")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
 def test_disagg_gpu_nccl(tmp_path):
     s = disagg.run(disagg.DisaggConfig(backend="nccl", contexts=(128, 100), layouts=("contiguous", "paged"),
-                                       repeats=2), tmp_path / "run", progress=False)
+                                       repeats=2, bench=True, bench_repeats=3), tmp_path / "run", progress=False)
     assert s["tokens_match"] and s["logits_equal"] and s["bytes_equal"] and s["poison_left"] == 0
+    assert len(s["bench"]) == 4
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a paged send between two GPUs needs two GPUs")
+def test_disagg_gpu_ipc_paged_between_two_gpus_pulls(tmp_path):
+    """Triton will not store to the peer's IPC pointer, so the row kernel runs on the decode GPU and reads the
+    prefill pool over NVLink: every decode identical, the bench names the pull."""
+    s = disagg.run(disagg.DisaggConfig(backend="ipc", decode_device="cuda:1", contexts=(128,), layouts=("paged",),
+                                       repeats=2, bench=True, bench_repeats=3), tmp_path / "run", progress=False)
+    assert s["tokens_match"] and s["logits_equal"] and s["bytes_equal"] and s["poison_left"] == 0
+    b = pd.read_csv(tmp_path / "run" / "bench.csv")
+    assert b[b.kind == "send"]["kernel"].str.contains("pulled by the decode GPU").all()
 
 
 # ------------------------------------------------------------------------------------- fault injection

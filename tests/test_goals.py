@@ -40,6 +40,7 @@ _CANDIDATES = [dict(context=c, destination=d, method=m, block_size=16)
 # kvlab disagg's summary rows (last: the goals above find theirs first)
 _CANDIDATES += [dict(context=c, layout=lay, mode=m, same_gpu=True, first_row=True)
                 for c, lay, m in itertools.product([1024, 32768], ["contiguous", "paged"], ["bulk", "layerwise"])]
+_CANDIDATES += [dict(context=32768, layout="paged", mode="bulk", same_gpu=False, backend="nccl", first_row=True)]
 
 
 def _row(goal: G.Goal, case: str) -> pd.DataFrame:
@@ -151,15 +152,20 @@ def test_point_goals_and_tables_without_interval_columns_are_judged_on_the_point
 def test_the_disagg_goals_judge_their_own_rows_only():
     t = pd.DataFrame([dict(layout=lay, mode=m, context=c, same_gpu=g, first_row=i == 0, pct_of_ceiling=80.0,
                            pct_lo=79.0, pct_hi=81.0, exposed_ms=-1.0, exposed_ms_lo=-1.1, exposed_ms_hi=-0.9,
-                           layer_ms=0.1, mismatched_all=0)
-                      for i, (lay, m, c, g) in enumerate(itertools.product(["contiguous", "paged"], ["bulk", "layerwise"],
-                                                                           [1024, 4096, 32768, 65536], [True, False]))])
-    got = G.evaluate(G.for_study("disagg"), t, keys=("layout", "mode", "context", "same_gpu"))
+                           layer_ms=0.1, mismatched_all=0, backend=b)
+                      for i, (lay, m, c, g, b) in enumerate(itertools.product(
+                          ["contiguous", "paged"], ["bulk", "layerwise"], [1024, 4096, 32768, 65536], [True, False],
+                          ["ipc", "nccl", "gloo"]))])
+    got = G.evaluate(G.for_study("disagg"), t, keys=("layout", "mode", "context", "same_gpu", "backend"))
     paged = got[got.id == "disagg.ipc_paged"]
-    assert len(paged) == 1 and paged.iloc[0][["layout", "mode", "context", "same_gpu"]].tolist() == ["paged", "bulk",
-                                                                                                     32768, True]
+    assert len(paged) == 3 and set(map(tuple, paged[["layout", "mode", "context", "same_gpu"]].values.tolist())) == {
+        ("paged", "bulk", 32768, True)}
+    peer = got[got.id == "disagg.peer_send"]  # two GPUs, 32k, bulk, each layout, ipc and nccl (not gloo)
+    assert sorted(map(tuple, peer[["layout", "backend"]].values.tolist())) == [
+        ("contiguous", "ipc"), ("contiguous", "nccl"), ("paged", "ipc"), ("paged", "nccl")]
+    assert set(peer["mode"]) == {"bulk"} and set(peer.context) == {32768} and not peer.same_gpu.any()
     lw = got[got.id == "disagg.layerwise_exposed"]
-    assert set(lw.context) == {4096, 32768} and set(lw["mode"]) == {"layerwise"} and len(lw) == 2 * 2 * 2
+    assert set(lw.context) == {4096, 32768} and set(lw["mode"]) == {"layerwise"} and len(lw) == 2 * 2 * 2 * 3
     assert len(got[got.id == "disagg.identical"]) == 1
 
 

@@ -29,7 +29,7 @@ class DisaggConfig:
     for prefill; decode on cuda:1 for nccl, else on the prefill device); repeats / warmup: timed and untimed
     rounds; decode_tokens: greedy tokens compared with the colocated decode; timeout_s: the deadline of every
     wait across the boundary; bench: also time the bulk send alone beside an in-process copy of the same
-    bytes (ipc), bench_repeats times; port: the control store's port (0: a free one); drop_layer: a fault for
+    bytes (ipc, nccl, gloo), bench_repeats times; port: the control store's port (0: a free one); drop_layer: a fault for
     tests — the prefill side never sends this layer in layer-wise mode (-1: none).
     """
 
@@ -102,13 +102,6 @@ def backend_unavailable(backend: str, prefill: str, decode: str, paged: bool = F
             return "backend 'ipc' is CUDA IPC and needs a GPU; this machine has none: use --backend gloo"
         if not (prefill.startswith("cuda") and decode.startswith("cuda")):
             return f"backend 'ipc' moves GPU memory: both devices must be GPUs, got {prefill} → {decode}"
-    if backend == "ipc" and paged and prefill != decode:
-        return ("a paged cache over 'ipc' between two GPUs is not built: Triton cannot store to another GPU's pointer "
-                "(it refused one on 2×H200, run 20261130-180608); use a contiguous layout, or one GPU")
-    if backend == "nccl" and not os.environ.get("KVLAB_DISAGG_NCCL"):
-        return ("backend 'nccl' did not finish its first requests on 2×H200 (2026-11-30: the decode side's first "
-                "receive never completed, even with the tiny model), so it is switched off until that is understood; "
-                "set KVLAB_DISAGG_NCCL=1 to try it anyway (every wait still ends at --timeout)")
     if backend == "nccl":
         if n < 2:
             return (f"backend 'nccl' needs two GPUs (NCCL cannot put both processes on one GPU); this machine has {n}: "
@@ -212,8 +205,8 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
     if cfg.faults and cfg.fault_timeout_s + 1.0 >= cfg.timeout_s:
         raise ValueError(f"fault-timeout = {cfg.fault_timeout_s:g} s must stay at least 1 s under timeout = "
                          f"{cfg.timeout_s:g} s (a late layer is waited for after its deadline)")
-    if cfg.bench and cfg.backend != "ipc":
-        raise ValueError(f"bench times the send alone on the GPU, which only backend 'ipc' does here; got {cfg.backend!r}")
+    if cfg.bench and cfg.backend not in ("ipc", "nccl", "gloo"):
+        raise ValueError(f"bench times the send alone with backend ipc, nccl or gloo; got {cfg.backend!r}")
     spec = cfg.spec()
     if cfg.drop_layer >= spec.layers:
         raise ValueError(f"drop_layer = {cfg.drop_layer}: {spec.name} has layers 0 … {spec.layers - 1}")
@@ -223,7 +216,7 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
 def from_params(params, gpu: bool | None = None) -> DisaggConfig:
     """The DisaggConfig of notebook 05's parameters, "auto" resolved by hardware (`gpu`; None: kvlab.nbtools.preset):
     backend ipc on a GPU, gloo on a CPU; Qwen2.5-7B at 1k…32k on a GPU, kvlab-tiny at 128 tokens on a CPU; the
-    bench on where the backend has one (ipc). Checked (`check`) before it is returned."""
+    bench on for ipc and nccl on a GPU. Checked (`check`) before it is returned."""
     from .. import nbtools
 
     if gpu is None:
@@ -235,7 +228,7 @@ def from_params(params, gpu: bool | None = None) -> DisaggConfig:
         return (on_gpu if gpu else on_cpu) if v == "auto" else v
 
     backend = auto("backend", "ipc", "gloo")
-    bench = auto("bench", "on" if backend == "ipc" else "off", "off")
+    bench = auto("bench", "on" if backend in ("ipc", "nccl") else "off", "off")
     if bench not in ("on", "off"):
         raise ValueError(f"bench = {bench!r} is not valid; valid: auto, on, off")
     cfg = DisaggConfig(backend=backend, model=auto("model", "qwen2.5-7b", "kvlab-tiny"),

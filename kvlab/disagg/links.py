@@ -6,7 +6,9 @@ A request's cache crosses in *units*: one unit of every layer (bulk) or one unit
     ipc    CUDA IPC: the decode process shares its destination (torch's cudaIpcMemHandle sharing,
            torch.multiprocessing.reductions); the prefill process writes into it with its own copies — one
            copy engine `copy_` (contiguous) or kvlab's Triton row kernel (paged: rows gathered from the
-           prefill pool and scattered into the decode pool in one pass). A notifier thread waits for each
+           prefill pool and scattered into the decode pool in one pass). Between two GPUs a paged send *pulls*:
+           Triton refuses to store to a peer GPU's IPC-mapped pointer ("cannot be accessed from Triton"), so the
+           prefill process launches the row kernel on the decode GPU, reading its own pool over NVLink. A notifier thread waits for each
            unit's CUDA event and only then posts ``req{r}/landed/u{k}`` (the unit's layers): the decode side
            learns of a layer once its bytes are in its memory — one message a unit, so a bulk send is one. Same host; one GPU or two.
     nccl   torch.distributed isend/irecv on NCCL (two GPUs; across nodes too). Layer-wise sends are issued
@@ -58,6 +60,14 @@ class _Rows:
     def of(self, unit: tuple[int, ...]) -> torch.Tensor:
         return self.all if len(unit) == len(self.layer) else self.layer[unit[0]]
 
+    def to(self, device) -> "_Rows":
+        """The same rows, their index tensors on `device`."""
+        out = object.__new__(_Rows)
+        out.top, out.host, out.per_layer = self.top, self.host, self.per_layer
+        out.layer = [t.to(device) for t in self.layer]
+        out.all = torch.cat(out.layer)
+        return out
+
     @classmethod
     def for_pool(cls, pool: BlockPool, block_ids) -> "_Rows":
         return cls(pool.spec.layers, pool.num_blocks, list(block_ids), pool.device)
@@ -84,7 +94,14 @@ class Source:
         """The unit's bytes as one contiguous tensor (paged: gathered rows, a new tensor)."""
         if not self.paged:
             return self.buffer.data if len(unit) == self.layers else self.buffer.data[unit[0]]
-        return self.pool.rows.index_select(0, self.rows.of(unit))
+        rows = self.rows.of(unit)
+        if self.pool.rows.device.type != "cuda":
+            return self.pool.rows.index_select(0, rows)
+        from .. import kernels
+
+        out = torch.empty((len(rows), self.pool.rows.shape[1]), dtype=self.pool.rows.dtype, device=self.pool.rows.device)
+        kernels.copy_rows(self.pool.rows, rows, out, check_bounds=False)  # Triton gather; rows checked in _Rows
+        return out
 
     def nbytes(self, unit: tuple[int, ...]) -> int:
         if not self.paged:
@@ -102,6 +119,7 @@ class Sink:
         self.rows = _Rows.for_pool(pool, self.block_ids) if pool is not None else None
         self.device = buffer.device if buffer is not None else pool.device
         self._staging = None
+        self._arange = None  # 0 … rows − 1 on the device: the staging tensor's rows, for the scatter
 
     @property
     def paged(self) -> bool:
@@ -138,7 +156,16 @@ class Sink:
     def settle(self, unit: tuple[int, ...], staged: torch.Tensor | None) -> None:
         """Put a unit received into `staged` (a landing_view) where decode reads it."""
         if self.paged:
-            self.pool.rows.index_copy_(0, self.rows.of(unit), staged.to(self.device, non_blocking=True))
+            staged, rows = staged.to(self.device, non_blocking=True), self.rows.of(unit)
+            if self.device.type != "cuda":
+                self.pool.rows.index_copy_(0, rows, staged)
+                return
+            from .. import kernels
+
+            if self._arange is None or len(self._arange) < len(rows):
+                self._arange = torch.arange(self.layers * self.rows.per_layer, device=self.device)
+            # Triton scatter; the pool's rows were checked in _Rows
+            kernels.copy_rows(staged, self._arange[:len(rows)], self.pool.rows, rows, check_bounds=False)
         elif staged is not None:
             dst = self.buffer.data if len(unit) == self.layers else self.buffer.data[unit[0]]
             dst.copy_(staged, non_blocking=True)
@@ -294,6 +321,8 @@ class IpcLink:
         self._thread = None
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.kernel_config = None  # the Triton row kernel's config (None: kernels.DEFAULT_CONFIG); see tune()
+        self._peer_stream = None  # a pull's stream, on the decode GPU (see _stream_for)
+        self._peer_rows: dict = {}  # id(source rows) → (source rows, their copy on the decode GPU)
 
     # decode side
     def expose(self, tag: str, sink: Sink) -> None:
@@ -326,7 +355,29 @@ class IpcLink:
 
                 enable_peer(self.device, t.device)
             self._dst = {tag: t}  # the decode side has moved on: release the mapping of its previous destination
+            self._peer_rows = {}
         return self._dst[tag]
+
+    def pulls(self, src: Source) -> bool:
+        """A paged send to another GPU: the row kernel runs on the decode GPU and reads this GPU's pool."""
+        return src.paged and self._dst[self._tag].device != src.device
+
+    def _stream_for(self, src: Source):
+        if not self.pulls(src):
+            return self.stream
+        dev = self._dst[self._tag].device
+        if self._peer_stream is None or self._peer_stream.device != dev:
+            self._peer_stream = torch.cuda.Stream(device=dev)
+        return self._peer_stream
+
+    def _src_rows(self, src: Source) -> "_Rows":
+        """The source's row indices on the kernel's device (a pull: copied once to the decode GPU)."""
+        if not self.pulls(src):
+            return src.rows
+        key = id(src.rows)
+        if key not in self._peer_rows or self._peer_rows[key][0] is not src.rows:
+            self._peer_rows[key] = (src.rows, src.rows.to(self._dst[self._tag].device))
+        return self._peer_rows[key][1]
 
     def bind(self, tag: str, dst_rows: "_Rows | None", row_elems: int = 0) -> None:
         """The destination the next sends write into (and, paged, the decode pool's rows for them, each
@@ -336,6 +387,9 @@ class IpcLink:
             if dst_rows.top >= have:
                 raise ValueError(f"the decode side's rows reach {dst_rows.top}, past the {have} rows of the "
                                  f"destination it shared ({tag})")
+            dev = self._dst[tag].device
+            if dev != dst_rows.all.device and dev.type == "cuda":  # a pull: the kernel and its indices on the decode GPU
+                dst_rows = dst_rows.to(dev)
         self._tag, self._dst_rows = tag, dst_rows
 
     def _copy(self, unit, src: Source, on_stream=None) -> None:
@@ -345,6 +399,10 @@ class IpcLink:
         if not src.paged:
             view = dst if len(unit) == src.layers else dst[unit[0]]
             view.copy_(src.buffer.data if len(unit) == src.layers else src.buffer.data[unit[0]], non_blocking=True)
+        elif self.pulls(src):  # on the decode GPU (the caller's stream is _stream_for's, so the device is that GPU)
+            rows = dst.view(-1, src.pool.rows.shape[1])
+            kernels.launch_rows(src.pool.rows, self._src_rows(src).of(unit), rows, self._dst_rows.of(unit),
+                                self.kernel_config or kernels.DEFAULT_CONFIG)
         else:
             rows = dst.view(-1, src.pool.rows.shape[1])
             # both row lists were checked on the host (_Rows, bind): no sync on the timed path
@@ -356,8 +414,9 @@ class IpcLink:
             raise RuntimeError("CUDA IPC needs CUDA")
         self._start_notifier()
         compute = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(compute)
-        with torch.cuda.stream(self.stream):
+        stream = self._stream_for(src)
+        stream.wait_stream(compute)  # across GPUs too: an event of the prefill GPU's stream
+        with torch.cuda.stream(stream):
             self._copy(unit, src)
             if corrupt:  # fault injection: flip the first byte of the unit where it landed
                 dst = self._dst[self._tag]
@@ -367,7 +426,7 @@ class IpcLink:
                 else:
                     flip_first_byte(dst if len(unit) == src.layers else dst[unit[0]])
             ev = torch.cuda.Event()
-            ev.record(self.stream)
+            ev.record(stream)
         self._q.put((request, 0 if len(unit) == src.layers else unit[0], unit, ev))
 
     def tune(self, src: Source) -> list[dict]:
@@ -377,15 +436,18 @@ class IpcLink:
         from .. import kernels
 
         rows = self._dst[self._tag].view(-1, src.pool.rows.shape[1])
-        with torch.cuda.stream(self.stream):
-            best, tried = kernels.tune(src.pool.rows, src.rows.all, rows, self._dst_rows.all)
+        stream = self._stream_for(src)
+        with torch.cuda.stream(stream):
+            best, tried = kernels.tune(src.pool.rows, self._src_rows(src).all, rows, self._dst_rows.all,
+                                       device=stream.device)
         self.kernel_config = best
         return tried
 
     def time_copy(self, unit, src: Source) -> float:
-        """One send alone on the copy stream, in ms (CUDA events); no notification."""
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        return event_ms(self.stream, lambda: self._copy(unit, src))
+        """One send alone on the copy stream (a pull's: on the decode GPU), in ms (CUDA events); no notification."""
+        stream = self._stream_for(src)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        return event_ms(stream, lambda: self._copy(unit, src))
 
     def _start_notifier(self) -> None:
         if self._thread is None:
@@ -416,7 +478,9 @@ class IpcLink:
         if self._thread is not None:
             self._q.put(None)
             self._thread.join(timeout=5)
-        self._dst = {}
+        if self._peer_stream is not None:
+            self._peer_stream.synchronize()
+        self._dst, self._peer_rows = {}, {}
         if self.stream is not None:
             torch.cuda.synchronize(self.device)
 

@@ -136,7 +136,7 @@ class PrefillWorker:
                 rows = _Rows.for_ids(src.layers, msg["dst_num_blocks"], msg["dst_blocks"], self.dev)
             self.link.bind(msg["tag"], rows, src.pool.rows.shape[1] if src.paged else 0)
         if msg.get("bench"):
-            return self.bench(src, msg)
+            return self.bench(src, msg) if self.link.name == "ipc" else self.bench_dist(n, src, msg)
         if mode == "resend":  # a retry: only the layers asked for, from the source the last prefill left
             if (msg["layout"], msg["context"]) not in self._filled:  # a new process (its predecessor died)
                 self._first = int(self._prefill(ids, src, table).argmax(-1).view(-1)[0])
@@ -252,9 +252,51 @@ class PrefillWorker:
         if src.paged:
             tuned.update(extra)
         self.link.kernel_config = None
+        kernel = "copy_"
+        if src.paged:
+            kernel = "triton row copy, tuned" + (" (pulled by the decode GPU)" if self.link.pulls(src) else "")
         return {"send_ms": send, "ceiling_ms": plain, "layer_ms": layer, "send_default_ms": default, "bytes": nbytes,
-                "layer_bytes": src.nbytes((src.layers - 1,)), "tuned": tuned,
-                "kernel": "triton row copy, tuned" if src.paged else "copy_"}
+                "layer_bytes": src.nbytes((src.layers - 1,)), "tuned": tuned, "kernel": kernel, "timer": "cuda events"}
+
+    def bench_dist(self, n: int, src: Source, msg: dict) -> dict:
+        """nccl and gloo: the bulk send (and the last layer's) alone, each start read on this host's monotonic clock
+        after the decode side has posted its receive (it reads the end once the bytes are on its device, scattered
+        into its pool when paged), against a plain copy of the same bytes inside this process to the decode device
+        (the peer GPU; a host copy on a CPU), timed the same way: sync, clock, copy, sync, clock. Rounds alternate
+        copy-then-send and send-then-copy."""
+        allu, last = tuple(range(src.layers)), (src.layers - 1,)
+        nbytes = src.nbytes(allu)
+        peer = torch.device(msg["decode_device"]) if msg.get("decode_host") == host_id() else None
+        a = torch.empty(nbytes, dtype=torch.uint8, device=self.dev)
+        b = torch.empty(nbytes, dtype=torch.uint8, device=peer) if peer is not None else None
+
+        def plain() -> float:
+            if b is None:  # another host: no copy to its device can be made here
+                return float("nan")
+            sync_device(self.dev), sync_device(b.device)
+            t0 = _ns()
+            b.copy_(a, non_blocking=True)
+            sync_device(b.device), sync_device(self.dev)
+            return (_ns() - t0) / 1e6
+
+        starts: dict = {"send": [], "layer": []}
+        ceiling = []
+        for k in range(msg["warmup"] + msg["n"]):
+            if k % 2:
+                ceiling.append(plain())
+            for kind, unit in (("send", allu), ("layer", last)):
+                self.control.wait(f"req{n}/bench/{kind}{k}", f"the decode side's receive of bench round {k}")
+                sync_device(self.dev)
+                starts[kind].append(_ns())
+                self.link.send(n, unit, src)
+                self.link.finish_sends(n)
+            if not k % 2:
+                ceiling.append(plain())
+        w = msg["warmup"]
+        gather = " (Triton gather, Triton scatter on the decode side)" if src.paged and self.dev.type == "cuda" else ""
+        return {"t_send_ns": starts["send"], "t_layer_ns": starts["layer"], "ceiling_ms": ceiling[w:],
+                "send_default_ms": [], "bytes": nbytes, "layer_bytes": src.nbytes(last), "tuned": None,
+                "kernel": f"{self.link.name} send{gather}", "timer": "host clock, two processes", "host": host_id()}
 
     def _paged_controls(self, src: Source, msg: dict) -> dict:
         """Where a paged IPC send's time goes, tuned config, median of n each: the same kernel into a pool of this
@@ -263,12 +305,12 @@ class PrefillWorker:
         from .. import kernels
 
         dst = self.link._dst[msg["tag"]].view(-1, src.pool.rows.shape[1])
-        local = torch.empty_like(dst)
+        local = torch.empty_like(dst)  # on the decode GPU too, when the send pulls
         didx = self.link._dst_rows.all
-        sidx = src.rows.all
+        sidx = self.link._src_rows(src).all  # on the kernel's device
         perm = torch.argsort(sidx)
         cfg = self.link.kernel_config
-        stream = self.link.stream
+        stream = self.link._stream_for(src)
 
         def one(d, si, di):
             return event_ms(stream, lambda: kernels.launch_rows(src.pool.rows, si, d, di, cfg))
@@ -387,8 +429,11 @@ class DecodeWorker:
                         self.control.store.add("progress", 1)
                 if cfg.bench:
                     msg = dict(base, mode="bulk", bench=True, n=cfg.bench_repeats, warmup=3)
-                    n = self._go(msg)
-                    got = self.control.wait(f"req{n}/done", f"the bench of {tag}")
+                    if self.link.name == "ipc":
+                        n = self._go(msg)
+                        got = self.control.wait(f"req{n}/done", f"the bench of {tag}")
+                    else:
+                        got = self.bench_dist(msg, sink)
                     if got["tuned"]:
                         self.tuned.append({"layout": layout, "context": context, **got["tuned"]})
                     for kind in ("send", "ceiling", "layer", "send_default"):
@@ -397,7 +442,7 @@ class DecodeWorker:
                             kernel = "triton row copy, default config" if kind == "send_default" else got["kernel"]
                             self.bench_rows.append({"backend": cfg.backend, "layout": layout, "context": context,
                                                     "kind": kind, "sample": i, "ms": ms, "bytes": nbytes,
-                                                    "gbps": nbytes / ms / 1e6, "kernel": kernel})
+                                                    "gbps": nbytes / ms / 1e6, "kernel": kernel, "timer": got["timer"]})
                 if cfg.faults and (layout, context) == (cfg.layouts[0], cfg.contexts[0]):
                     from .faults import run_campaign
 
@@ -405,6 +450,27 @@ class DecodeWorker:
                 del sink
         bar.close()
         self._go({"stop": True})
+
+    def bench_dist(self, msg: dict, sink: Sink) -> dict:
+        """The decode side of PrefillWorker.bench_dist: each round, post the receive of the bulk send (then of the
+        last layer), say so, and read the clock once the bytes are on this device; the send times are these ends
+        minus the prefill side's starts (one host: one monotonic clock)."""
+        plan = {"send": units("bulk", sink.layers), "layer": [(sink.layers - 1,)]}
+        ends: dict = {"send": [], "layer": []}
+        n = self._go(dict(msg, decode_device=str(self.dev), decode_host=host_id()))
+        for k in range(msg["warmup"] + msg["n"]):
+            for kind in ("send", "layer"):
+                self.link.post_receive(n, plan[kind], sink)
+                self.control.post(f"req{n}/bench/{kind}{k}", 1)
+                self.link.wait_landed(n, sink, _Uncounted(), self.control)
+                ends[kind].append(_ns())
+        got = self.control.wait(f"req{n}/done", f"the bench of {msg['tag']}")
+        w = msg["warmup"]
+        one_clock = got["host"] == host_id()  # across two nodes the two clocks differ: no time can be read
+        for kind in ("send", "layer"):
+            got[f"{kind}_ms"] = [(e - s) / 1e6 if one_clock else float("nan")
+                                 for e, s in zip(ends[kind][w:], got[f"t_{kind}_ns"][w:])]
+        return got
 
     def request(self, mode: str, base: dict, sink: Sink, table, ref) -> dict:
         from ..steps import decode
@@ -473,6 +539,13 @@ class DecodeWorker:
         decode(self.model, cache, torch.tensor([first], device=self.dev), 1)
         sync_device(self.dev)
         return (_ns() - t0) / 1e6
+
+
+class _Uncounted:
+    """A landed-layer tracker that records nothing (a bench's receives are not requests)."""
+
+    def mark(self, request: int, layer: int) -> None:
+        pass
 
 
 # ----------------------------------------------------------------------------------------- entry
