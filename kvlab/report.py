@@ -296,7 +296,12 @@ def disagg_nixl(paths: list[str]) -> str:
     for path in paths:
         record, d = _run(path)
         req, _, s = dr.load(d)
-        ucx = s["nixl"]["ucx_transports"]
+        # read from the prefill log by today's parser: summary.json's field, written by the run, missed the GPU's
+        # cuda → cuda tables before 2026-12-01 (the H200 runs of 13a05c7 say tcp/lo, which was another memory pair)
+        from .disagg.nixl_link import cache_transports, ucx_transports
+
+        ucx = cache_transports(ucx_transports(Path(d) / "worker-prefill.log"), s.get("prefill_device", "cpu")) or \
+            s["nixl"]["ucx_transports"]
         for r in dr.nixl_table(req).itertuples():
             rows.append({"run": _link(path), "descriptors": s["nixl"]["descs"], "layout": r.layout, "mode": r.mode,
                          "context": _ctx(r.context), "KiB": f"{r.kv_bytes // 1024:,}",

@@ -151,9 +151,12 @@ def test_gloo_bench_times_the_send_against_a_copy_of_the_same_bytes(tmp_path):
     assert s["tokens_match"] and s["logits_equal"]
 
 
-def test_sigterm_stops_both_workers_and_marks_the_run(tmp_path):
+@pytest.mark.parametrize("signals", [1, 2])
+def test_sigterm_stops_both_workers_and_marks_the_run(tmp_path, signals):
     """A `timeout` or a batch system ends the launcher with SIGTERM: the workers must go too, and the run folder
-    must say it stopped (on 2×H200 a killed launcher once left run.json saying "running")."""
+    must say it stopped (on 2×H200 a killed launcher once left run.json saying "running"). `timeout` signals
+    twice, the launcher and then its process group: with the second one, run.json once kept saying "running"
+    (an H200 campaign, 2026-12-01)."""
     import os
     import signal
     import subprocess
@@ -174,7 +177,8 @@ def test_sigterm_stops_both_workers_and_marks_the_run(tmp_path):
         deadline = time.monotonic() + 60
         while _requests_done(port) < 2 and time.monotonic() < deadline:  # the workers are up and requests flow
             time.sleep(0.2)
-        p.send_signal(signal.SIGTERM)
+        for _ in range(signals):
+            p.send_signal(signal.SIGTERM)
         p.wait(30)
     finally:
         if p.poll() is None:

@@ -153,6 +153,35 @@ def test_ucx_transports_reads_the_write_tables_and_nothing_else(tmp_path):
     assert ucx_transports(tmp_path / "absent.log") == []
 
 
+def test_ucx_transports_of_the_cache_on_a_gpu(tmp_path):
+    """As UCX 1.x printed it on the H200 (run 20261201-023701): device names instead of "memory", and a table for
+    host → GPU writes over tcp/lo beside the cache's GPU → GPU writes over cuda_ipc. The cache's transport is
+    cuda_ipc, with no TCP; on a CPU run the host tables are the cache's."""
+    from kvlab.disagg.nixl_link import cache_transports
+
+    p = "[1796092643.8] [vm:496  :1]   "
+    log = "\n".join(p + ln for ln in [
+        "| kvlab-prefill-496 intra-node cfg#2                              |",
+        "| remote memory write by ucp_put* from host memory to cuda/dev[1] |",
+        "+--------+--------------------+-----------------+",
+        "|  Range |    Description     |     Config      |",
+        "+--------+--------------------+-----------------+",
+        "| 0..inf | software emulation | tcp/lo          |",
+        "+--------+--------------------+-----------------+",
+        "| kvlab-prefill-496 intra-node cfg#2                                   |",
+        "| remote memory write by ucp_put*(multi) from cuda/GPU0 to cuda/dev[1] |",
+        "+--------+-------------+-----------------+",
+        "| 0..inf | zero-copy   | cuda_ipc/cuda   |",
+        "+--------+-------------+-----------------+",
+    ])
+    (tmp_path / "w.log").write_text(log)
+    found = ucx_transports(tmp_path / "w.log")
+    assert found == [{"peer": "intra-node", "from": "host", "to": "cuda", "transports": ["tcp/lo"]},
+                     {"peer": "intra-node", "from": "cuda", "to": "cuda", "transports": ["cuda_ipc/cuda"]}]
+    assert cache_transports(found, "cuda:0") == ["cuda_ipc/cuda"]
+    assert cache_transports(found, "cpu") == ["tcp/lo"]
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--backend", "nixl", "--nixl-descs", "merge"], "nixl-descs = 'merge' is not valid; valid: block, merged"),
     (["--backend", "gloo", "--nixl-descs", "merged"], "is an option of backend nixl"),

@@ -51,13 +51,25 @@ def _store(port: int, timeout_s: float):
 
 
 def _stopped(run, why: str) -> None:
+    """Mark the run folder stopped (run.json's `stopped` and status "failed", STOPPED.txt), deaf to SIGTERM and
+    Ctrl-C meanwhile: `timeout` signals the launcher twice (itself, then its process group), and a second
+    Terminated raised in here once left run.json saying "running" (a campaign on the H200, 2026-12-01)."""
+    import threading
+
     from .. import results
 
+    held = {}
+    if threading.current_thread() is threading.main_thread():
+        held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        run.update(stopped=why)
-    except Exception:
-        pass
-    results.record_execution(run.dir, "kvlab disagg", ok=False, seconds=0.0, error=why)
+        try:
+            run.update(stopped=why)
+        except Exception:
+            pass
+        results.record_execution(run.dir, "kvlab disagg", ok=False, seconds=0.0, error=why)
+    finally:
+        for s, h in held.items():
+            signal.signal(s, h)
 
 
 def _worker_error(store) -> str | None:
@@ -119,6 +131,7 @@ def _raise_on_sigterm():
         return None
 
     def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: `timeout` sends a second to the process group
         raise Terminated("terminated (SIGTERM)")
 
     return signal.signal(signal.SIGTERM, handler)
@@ -427,10 +440,10 @@ def _nixl_summary(run_dir, cfg: DisaggConfig, launcher: dict | None) -> dict:
     """NIXL's version, the descriptor option and the transports UCX chose for the prefill agent's writes (from
     UCX_PROTO_INFO in the prefill worker's log; under torchrun the logs are torchrun's: not read)."""
     from ..nixl import nixl_version
-    from .nixl_link import ucx_transports
+    from .nixl_link import cache_transports, ucx_transports
 
     found = ucx_transports(Path(run_dir, "worker-prefill.log")) if not launcher else []
-    used = sorted({t for e in found for t in e["transports"]})
+    used = cache_transports(found, cfg.devices()[0])  # the cache's writes only (ucx_writes keeps every table)
     return {"version": nixl_version(), "descs": cfg.nixl_descs, "operation": "WRITE", "agents": 2,
             "ucx_writes": found, "ucx_transports": used or "unknown (no UCX_PROTO_INFO report in the prefill log)",
             "tcp_fallback": any(t.startswith("tcp/") for t in used) if used else None}

@@ -362,8 +362,18 @@ class NixlLink:
 
 
 _PROTO = re.compile(r"\|\s*(\S+)\s+(intra-node|inter-node)\s+cfg#\d+\s*\|")
-_WHAT = re.compile(r"\|\s*remote memory write by ucp_put\S* from (\w+) memory to (\w+)")
+# "from host memory to host", and on a GPU "from cuda/GPU0 to cuda/dev[1]" (UCX names the devices, not "memory")
+_WHAT = re.compile(r"\|\s*remote memory write by ucp_put\S* from (\w+)(?:/\S+)?(?: memory)? to (\w+)")
 _ROW = re.compile(r"\|\s*[\d.]+(?:\.\.\S+)?\s*\|\s*[^|]+\|\s*([^|]+?)\s*\|$")
+
+
+def cache_transports(found: list[dict], device: str) -> list[str]:
+    """The transports of the writes whose source is the cache's memory (cuda for a GPU prefill device, else host),
+    from `ucx_transports`' entries. UCX also reports tables for other memory pairs it met (on the H200, writes from
+    host memory to the GPU over tcp/lo, beside the cache's cuda → cuda writes over cuda_ipc): those are not the
+    cache's path."""
+    kind = "cuda" if str(device).startswith("cuda") else "host"
+    return sorted({t for e in found if e["from"] == kind for t in e["transports"]})
 
 
 def ucx_transports(log: str | os.PathLike) -> list[dict]:
