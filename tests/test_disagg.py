@@ -580,3 +580,23 @@ def test_kill_faults_are_refused_under_torchrun(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="kill needs kvlab's own launcher"):
         disagg.run(disagg.DisaggConfig(faults=2, fault_kinds=("kill",)), tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_checksums_together_are_the_checksums_one_by_one():
+    """The batched checksums (one host wait) give each tensor's own checksum, chunked or not, for 4-byte words and
+    for sizes that fall back to bytes; mixed sizes are checked one by one; a flipped bit changes its layer's only."""
+    from kvlab.disagg.faults import checksum, checksums
+
+    g = torch.Generator().manual_seed(3)
+    layers = [torch.randn(2, 8, 16, generator=g).to(torch.bfloat16) for _ in range(5)]
+    want = [checksum(t) for t in layers]
+    assert checksums(layers) == want and checksums(layers, chunk_bytes=1) == want
+    odd = [torch.randint(0, 255, (7,), dtype=torch.uint8, generator=g) for _ in range(3)]
+    assert checksums(odd) == [checksum(t) for t in odd]
+    mixed = [layers[0], odd[0], layers[1]]
+    assert checksums(mixed) == [checksum(t) for t in mixed]
+    flipped = [t.clone() for t in layers]
+    flipped[2].view(-1).view(torch.uint8)[5] ^= 1
+    got = checksums(flipped)
+    assert [a == b for a, b in zip(got, want)] == [True, True, False, True, True]
+    assert checksums([]) == []

@@ -60,15 +60,42 @@ def checksum(t: torch.Tensor) -> str:
     return f"{int(words.sum())}:{int((words * pos).sum())}"
 
 
+def _words(t: torch.Tensor) -> torch.Tensor:
+    flat = t.contiguous().view(-1)
+    return flat.view(torch.int32) if flat.numel() * flat.element_size() % 4 == 0 else flat.view(torch.uint8)
+
+
+def checksums(ts: list[torch.Tensor], chunk_bytes: int = 256 << 20) -> list[str]:
+    """`checksum` of each tensor, the same strings, computed together: tensors of one size on one device go
+    through the two reductions a chunk of them at a time (about `chunk_bytes` of words), and the host waits once at
+    the end. Per tensor, two syncs and eight small kernels had cost 5.5–7.2 ms for a 1k cache of 28 layers on the
+    H200 (campaign runs 20261201-024052 / 025205 / 024517)."""
+    if not ts:
+        return []
+    words = [_words(t) for t in ts]
+    if len({(w.numel(), w.dtype, w.device) for w in words}) > 1:
+        return [checksum(t) for t in ts]
+    n, dev = words[0].numel(), words[0].device
+    pos = torch.arange(1, n + 1, device=dev, dtype=torch.int64)
+    per = max(1, chunk_bytes // max(1, n * 8))
+    sums = []
+    for i in range(0, len(words), per):
+        w = torch.stack(words[i:i + per]).to(torch.int64)
+        sums.append(torch.stack([w.sum(1), (w * pos).sum(1)], 1))
+    return [f"{a}:{b}" for a, b in torch.cat(sums).tolist()]
+
+
 def plan(n: int, layers: int, seed: int = 0, kinds=DEFAULT_KINDS) -> list[dict]:
     """n faults, `kinds` in turn (so every kind is exercised) and layers drawn at random (seeded)."""
     rng = random.Random(seed)
     return [{"kind": kinds[k % len(kinds)], "layer": rng.randrange(layers)} for k in range(n)]
 
 
-def _sink_checksums(sink, layers) -> dict[int, int]:
-    return {i: checksum(sink.landing_view((i,)) if not sink.paged else sink.pool.rows.index_select(0, sink.rows.of((i,))))
-            for i in layers}
+def _sink_checksums(sink, layers) -> dict[int, str]:
+    layers = list(layers)
+    views = [sink.landing_view((i,)) if not sink.paged else sink.pool.rows.index_select(0, sink.rows.of((i,)))
+             for i in layers]
+    return dict(zip(layers, checksums(views)))
 
 
 def run_campaign(w, base: dict, sink, table, ref) -> list[dict]:

@@ -192,11 +192,11 @@ class PrefillWorker:
 
     def checksums(self, src: Source) -> dict:
         """Every layer's checksum of the true source (kvlab.disagg.faults.checksum), and its cost in ms."""
-        from .faults import checksum
+        from .faults import checksums
 
         sync_device(self.dev)
         t0 = _ns()
-        sums = [checksum(src.view((i,))) for i in range(src.layers)]  # each ends in int(): the device is done
+        sums = checksums([src.view((i,)) for i in range(src.layers)])  # ends in tolist(): the device is done
         return {"checksums": sums, "checksum_ms": (_ns() - t0) / 1e6,
                 "checksum_bytes": sum(src.nbytes((i,)) for i in range(src.layers))}
 
