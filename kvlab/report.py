@@ -368,19 +368,22 @@ VERDICT_RUNS = {
     "overlap_timeline": ["overlap_timeline/20261129-104724-h200", "overlap_timeline/20261129-113044-h200",
                          "overlap_timeline/20261129-114951-h200", "overlap_timeline/20261130-145803-h200"],
     "disagg": ["disagg/20261130-174816-h200", "disagg/20261130-175223-h200", "disagg/20261130-175620-h200",
-               "disagg/20261130-175845-h200"],
+               "disagg/20261130-175845-h200", "disagg/20261201-023701-h200", "disagg/20261201-023837-h200"],
     "faults": ["disagg/20261130-190554-cpu", "disagg/20261130-190727-cpu", "disagg/20261130-190910-cpu",
                "disagg/20261130-231101-cpu", "disagg/20261130-231342-cpu", "disagg/20261130-231636-cpu",
                "disagg/20261201-003237-cpu", "disagg/20261201-003410-cpu", "disagg/20261201-003554-cpu",
                "disagg/20261201-005329-cpu", "disagg/20261201-005442-cpu", "disagg/20261201-005602-cpu",
-               "disagg/20261201-005719-cpu"],
+               "disagg/20261201-005719-cpu",
+               "disagg/20261201-024052-h200", "disagg/20261201-025205-h200", "disagg/20261201-024517-h200"],
 }
 DISAGG_RUNS = VERDICT_RUNS["disagg"]
 FAULT_RUNS = VERDICT_RUNS["faults"][:3]  # drop, delay, corrupt
 KILL_RUNS = VERDICT_RUNS["faults"][3:6]  # the same kinds and kill
 NIXL_FAULT_RUNS = VERDICT_RUNS["faults"][6:9]  # drop, delay, corrupt over two NIXL agents, paged
-OOM_RUNS = VERDICT_RUNS["faults"][9:]  # drop, delay, corrupt, oom at 1k: gloo (fail, retry, recompute), nixl (retry)
+OOM_RUNS = VERDICT_RUNS["faults"][9:13]  # drop, delay, corrupt, oom at 1k: gloo (fail, retry, recompute), nixl (retry)
+GPU_FAULT_RUNS = VERDICT_RUNS["faults"][13:16]  # the same kinds over ipc on one H200, Qwen2.5-7B at 1k, paged
 NIXL_RUNS = ["disagg/20261201-003207-cpu", "disagg/20261201-003224-cpu"]  # one descriptor a block; merged
+NIXL_GPU_RUNS = DISAGG_RUNS[4:6]  # two NIXL agents on one H200, Qwen2.5-7B: contiguous; paged (a descriptor a block)
 
 
 def _goals_of(study: str, path: str) -> pd.DataFrame:
@@ -544,6 +547,10 @@ BLOCKS = {
     "faults_nixl_cpu": lambda: faults(NIXL_FAULT_RUNS),
     "faults_oom_cpu": lambda: faults(OOM_RUNS),
     "checksum_cost_cpu": lambda: checksum_cost(OOM_RUNS),
+    "disagg_nixl_gpu": lambda: disagg_nixl(NIXL_GPU_RUNS),
+    "disagg_nixl_ttft_gpu": lambda: disagg(NIXL_GPU_RUNS),
+    "faults_gpu": lambda: faults(GPU_FAULT_RUNS),
+    "checksum_cost_gpu": lambda: checksum_cost(GPU_FAULT_RUNS),
     "verdicts": verdicts,
     "verdict_counts": verdict_counts,
     "provenance": provenance_table,
