@@ -9,6 +9,7 @@
     kvlab report [--check]                                    the README's tables from the committed runs
     kvlab provenance [RUN_DIR ...] [--check]                  which code made each run; can it be rebuilt
     kvlab disagg --backend gloo|ipc|nccl|nixl ...             prefill and decode as two processes
+    kvlab swapin --context 4k,32k                             paged host → GPU scatter (swap-in) beside the gather
 
 Adding a subcommand is one function and its registration, with its options given either as
 ``arg(...)`` entries or by a module's own ``add_arguments(parser)`` (named as "module:function",
@@ -813,6 +814,41 @@ Example: kvlab disagg --backend gloo --model kvlab-tiny --context 128 --decode-t
               f"{summary['decoded_from_partial']} decoded from a partial or corrupt cache")
         ok = ok and summary["decoded_from_partial"] == 0 and summary["undetected"] == 0
     return 0 if ok else 1
+
+
+@subcommand(
+    "swapin", "a paged cache from pinned host memory into a GPU pool by block table (swap-in), beside the GPU → host gather",
+    arg("--model", default="qwen2.5-7b", help="registry name or a config.json / model folder: the cache's shape "
+                                              "(default qwen2.5-7b)"),
+    arg("--context", default="4k,32k", help="tokens in the cache; a list runs each (default 4k,32k)"),
+    arg("--block-size", type=int, default=16, help="tokens per block (default 16)"),
+    arg("--kv-dtype", default="bf16", help="bf16, fp16 or fp32 (default bf16)"),
+    arg("--device", default="auto", help="the GPU the pool is on: auto (cuda:0), cuda:N, or cpu (checks the logic)"),
+    arg("--repeats", type=int, default=9, help="timed sends per method and context (default 9)"),
+    arg("--seed", type=int, default=0, help="seed of the block tables and the data"),
+    arg("--out", default="", help="run folder (default: a new data/swapin/<run_id>/)"))
+def _swapin(args) -> int:
+    """Scatter a paged cache held in pinned host memory into a GPU pool by block table (vLLM's swap-in): Triton's
+    row kernel reading the host pool over PCIe (triton-uva), and a CPU gather + one copy + a GPU scatter (staged);
+    beside them the GPU → host gather (chunked-gather-d2h), each against a contiguous copy of the same bytes the
+    same way, timed in the same run. Every method is checked on a poisoned pool. Writes results.csv, summary.csv
+    and run.json.
+
+Example: kvlab swapin --context 4k,32k --repeats 9"""
+    from kvlab import swapin
+
+    if args.out:
+        _refuse_finished(Path(args.out))
+    path, s = swapin.run(model=args.model, contexts=args.context, block_size=args.block_size, kv_dtype=args.kv_dtype,
+                         device=args.device, repeats=args.repeats, seed=args.seed, out=args.out)
+    for r in s.itertuples():
+        if r.n:
+            print(f"{r.context:>6} {r.direction:9} {r.method:19} {r.ms:9.3f} ms ({r.ms_min:.3f}–{r.ms_max:.3f}) "
+                  f"{r.gbps:8.1f} GB/s  {r.pct_of_ceiling:5.1f} % of the contiguous copy [{r.pct_lo:.1f}, {r.pct_hi:.1f}]")
+        else:
+            print(f"{r.context:>6} {r.direction:9} {r.method:19} not run: {r.note}")
+    print(f"run: {path}")
+    return 0
 
 
 @subcommand(

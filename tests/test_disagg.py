@@ -600,3 +600,25 @@ def test_checksums_together_are_the_checksums_one_by_one():
     got = checksums(flipped)
     assert [a == b for a, b in zip(got, want)] == [True, True, False, True, True]
     assert checksums([]) == []
+
+
+def test_bulk_orders_permute_the_same_rows():
+    """Each bulk order of a paged ipc send moves exactly the table's rows, once each, pairs kept together: by
+    destination row, by source row, or block-major across the layer sides."""
+    from kvlab.disagg.links import BULK_ORDERS, _Rows, bulk_perm
+
+    src = _Rows(3, 10, [7, 2, 5, 0], "cpu")
+    dst = _Rows(3, 12, [1, 9, 4, 11], "cpu")
+    s, d = src.all, dst.all
+    pairs = set(zip(s.tolist(), d.tolist()))
+    for order in BULK_ORDERS:
+        perm = bulk_perm(order, s, d, 2 * 3)
+        ps, pd_ = (s, d) if perm is None else (s[perm], d[perm])
+        assert set(zip(ps.tolist(), pd_.tolist())) == pairs and len(ps) == len(s) == len(set(ps.tolist()))
+    assert bulk_perm("table", s, d, 6) is None
+    assert d[bulk_perm("dst", s, d, 6)].tolist() == sorted(d.tolist())
+    assert s[bulk_perm("src", s, d, 6)].tolist() == sorted(s.tolist())
+    inter = s[bulk_perm("interleaved", s, d, 6)].tolist()
+    assert inter[:6] == [side * 10 + 7 for side in range(6)]  # the first block of every layer side first
+    with pytest.raises(ValueError, match="unknown bulk order 'zigzag'"):
+        bulk_perm("zigzag", s, d, 6)

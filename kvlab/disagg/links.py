@@ -321,6 +321,8 @@ class IpcLink:
         self._thread = None
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.kernel_config = None  # the Triton row kernel's config (None: kernels.DEFAULT_CONFIG); see tune()
+        self.order = "table"  # the bulk send's row order (see tune())
+        self._bulk_rows = None  # (source rows, destination rows) of a bulk send in that order, or None: the table's
         self._peer_stream = None  # a pull's stream, on the decode GPU (see _stream_for)
         self._peer_rows: dict = {}  # id(source rows) → (source rows, their copy on the decode GPU)
 
@@ -391,6 +393,14 @@ class IpcLink:
             if dev != dst_rows.all.device and dev.type == "cuda":  # a pull: the kernel and its indices on the decode GPU
                 dst_rows = dst_rows.to(dev)
         self._tag, self._dst_rows = tag, dst_rows
+        self.reset_tuning()  # a tuned order holds the rows of the tables it was tuned on
+
+    def _rows_of(self, unit, src: Source) -> tuple[torch.Tensor, torch.Tensor]:
+        """(source rows, destination rows) of a paged unit on the kernel's device: a bulk unit in the tuned order
+        when tune() chose one (any order moves the same rows: destination rows are distinct)."""
+        if len(unit) == src.layers and self._bulk_rows is not None:
+            return self._bulk_rows
+        return self._src_rows(src).of(unit), self._dst_rows.of(unit)
 
     def _copy(self, unit, src: Source, on_stream=None) -> None:
         from .. import kernels
@@ -399,15 +409,15 @@ class IpcLink:
         if not src.paged:
             view = dst if len(unit) == src.layers else dst[unit[0]]
             view.copy_(src.buffer.data if len(unit) == src.layers else src.buffer.data[unit[0]], non_blocking=True)
-        elif self.pulls(src):  # on the decode GPU (the caller's stream is _stream_for's, so the device is that GPU)
-            rows = dst.view(-1, src.pool.rows.shape[1])
-            kernels.launch_rows(src.pool.rows, self._src_rows(src).of(unit), rows, self._dst_rows.of(unit),
-                                self.kernel_config or kernels.DEFAULT_CONFIG)
+            return
+        rows = dst.view(-1, src.pool.rows.shape[1])
+        # both row lists were checked on the host (_Rows, bind): no bounds check, no sync on the timed path; a pull
+        # runs on the decode GPU (the caller made _stream_for's stream current, so the device is that GPU)
+        s_rows, d_rows = self._rows_of(unit, src)
+        if self.pulls(src):
+            kernels.launch_rows(src.pool.rows, s_rows, rows, d_rows, self.kernel_config or kernels.DEFAULT_CONFIG)
         else:
-            rows = dst.view(-1, src.pool.rows.shape[1])
-            # both row lists were checked on the host (_Rows, bind): no sync on the timed path
-            kernels.copy_rows(src.pool.rows, src.rows.of(unit), rows, self._dst_rows.of(unit), config=self.kernel_config,
-                              check_bounds=False)
+            kernels.copy_rows(src.pool.rows, s_rows, rows, d_rows, config=self.kernel_config, check_bounds=False)
 
     def send(self, request: int, unit, src: Source, corrupt: bool = False) -> None:
         if self.stream is None:  # a CPU-only process cannot use CUDA IPC; make_link refuses earlier
@@ -429,19 +439,43 @@ class IpcLink:
             ev.record(stream)
         self._q.put((request, 0 if len(unit) == src.layers else unit[0], unit, ev))
 
-    def tune(self, src: Source) -> list[dict]:
-        """Pick the row kernel's config for this paged send on the real tensors (kernels.tune writes the same
-        bytes a send writes). Only after a context's requests: run before them, it would fill the poisoned
-        destination with the source's previous contents and hide a row a send fails to write."""
+    def tune(self, src: Source, finalists: int = 6, repeats: int = 5) -> list[dict]:
+        """Pick the row kernel's config and the bulk send's row order for this paged send on the real tensors
+        (kernels.tune writes the same bytes a send writes), as notebook 04's triton transport does: every config
+        in each order of BULK_ORDERS (the block table's; by destination row, by source row; block-major across
+        the layer sides), then the `finalists` fastest timed again as sends (median of `repeats`, CUDA events on
+        the copy stream). Only after a context's requests: run before them, it would fill the poisoned
+        destination with the source's previous contents and hide a row a send fails to write. reset_tuning()
+        goes back to the default config and the table's order."""
         from .. import kernels
 
         rows = self._dst[self._tag].view(-1, src.pool.rows.shape[1])
         stream = self._stream_for(src)
-        with torch.cuda.stream(stream):
-            best, tried = kernels.tune(src.pool.rows, self._src_rows(src).all, rows, self._dst_rows.all,
-                                       device=stream.device)
-        self.kernel_config = best
+        s_all, d_all = self._src_rows(src).all, self._dst_rows.all
+        tried, cands = [], {}
+        for order in BULK_ORDERS:
+            perm = bulk_perm(order, s_all, d_all, 2 * src.layers)
+            s, d = (s_all, d_all) if perm is None else (s_all[perm].contiguous(), d_all[perm].contiguous())
+            cands[order] = (s, d)
+            with torch.cuda.stream(stream):
+                _, table = kernels.tune(src.pool.rows, s, rows, d, device=stream.device)
+            tried += [{**row, "order": order} for row in table]
+        timed = sorted((r for r in tried if r.get("ms") is not None), key=lambda r: r["ms"])[:finalists]
+        fields = kernels.KernelConfig.__dataclass_fields__
+        for row in timed:
+            cfg = kernels.KernelConfig(**{f: row[f] for f in fields})
+            s, d = cands[row["order"]]
+            ms = sorted([event_ms(stream, lambda: kernels.launch_rows(src.pool.rows, s, rows, d, cfg))
+                         for _ in range(repeats + 1)][1:])  # the first launch of a config warms it
+            row["send_ms"] = ms[len(ms) // 2]
+        pick = min(timed, key=lambda r: r["send_ms"])
+        self.kernel_config = kernels.KernelConfig(**{f: pick[f] for f in fields})
+        self.order = pick["order"]
+        self._bulk_rows = None if self.order == "table" else cands[self.order]
         return tried
+
+    def reset_tuning(self) -> None:
+        self.kernel_config, self.order, self._bulk_rows = None, "table", None
 
     def time_copy(self, unit, src: Source) -> float:
         """One send alone on the copy stream (a pull's: on the decode GPU), in ms (CUDA events); no notification."""
@@ -483,6 +517,27 @@ class IpcLink:
         self._dst, self._peer_rows = {}, {}
         if self.stream is not None:
             torch.cuda.synchronize(self.device)
+
+
+# the orders a paged bulk send may move its rows in (any order moves the same rows; it decides which addresses the
+# GPU's programs touch at once): the block table's (per layer side, K then V), ascending destination rows,
+# ascending source rows, and block-major (the first block of every layer side, then the second, …)
+BULK_ORDERS = ("table", "dst", "src", "interleaved")
+
+
+def bulk_perm(order: str, s_rows: torch.Tensor, d_rows: torch.Tensor, sides: int) -> torch.Tensor | None:
+    """The permutation of a bulk unit's rows for `order` (None: the table's own). `sides` = 2 · layers: the rows
+    come as `sides` equal runs, one per layer side."""
+    if order == "table":
+        return None
+    if order == "dst":
+        return torch.argsort(d_rows, stable=True)
+    if order == "src":
+        return torch.argsort(s_rows, stable=True)
+    if order == "interleaved":
+        n = s_rows.numel() // sides
+        return torch.arange(sides * n, device=s_rows.device).view(sides, n).t().reshape(-1)
+    raise ValueError(f"unknown bulk order {order!r}; valid: {', '.join(BULK_ORDERS)}")
 
 
 def event_ms(stream, fn) -> float:

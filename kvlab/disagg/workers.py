@@ -232,13 +232,14 @@ class PrefillWorker:
         default = []
         tuned = None
         if src.paged:  # the default kernel config first, then the one tuned on these tensors
-            self.link.kernel_config = None
+            self.link.reset_tuning()
             for k in range(msg["warmup"] + msg["n"]):
                 ms = self.link.time_copy(allu, src)
                 if k >= msg["warmup"]:
                     default.append(ms)
             tried = self.link.tune(src)
-            tuned = {"config": self.link.kernel_config.as_dict(), "candidates": len(tried)}
+            tuned = {"config": self.link.kernel_config.as_dict(), "order": self.link.order, "candidates": len(tried),
+                     "finalists": [{k: r[k] for k in ("order", "ms", "send_ms")} for r in tried if "send_ms" in r]}
             extra = self._paged_controls(src, msg)
         for k in range(msg["warmup"] + msg["n"]):
             order = (0, 1) if k % 2 == 0 else (1, 0)
@@ -251,10 +252,11 @@ class PrefillWorker:
                 layer.append(self.link.time_copy((src.layers - 1,), src))
         if src.paged:
             tuned.update(extra)
-        self.link.kernel_config = None
+        self.link.reset_tuning()
         kernel = "copy_"
         if src.paged:
-            kernel = "triton row copy, tuned" + (" (pulled by the decode GPU)" if self.link.pulls(src) else "")
+            kernel = (f"triton row copy, tuned (order: {tuned['order']})"
+                      + (" (pulled by the decode GPU)" if self.link.pulls(src) else ""))
         return {"send_ms": send, "ceiling_ms": plain, "layer_ms": layer, "send_default_ms": default, "bytes": nbytes,
                 "layer_bytes": src.nbytes((src.layers - 1,)), "tuned": tuned, "kernel": kernel, "timer": "cuda events"}
 

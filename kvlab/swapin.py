@@ -1,0 +1,232 @@
+"""The decode side's half of a host-staged handoff: a paged cache held in pinned host memory is scattered into the
+decode GPU's pool by block table (vLLM's swap-in), measured beside the prefill side's half, the GPU → host gather
+(notebook 04's `chunked-gather-d2h`), each against one contiguous copy of the same bytes over the same link,
+timed in the same run.
+
+    kvlab swapin --model qwen2.5-7b --context 4k,32k --block-size 16 --repeats 9
+
+Host → GPU methods:
+    triton-uva   kvlab's Triton row kernel, launched on the GPU, reads each block straight from the pinned host
+                 pool (unified virtual addressing: the GPU reads over PCIe) and writes it to its block of the GPU
+                 pool: one launch, no staging, no copy engine. Its tile is tuned on the first rows (GPU).
+    staged       the CPU gathers the blocks into a pinned staging buffer (torch.index_select), one copy-engine
+                 copy brings it to the GPU, the row kernel scatters it there: what a host-side gather costs.
+GPU → host, beside them: `chunked-gather-d2h` (kvlab.paged_triton), the same blocks the other way.
+
+Both pools hold twice the blocks the context needs and the tables are drawn at random in each (a busy server's
+free lists). Before every send the destination pool is poisoned (NaN); after the first send of each method every
+table block is compared with its source and every other block must still be poisoned. Times are host-clock
+(synchronise, clock, send, synchronise, clock), the same way for a method and its ceiling, median of the repeats
+with min–max. On a CPU the "GPU" pool is a second host pool: the staged path runs (CI checks it), the others say
+they need CUDA.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import pandas as pd
+import torch
+
+from . import kernels
+from .paged import BlockAllocator, BlockPool, PoolSpec
+from .timing import sync_device
+
+__all__ = ["H2D_METHODS", "measure", "summarise", "run"]
+
+H2D_METHODS = ("triton-uva", "staged")
+_TUNE_ROWS = 16384  # tune triton-uva's tile on the first 16,384 rows (256 MiB of 16 KiB rows), as notebook 04 does
+
+
+def _clock(fn, device: torch.device) -> float:
+    sync_device(device)
+    t0 = time.perf_counter()
+    fn()
+    sync_device(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _fill(pool: BlockPool, seed: int) -> None:
+    """Distinct rows, cheaply: one random row everywhere, then each row's first 32-bit word set to its row number
+    (a wrong or swapped row cannot match its source)."""
+    w = pool.rows.view(torch.int32)
+    g = torch.Generator().manual_seed(seed)
+    w.copy_(torch.randint(-2**31, 2**31 - 1, (1, w.shape[1]), dtype=torch.int32, generator=g).expand_as(w))
+    w[:, 0] = torch.arange(w.shape[0], dtype=torch.int32, device=w.device)
+
+
+def _verify(dst: BlockPool, dst_ids, src: BlockPool, src_ids) -> bool:
+    """Every table block of `dst` equals its source block, bit for bit; every other block is still poisoned."""
+    s_ids, d_ids = torch.tensor(np.asarray(src_ids).tolist()), torch.tensor(np.asarray(dst_ids).tolist())
+    s = src.rows.view(src.spec.layers * 2, src.num_blocks, -1)[:, s_ids.to(src.rows.device)].to("cpu")
+    d_all = dst.rows.view(dst.spec.layers * 2, dst.num_blocks, -1).to("cpu")
+    d = d_all[:, d_ids]
+    word = torch.int16 if s.element_size() == 2 else torch.int32 if s.element_size() == 4 else torch.uint8
+    same = torch.equal(s.view(word), d.view(word))
+    rest = torch.ones(dst.num_blocks, dtype=torch.bool)
+    rest[d_ids] = False
+    return same and bool(torch.isnan(d_all[:, rest].float()).all())
+
+
+def measure(spec: PoolSpec, contexts, device, repeats: int = 9, seed: int = 0, progress=None) -> pd.DataFrame:
+    """One row per (context, direction, method, repeat): ms, bytes, GB/s, verified, note. Methods that cannot run
+    here get one row with ms NaN and the reason in `note`."""
+    dev = torch.device(device)
+    rows = []
+    for context in contexts:
+        rows += _measure_one(spec, context, dev, repeats, seed)  # a context's pools are freed on return
+        if progress:
+            progress(context)
+    return pd.DataFrame(rows)
+
+
+def _measure_one(spec: PoolSpec, context: int, dev: torch.device, repeats: int, seed: int) -> list[dict]:
+    from . import paged_xport
+
+    gpu = dev.type == "cuda"
+    rows = []
+    n = spec.blocks_for(context)
+    host = BlockPool(spec, 2 * n, device="cpu", pin_memory=gpu)
+    pool = BlockPool(spec, 2 * n, device=dev)
+    h_ids = BlockAllocator(2 * n, spec.block_size, seed=seed, order="random").allocate(context).ids
+    d_ids = BlockAllocator(2 * n, spec.block_size, seed=seed + 1, order="random").allocate(context).ids
+    _fill(host, seed)
+    hr = torch.as_tensor(paged_rows(spec, 2 * n, h_ids))  # the host pool's rows of the table, layer side major
+    dr = torch.as_tensor(paged_rows(spec, 2 * n, d_ids))
+    nbytes = len(hr) * host.rows.shape[1] * host.rows.element_size()
+    flat_h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=gpu)
+    flat_d = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    base = {"context": context, "block_size": spec.block_size, "bytes": nbytes}
+
+    def add(direction, method, ms, verified=None, note=""):
+        rows.append({**base, "direction": direction, "method": method, "ms": ms,
+                     "gbps": nbytes / ms / 1e6 if ms == ms else float("nan"), "verified": verified, "note": note})
+
+    # the ceilings: one contiguous copy of the same bytes each way
+    for r in range(repeats + 1):
+        up = _clock(lambda: flat_d.copy_(flat_h, non_blocking=True), dev)
+        down = _clock(lambda: flat_h.copy_(flat_d, non_blocking=True), dev)
+        if r:
+            add("host→gpu", "contiguous", up)
+            add("gpu→host", "contiguous", down)
+    sends = {}
+    hr_dev, dr_dev = hr.to(dev), dr.to(dev)
+    if gpu and kernels.triton_status(dev)[0]:
+        cfg, _ = kernels.tune(host.rows, hr_dev[:_TUNE_ROWS], pool.rows, dr_dev[:_TUNE_ROWS], device=dev)
+        sends["triton-uva"] = lambda: kernels.launch_rows(host.rows, hr_dev, pool.rows, dr_dev, cfg)
+    else:
+        add("host→gpu", "triton-uva", float("nan"), note="needs a CUDA GPU with Triton: " +
+            (kernels.triton_status(dev)[1] if gpu else "this run has none"))
+    staging_h = torch.empty((len(hr), host.rows.shape[1]), dtype=host.rows.dtype, pin_memory=gpu)
+    staging_d = torch.empty_like(staging_h, device=dev)
+    ar = torch.arange(len(hr), device=dev)
+
+    def staged():
+        torch.index_select(host.rows, 0, hr, out=staging_h)
+        staging_d.copy_(staging_h, non_blocking=True)
+        kernels.copy_rows(staging_d, ar, pool.rows, dr_dev, check_bounds=False)
+
+    sends["staged"] = staged
+    for method, fn in sends.items():
+        for r in range(repeats + 1):
+            pool.poison()
+            ms = _clock(fn, dev)
+            verified = _verify(pool, d_ids, host, h_ids) if r == 0 else None
+            if r:
+                add("host→gpu", method, ms)
+            elif not verified:
+                raise RuntimeError(f"swap-in method {method!r} wrote a wrong or stray block at context {context}")
+    # the other way, beside it: notebook 04's gather to pinned host, the same blocks (the GPU pool's table to
+    # the host pool's)
+    why = paged_xport.unavailable("chunked-gather-d2h", dev, "pinned")
+    if why:
+        add("gpu→host", "chunked-gather-d2h", float("nan"), note=why)
+    else:
+        back = paged_xport.make_transport("chunked-gather-d2h", spec, "pinned", 2 * n, src_device=dev)
+        _fill(pool, seed + 2)
+        src_t = BlockAllocator(2 * n, spec.block_size, seed=seed + 1, order="random").allocate(context)
+        dst_t = BlockAllocator(2 * n, spec.block_size, seed=seed, order="random").allocate(context)
+        back.prepare(pool, src_t, dst_t)
+        for r in range(repeats + 1):
+            back.poison()
+            ms = _clock(lambda: back.send(pool, src_t, dst_t).wait(), dev)
+            if r == 0 and not _verify(back.pool, dst_t.ids, pool, src_t.ids):
+                raise RuntimeError(f"chunked-gather-d2h wrote a wrong or stray block at context {context}")
+            if r:
+                add("gpu→host", "chunked-gather-d2h", ms)
+        back.close()
+    return rows
+
+
+def paged_rows(spec: PoolSpec, num_blocks: int, ids) -> np.ndarray:
+    """Row numbers, in a pool's `.rows` view, of every layer side's blocks `ids` (layer side major, table order)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    return (np.arange(2 * spec.layers, dtype=np.int64)[:, None] * num_blocks + ids[None, :]).reshape(-1)
+
+
+def summarise(df: pd.DataFrame) -> pd.DataFrame:
+    """Per (context, direction, method): median ms (min–max), GB/s, and % of the same direction's contiguous copy
+    with the 95 % interval of that ratio (kvlab.timing.ratio_ci)."""
+    from .timing import ratio_ci
+
+    out = []
+    for (context, direction), g in df.groupby(["context", "direction"], sort=False):
+        ceil = g[g.method == "contiguous"]["ms"].dropna().tolist()
+        for method, m in g.groupby("method", sort=False):
+            ms = m["ms"].dropna().tolist()
+            row = {"context": int(context), "direction": direction, "method": method, "n": len(ms),
+                   "bytes": int(m["bytes"].iloc[0]), "note": "; ".join(sorted(set(m["note"].fillna("")) - {""}))}
+            if ms:
+                med = statistics.median(ms)
+                lo, hi = ratio_ci(ceil, ms) if method != "contiguous" else (1.0, 1.0)
+                row.update(ms=med, ms_min=min(ms), ms_max=max(ms), gbps=row["bytes"] / med / 1e6,
+                           pct_of_ceiling=100 * statistics.median(ceil) / med, pct_lo=100 * lo, pct_hi=100 * hi)
+            out.append(row)
+    return pd.DataFrame(out)
+
+
+def run(model: str = "qwen2.5-7b", contexts=("4k", "32k"), block_size: int = 16, kv_dtype: str = "bf16",
+        device: str = "auto", repeats: int = 9, seed: int = 0, out: str = "", argv=None) -> tuple[str, pd.DataFrame]:
+    """Check every value, then measure into a run folder (data/swapin/<run_id>/ unless `out`): results.csv,
+    summary.csv, run.json. Returns (run folder, summary)."""
+    import os
+
+    from . import models, preflight, results
+    from .disagg.config import _DTYPE_ALIASES, KV_DTYPES, _norm_device
+
+    ctx = preflight.token_list(contexts, "context", 1)
+    dt = _DTYPE_ALIASES.get(str(kv_dtype).lower(), str(kv_dtype).lower())
+    if dt not in KV_DTYPES:
+        raise ValueError(f"kv-dtype = {kv_dtype!r} is not valid; valid: {', '.join(KV_DTYPES)} (or bf16, fp16, fp32)")
+    for name, v, low in (("block-size", block_size, 1), ("repeats", repeats, 1), ("seed", seed, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{name} = {v!r}: give an int ≥ {low}")
+    model = preflight.model_ref(model, "model")
+    spec_m = models.from_hf_config(model) if os.path.exists(model) else models.get(model)
+    if device != "auto" and not (device == "cpu" or str(device).startswith("cuda")):
+        raise ValueError(f"device = {device!r} is not a device; give 'auto', 'cpu' or 'cuda:N'")
+    dev = torch.device(("cuda:0" if torch.cuda.is_available() else "cpu") if device == "auto" else _norm_device(device))
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if dev.type == "cuda" and (dev.index or 0) >= n_gpu:
+        raise ValueError(f"device = {device!r} does not exist: this machine has {n_gpu} GPU(s)")
+    spec = PoolSpec(spec_m.layers, block_size, spec_m.kv_heads, spec_m.head_dim, dt)
+    params = {"model": spec_m.name, "contexts": ctx, "block_size": block_size, "kv_dtype": dt,
+              "device": str(dev), "repeats": repeats, "seed": seed}
+    r = results.start("swapin", params, run_dir=out)
+    try:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(ctx), desc="swapin", unit="context")
+        df = measure(spec, ctx, dev, repeats=repeats, seed=seed, progress=lambda _: bar.update(1))
+        bar.close()
+        r.save_table(df, "results")
+        s = summarise(df)
+        r.save_table(s, "summary")
+        r.finish()
+        return str(r.dir), s
+    except BaseException as err:
+        results.record_execution(r.dir, "kvlab swapin", ok=False, seconds=0.0,
+                                 error="interrupted (Ctrl-C)" if isinstance(err, KeyboardInterrupt) else str(err))
+        raise

@@ -1,0 +1,59 @@
+"""kvlab swapin: a paged cache from pinned host memory into a GPU pool by block table, beside the GPU → host
+gather. On this CPU the staged path runs and is verified; the check itself must catch a wrong and a stray block;
+bad input is refused before a folder is made."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+
+from kvlab import swapin
+from kvlab.paged import BlockAllocator, BlockPool, PoolSpec
+
+
+def test_swapin_run_on_a_cpu_writes_a_finished_run(tmp_path):
+    out = tmp_path / "run"
+    path, s = swapin.run(model="kvlab-tiny", contexts="64,100", repeats=2, out=str(out))
+    run = json.loads((out / "run.json").read_text())
+    assert run["status"] == "finished" and run["study"] == "swapin"
+    df = pd.read_csv(out / "results.csv")
+    staged = df[(df.method == "staged")]
+    assert len(staged) == 2 * 2 and (staged["ms"] > 0).all()
+    assert set(s["method"]) == {"contiguous", "triton-uva", "staged", "chunked-gather-d2h"}
+    skipped = s[s.method.isin(["triton-uva", "chunked-gather-d2h"])]
+    assert (skipped["n"] == 0).all() and skipped["note"].str.len().gt(0).all()
+    # 100 tokens in 16-token blocks = 7 blocks of every layer side moved
+    spec = swapin.PoolSpec(2, 16, 2, 16, "bfloat16")
+    assert set(s[s.context == 100]["bytes"]) == {2 * 2 * 7 * spec.block_bytes}
+
+
+def test_the_check_catches_a_wrong_and_a_stray_block():
+    spec = PoolSpec(2, 4, 2, 8, "bfloat16")
+    src, dst = BlockPool(spec, 6), BlockPool(spec, 6).poison()
+    swapin._fill(src, 0)
+    s_ids = BlockAllocator(6, 4, seed=1, order="random").allocate(12).ids
+    d_ids = BlockAllocator(6, 4, seed=2, order="random").allocate(12).ids
+    hr = torch.as_tensor(swapin.paged_rows(spec, 6, s_ids))
+    dr = torch.as_tensor(swapin.paged_rows(spec, 6, d_ids))
+    dst.rows[dr] = src.rows[hr]
+    assert swapin._verify(dst, d_ids, src, s_ids)
+    wrong = dst.rows[dr[3]].clone()
+    dst.rows[dr[3]] = src.rows[hr[4]]  # a row from the wrong block
+    assert not swapin._verify(dst, d_ids, src, s_ids)
+    dst.rows[dr[3]] = wrong
+    free = sorted(set(range(6)) - set(d_ids.tolist()))[0]
+    dst.rows[free] = 0.0  # a write outside the table (row `free` is layer 0, K side, block `free`)
+    assert not swapin._verify(dst, d_ids, src, s_ids)
+
+
+@pytest.mark.parametrize("kw, says", [
+    ({"contexts": "0"}, "context"), ({"block_size": 0}, "block-size = 0"), ({"kv_dtype": "int8"}, "kv-dtype = 'int8'"),
+    ({"device": "tpu"}, "device = 'tpu' is not a device"), ({"model": "no-such-model"}, "no-such-model"),
+    ({"repeats": 0}, "repeats = 0")])
+def test_bad_input_is_refused_before_a_folder(tmp_path, kw, says):
+    with pytest.raises(ValueError, match=says):
+        swapin.run(**{"model": "kvlab-tiny", "contexts": "64", "out": str(tmp_path / "run"), **kw})
+    assert not (tmp_path / "run").exists()
