@@ -842,11 +842,12 @@ Example: kvlab swapin --context 4k,32k --repeats 9"""
     path, s = swapin.run(model=args.model, contexts=args.context, block_size=args.block_size, kv_dtype=args.kv_dtype,
                          device=args.device, repeats=args.repeats, seed=args.seed, out=args.out)
     for r in s.itertuples():
+        what = f"{r.context:>6} {r.direction:9} {r.host_layout:10} {r.method:19}"
         if r.n:
-            print(f"{r.context:>6} {r.direction:9} {r.method:19} {r.ms:9.3f} ms ({r.ms_min:.3f}–{r.ms_max:.3f}) "
-                  f"{r.gbps:8.1f} GB/s  {r.pct_of_ceiling:5.1f} % of the contiguous copy [{r.pct_lo:.1f}, {r.pct_hi:.1f}]")
+            print(f"{what} {r.ms:9.3f} ms ({r.ms_min:.3f}–{r.ms_max:.3f}) {r.gbps:8.1f} GB/s  "
+                  f"{r.pct_of_ceiling:5.1f} % of the contiguous copy [{r.pct_lo:.1f}, {r.pct_hi:.1f}]")
         else:
-            print(f"{r.context:>6} {r.direction:9} {r.method:19} not run: {r.note}")
+            print(f"{what} not run: {r.note}")
     print(f"run: {path}")
     return 0
 

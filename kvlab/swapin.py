@@ -5,13 +5,16 @@ timed in the same run.
 
     kvlab swapin --model qwen2.5-7b --context 4k,32k --block-size 16 --repeats 9
 
-Host → GPU methods:
-    triton-uva   kvlab's Triton row kernel, launched on the GPU, reads each block straight from the pinned host
-                 pool (unified virtual addressing: the GPU reads over PCIe) and writes it to its block of the GPU
-                 pool: one launch, no staging, no copy engine. Its tile is tuned on the first rows (GPU).
-    staged       the CPU gathers the blocks into a pinned staging buffer (torch.index_select), one copy-engine
-                 copy brings it to the GPU, the row kernel scatters it there: what a host-side gather costs.
-GPU → host, beside them: `chunked-gather-d2h` (kvlab.paged_triton), the same blocks the other way.
+The host side holds the blocks two ways: `scattered`, a host pool with its own block table (vLLM's CPU swap
+space), and `packed`, the blocks in table order (what a prefill-side gather to host writes). Host → GPU methods:
+    triton-uva      kvlab's Triton row kernel, launched on the GPU, reads each block straight from pinned host
+                    memory (unified virtual addressing: the GPU reads over PCIe) and writes it to its block of the
+                    GPU pool: one launch, no staging, no copy engine (both layouts; tile tuned on the first rows).
+    staged          scattered: the CPU gathers the blocks into a pinned staging buffer (torch.index_select), one
+                    copy-engine copy brings it to the GPU, the row kernel scatters it there.
+    copy + scatter  packed: one copy-engine copy, then the row kernel's scatter on the GPU.
+GPU → host, beside them: `chunked-gather-d2h` (kvlab.paged_triton), the same blocks the other way, into a packed
+host buffer (notebook 04's case) and into a scattered host pool.
 
 Both pools hold twice the blocks the context needs and the tables are drawn at random in each (a busy server's
 free lists). Before every send the destination pool is poisoned (NaN); after the first send of each method every
@@ -95,13 +98,15 @@ def _measure_one(spec: PoolSpec, context: int, dev: torch.device, repeats: int, 
     _fill(host, seed)
     hr = torch.as_tensor(paged_rows(spec, 2 * n, h_ids))  # the host pool's rows of the table, layer side major
     dr = torch.as_tensor(paged_rows(spec, 2 * n, d_ids))
-    nbytes = len(hr) * host.rows.shape[1] * host.rows.element_size()
+    packed = torch.empty((len(hr), host.rows.shape[1]), dtype=host.rows.dtype, pin_memory=gpu)
+    torch.index_select(host.rows, 0, hr, out=packed)  # the same blocks in table order: a gather to host writes this
+    nbytes = packed.numel() * packed.element_size()
     flat_h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=gpu)
     flat_d = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     base = {"context": context, "block_size": spec.block_size, "bytes": nbytes}
 
-    def add(direction, method, ms, verified=None, note=""):
-        rows.append({**base, "direction": direction, "method": method, "ms": ms,
+    def add(direction, layout, method, ms, verified=None, note=""):
+        rows.append({**base, "direction": direction, "host_layout": layout, "method": method, "ms": ms,
                      "gbps": nbytes / ms / 1e6 if ms == ms else float("nan"), "verified": verified, "note": note})
 
     # the ceilings: one contiguous copy of the same bytes each way
@@ -109,54 +114,68 @@ def _measure_one(spec: PoolSpec, context: int, dev: torch.device, repeats: int, 
         up = _clock(lambda: flat_d.copy_(flat_h, non_blocking=True), dev)
         down = _clock(lambda: flat_h.copy_(flat_d, non_blocking=True), dev)
         if r:
-            add("host→gpu", "contiguous", up)
-            add("gpu→host", "contiguous", down)
+            add("host→gpu", "contiguous", "contiguous", up)
+            add("gpu→host", "contiguous", "contiguous", down)
     sends = {}
     hr_dev, dr_dev = hr.to(dev), dr.to(dev)
-    if gpu and kernels.triton_status(dev)[0]:
-        cfg, _ = kernels.tune(host.rows, hr_dev[:_TUNE_ROWS], pool.rows, dr_dev[:_TUNE_ROWS], device=dev)
-        sends["triton-uva"] = lambda: kernels.launch_rows(host.rows, hr_dev, pool.rows, dr_dev, cfg)
-    else:
-        add("host→gpu", "triton-uva", float("nan"), note="needs a CUDA GPU with Triton: " +
-            (kernels.triton_status(dev)[1] if gpu else "this run has none"))
-    staging_h = torch.empty((len(hr), host.rows.shape[1]), dtype=host.rows.dtype, pin_memory=gpu)
-    staging_d = torch.empty_like(staging_h, device=dev)
+    staging_h = torch.empty_like(packed, pin_memory=gpu)
+    staging_d = torch.empty_like(packed, device=dev)
     ar = torch.arange(len(hr), device=dev)
+    triton_ok, why_not = kernels.triton_status(dev) if gpu else (False, "this run has no GPU")
+    if triton_ok:
+        k = slice(0, _TUNE_ROWS)
+        cfg, _ = kernels.tune(host.rows, hr_dev[k], pool.rows, dr_dev[k], device=dev)
+        cfg_p, _ = kernels.tune(packed, ar[k], pool.rows, dr_dev[k], device=dev)
+        sends[("scattered", "triton-uva")] = lambda: kernels.launch_rows(host.rows, hr_dev, pool.rows, dr_dev, cfg)
+        sends[("packed", "triton-uva")] = lambda: kernels.launch_rows(packed, ar, pool.rows, dr_dev, cfg_p)
+    else:
+        for layout in ("scattered", "packed"):
+            add("host→gpu", layout, "triton-uva", float("nan"), note=f"needs a CUDA GPU with Triton: {why_not}")
 
-    def staged():
+    def staged():  # the CPU gathers, one copy, the GPU scatters
         torch.index_select(host.rows, 0, hr, out=staging_h)
         staging_d.copy_(staging_h, non_blocking=True)
         kernels.copy_rows(staging_d, ar, pool.rows, dr_dev, check_bounds=False)
 
-    sends["staged"] = staged
-    for method, fn in sends.items():
+    def copy_scatter():  # already packed: one copy, the GPU scatters
+        staging_d.copy_(packed, non_blocking=True)
+        kernels.copy_rows(staging_d, ar, pool.rows, dr_dev, check_bounds=False)
+
+    sends[("scattered", "staged")] = staged
+    sends[("packed", "copy + scatter")] = copy_scatter
+    for (layout, method), fn in sends.items():
         for r in range(repeats + 1):
             pool.poison()
             ms = _clock(fn, dev)
-            verified = _verify(pool, d_ids, host, h_ids) if r == 0 else None
             if r:
-                add("host→gpu", method, ms)
-            elif not verified:
-                raise RuntimeError(f"swap-in method {method!r} wrote a wrong or stray block at context {context}")
-    # the other way, beside it: notebook 04's gather to pinned host, the same blocks (the GPU pool's table to
-    # the host pool's)
+                add("host→gpu", layout, method, ms)
+            elif not _verify(pool, d_ids, host, h_ids):  # packed holds the host pool's table blocks, in order
+                raise RuntimeError(f"swap-in method {method!r} ({layout}) wrote a wrong or stray block at context "
+                                   f"{context}")
+    # the other way, beside it: notebook 04's gather to pinned host, the same blocks from the GPU pool's table,
+    # into a packed host buffer (what notebook 04 measured) and into the host pool's own table
     why = paged_xport.unavailable("chunked-gather-d2h", dev, "pinned")
     if why:
-        add("gpu→host", "chunked-gather-d2h", float("nan"), note=why)
-    else:
+        for layout in ("packed", "scattered"):
+            add("gpu→host", layout, "chunked-gather-d2h", float("nan"), note=why)
+        return rows
+    _fill(pool, seed + 2)
+    src_t = BlockAllocator(2 * n, spec.block_size, seed=seed + 1, order="random").allocate(context)
+    host_t = BlockAllocator(2 * n, spec.block_size, seed=seed, order="random").allocate(context)
+    for layout, dst_t in (("packed", None), ("scattered", host_t)):
+        # a transport each: its pool's blocks belong to one sequence at a time
         back = paged_xport.make_transport("chunked-gather-d2h", spec, "pinned", 2 * n, src_device=dev)
-        _fill(pool, seed + 2)
-        src_t = BlockAllocator(2 * n, spec.block_size, seed=seed + 1, order="random").allocate(context)
-        dst_t = BlockAllocator(2 * n, spec.block_size, seed=seed, order="random").allocate(context)
         back.prepare(pool, src_t, dst_t)
+        want = np.arange(len(src_t.ids)) if dst_t is None else dst_t.ids
         for r in range(repeats + 1):
             back.poison()
             ms = _clock(lambda: back.send(pool, src_t, dst_t).wait(), dev)
-            if r == 0 and not _verify(back.pool, dst_t.ids, pool, src_t.ids):
-                raise RuntimeError(f"chunked-gather-d2h wrote a wrong or stray block at context {context}")
             if r:
-                add("gpu→host", "chunked-gather-d2h", ms)
+                add("gpu→host", layout, "chunked-gather-d2h", ms)
+            elif not _verify(back.pool, want, pool, src_t.ids):
+                raise RuntimeError(f"chunked-gather-d2h ({layout}) wrote a wrong or stray block at context {context}")
         back.close()
+        del back
     return rows
 
 
@@ -167,16 +186,17 @@ def paged_rows(spec: PoolSpec, num_blocks: int, ids) -> np.ndarray:
 
 
 def summarise(df: pd.DataFrame) -> pd.DataFrame:
-    """Per (context, direction, method): median ms (min–max), GB/s, and % of the same direction's contiguous copy
-    with the 95 % interval of that ratio (kvlab.timing.ratio_ci)."""
+    """Per (context, direction, host layout, method): median ms (min–max), GB/s, and % of the same direction's
+    contiguous copy with the 95 % interval of that ratio (kvlab.timing.ratio_ci)."""
     from .timing import ratio_ci
 
     out = []
     for (context, direction), g in df.groupby(["context", "direction"], sort=False):
         ceil = g[g.method == "contiguous"]["ms"].dropna().tolist()
-        for method, m in g.groupby("method", sort=False):
+        for (layout, method), m in g.groupby(["host_layout", "method"], sort=False):
             ms = m["ms"].dropna().tolist()
-            row = {"context": int(context), "direction": direction, "method": method, "n": len(ms),
+            row = {"context": int(context), "direction": direction, "host_layout": layout, "method": method,
+                   "n": len(ms),
                    "bytes": int(m["bytes"].iloc[0]), "note": "; ".join(sorted(set(m["note"].fillna("")) - {""}))}
             if ms:
                 med = statistics.median(ms)

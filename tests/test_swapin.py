@@ -20,9 +20,14 @@ def test_swapin_run_on_a_cpu_writes_a_finished_run(tmp_path):
     run = json.loads((out / "run.json").read_text())
     assert run["status"] == "finished" and run["study"] == "swapin"
     df = pd.read_csv(out / "results.csv")
-    staged = df[(df.method == "staged")]
-    assert len(staged) == 2 * 2 and (staged["ms"] > 0).all()
-    assert set(s["method"]) == {"contiguous", "triton-uva", "staged", "chunked-gather-d2h"}
+    for method in ("staged", "copy + scatter"):
+        ran = df[(df.method == method)]
+        assert len(ran) == 2 * 2 and (ran["ms"] > 0).all()
+    got = set(zip(s["direction"], s["host_layout"], s["method"]))
+    assert got == {("host→gpu", "contiguous", "contiguous"), ("gpu→host", "contiguous", "contiguous"),
+                   ("host→gpu", "scattered", "triton-uva"), ("host→gpu", "packed", "triton-uva"),
+                   ("host→gpu", "scattered", "staged"), ("host→gpu", "packed", "copy + scatter"),
+                   ("gpu→host", "packed", "chunked-gather-d2h"), ("gpu→host", "scattered", "chunked-gather-d2h")}
     skipped = s[s.method.isin(["triton-uva", "chunked-gather-d2h"])]
     assert (skipped["n"] == 0).all() and skipped["note"].str.len().gt(0).all()
     # 100 tokens in 16-token blocks = 7 blocks of every layer side moved
