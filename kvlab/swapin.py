@@ -175,7 +175,6 @@ def _measure_one(spec: PoolSpec, context: int, dev: torch.device, repeats: int, 
             elif not _verify(back.pool, want, pool, src_t.ids):
                 raise RuntimeError(f"chunked-gather-d2h ({layout}) wrote a wrong or stray block at context {context}")
         back.close()
-        del back
     return rows
 
 
