@@ -834,7 +834,7 @@ def _swapin(args) -> int:
     same way, timed in the same run. Every method is checked on a poisoned pool. Writes results.csv, summary.csv
     and run.json.
 
-Example: kvlab swapin --context 4k,32k --repeats 9"""
+Example: kvlab swapin --model kvlab-tiny --context 256 --repeats 3"""
     from kvlab import swapin
 
     if args.out:

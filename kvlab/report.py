@@ -355,6 +355,24 @@ def checksum_cost(paths: list[str]) -> str:
     return _md(pd.DataFrame(rows))
 
 
+def swapin(paths: list[str]) -> str:
+    """kvlab swapin: per run, context, direction, host layout and method — median ms (min–max), GB/s and % of the
+    same direction's contiguous copy with its 95 % interval; a method that could not run says why."""
+    rows = []
+    for path in paths:
+        record, d = _run(path)
+        for r in pd.read_csv(d / "summary.csv").itertuples():
+            ran = r.n > 0
+            rows.append({"run": _link(path), "context": _ctx(r.context), "direction": r.direction,
+                         "host blocks": r.host_layout, "method": r.method,
+                         "ms median (min–max)": f"{_g(r.ms)} ({_g(r.ms_min)}–{_g(r.ms_max)})" if ran else "—",
+                         "GB/s": _g(r.gbps) if ran else "—",
+                         "% of contiguous [95 %]": (f"{r.pct_of_ceiling:.1f} [{r.pct_lo:.1f}, {r.pct_hi:.1f}]"
+                                                    if ran and r.method != "contiguous" else "—" if not ran else "100"),
+                         "n": r.n})
+    return _md(pd.DataFrame(rows))
+
+
 def _link(path: str) -> str:
     return f"[{path.split('/')[-1]}](data/{path}/)"
 
@@ -368,7 +386,8 @@ VERDICT_RUNS = {
     "overlap_timeline": ["overlap_timeline/20261129-104724-h200", "overlap_timeline/20261129-113044-h200",
                          "overlap_timeline/20261129-114951-h200", "overlap_timeline/20261130-145803-h200"],
     "disagg": ["disagg/20261130-174816-h200", "disagg/20261130-175223-h200", "disagg/20261130-175620-h200",
-               "disagg/20261130-175845-h200", "disagg/20261201-023701-h200", "disagg/20261201-023837-h200"],
+               "disagg/20261130-175845-h200", "disagg/20261201-023701-h200", "disagg/20261201-023837-h200",
+               "disagg/20261201-030308-h200"],
     "faults": ["disagg/20261130-190554-cpu", "disagg/20261130-190727-cpu", "disagg/20261130-190910-cpu",
                "disagg/20261130-231101-cpu", "disagg/20261130-231342-cpu", "disagg/20261130-231636-cpu",
                "disagg/20261201-003237-cpu", "disagg/20261201-003410-cpu", "disagg/20261201-003554-cpu",
@@ -550,7 +569,8 @@ BLOCKS = {
     "disagg_nixl_gpu": lambda: disagg_nixl(NIXL_GPU_RUNS),
     "disagg_nixl_ttft_gpu": lambda: disagg(NIXL_GPU_RUNS),
     "faults_gpu": lambda: faults(GPU_FAULT_RUNS),
-    "checksum_cost_gpu": lambda: checksum_cost(GPU_FAULT_RUNS),
+    "checksum_cost_gpu": lambda: checksum_cost(GPU_FAULT_RUNS + ["disagg/20261201-030404-h200"]),
+    "swapin_1gpu": lambda: swapin(["swapin/20261201-030638-h200"]),
     "verdicts": verdicts,
     "verdict_counts": verdict_counts,
     "provenance": provenance_table,
