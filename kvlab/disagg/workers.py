@@ -89,6 +89,7 @@ class PrefillWorker:
         self.generation = generation
         self._sources: dict = {}
         self._filled: set = set()  # the (layout, context) sources this process has prefilled
+        self._dst_rows = None  # (the decode side's table, its _Rows) of the last paged request
 
     def source(self, layout: str, context: int):
         from ..kvcache import KVBuffer, layout_for
@@ -133,7 +134,11 @@ class PrefillWorker:
             self.link.attach(msg["tag"])
             rows = None
             if src.paged:
-                rows = _Rows.for_ids(src.layers, msg["dst_num_blocks"], msg["dst_blocks"], self.dev)
+                key = (msg["tag"], msg["dst_num_blocks"], tuple(msg["dst_blocks"]))
+                if self._dst_rows is None or self._dst_rows[0] != key:  # the same table each request: one object,
+                    self._dst_rows = (key, _Rows.for_ids(src.layers, msg["dst_num_blocks"], msg["dst_blocks"],
+                                                         self.dev))  # so what the link tuned and captured stays
+                rows = self._dst_rows[1]
             self.link.bind(msg["tag"], rows, src.pool.rows.shape[1] if src.paged else 0)
         if msg.get("bench"):
             return self.bench(src, msg) if self.link.name == "ipc" else self.bench_dist(n, src, msg)
@@ -256,6 +261,7 @@ class PrefillWorker:
         kernel = "copy_"
         if src.paged:
             kernel = (f"triton row copy, tuned (order: {tuned['order']})"
+                      + (", one CUDA graph" if self.link.graphs else "")
                       + (" (pulled by the decode GPU)" if self.link.pulls(src) else ""))
         return {"send_ms": send, "ceiling_ms": plain, "layer_ms": layer, "send_default_ms": default, "bytes": nbytes,
                 "layer_bytes": src.nbytes((src.layers - 1,)), "tuned": tuned, "kernel": kernel, "timer": "cuda events"}
