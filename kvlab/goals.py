@@ -241,7 +241,9 @@ _OVERLAP = [
 ]
 
 def _disagg_paged_32k_one_gpu(r, t) -> bool:
-    return getattr(r, "layout", None) == "paged" and r.mode == "bulk" and r.context == 32768 and bool(r.same_gpu)
+    # the goal names ipc: other backends' benches (nccl, gloo, since 2026-12-01) are not judged by it
+    return (getattr(r, "layout", None) == "paged" and r.mode == "bulk" and r.context == 32768 and bool(r.same_gpu)
+            and getattr(r, "backend", "ipc") == "ipc")
 
 
 def _disagg_layerwise_4k_32k(r, t) -> bool:

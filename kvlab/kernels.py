@@ -268,7 +268,7 @@ def copy_rows_reference(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Ten
 
 
 def _check(src, src_idx, dst, dst_idx, device=None):
-    dev = device if device is not None else src.device
+    dev = device if device is not None else _kernel_device(src, dst)
     for name, t in (("src", src), ("dst", dst)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous 2-D tensor [rows, elems], got "

@@ -300,8 +300,8 @@ def disagg_nixl(paths: list[str]) -> str:
         # cuda → cuda tables before 2026-12-01 (the H200 runs of 13a05c7 say tcp/lo, which was another memory pair)
         from .disagg.nixl_link import cache_transports, ucx_transports
 
-        ucx = cache_transports(ucx_transports(Path(d) / "worker-prefill.log"), s.get("prefill_device", "cpu")) or \
-            s["nixl"]["ucx_transports"]
+        ucx = cache_transports(ucx_transports(Path(d) / "worker-prefill.log"), s.get("prefill_device", "cpu"),
+                               s.get("decode_device")) or s["nixl"]["ucx_transports"]
         for r in dr.nixl_table(req).itertuples():
             rows.append({"run": _link(path), "descriptors": s["nixl"]["descs"], "layout": r.layout, "mode": r.mode,
                          "context": _ctx(r.context), "KiB": f"{r.kv_bytes // 1024:,}",

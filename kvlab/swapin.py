@@ -19,8 +19,10 @@ host buffer (notebook 04's case) and into a scattered host pool.
 Both pools hold twice the blocks the context needs and the tables are drawn at random in each (a busy server's
 free lists). Before every send the destination pool is poisoned (NaN); after the first send of each method every
 table block is compared with its source and every other block must still be poisoned. Times are host-clock
-(synchronise, clock, send, synchronise, clock), the same way for a method and its ceiling, median of the repeats
-with min–max. On a CPU the "GPU" pool is a second host pool: the staged path runs (CI checks it), the others say
+(synchronise, clock, send, synchronise, clock), the same way for a method and its ceiling, which is timed beside
+every repeat of every method (before it, then after it, in turn); median of the repeats with min–max. (Runs
+20261201-030223 and -030638 timed all the ceiling's repeats first.)
+On a CPU the "GPU" pool is a second host pool: the staged path runs (CI checks it), the others say
 they need CUDA.
 """
 
@@ -109,13 +111,25 @@ def _measure_one(spec: PoolSpec, context: int, dev: torch.device, repeats: int, 
         rows.append({**base, "direction": direction, "host_layout": layout, "method": method, "ms": ms,
                      "gbps": nbytes / ms / 1e6 if ms == ms else float("nan"), "verified": verified, "note": note})
 
-    # the ceilings: one contiguous copy of the same bytes each way
-    for r in range(repeats + 1):
-        up = _clock(lambda: flat_d.copy_(flat_h, non_blocking=True), dev)
-        down = _clock(lambda: flat_h.copy_(flat_d, non_blocking=True), dev)
-        if r:
-            add("host→gpu", "contiguous", "contiguous", up)
-            add("gpu→host", "contiguous", "contiguous", down)
+    # the ceilings: one contiguous copy of the same bytes each way, timed beside every repeat of every method
+    # (before it in one repeat, after it in the next), so that drift over the run reaches both alike
+    ceiling = {"host→gpu": lambda: flat_d.copy_(flat_h, non_blocking=True),
+               "gpu→host": lambda: flat_h.copy_(flat_d, non_blocking=True)}
+
+    def timed(direction, layout, method, fn, before=None, check=None):
+        for r in range(repeats + 1):
+            if before is not None:
+                before()
+            first = r % 2 == 0
+            c = _clock(ceiling[direction], dev) if not first else None
+            ms = _clock(fn, dev)
+            c = _clock(ceiling[direction], dev) if first else c
+            if r:
+                add(direction, layout, method, ms)
+                add(direction, "contiguous", "contiguous", c)
+            elif check is not None and not check():
+                raise RuntimeError(f"{method} ({layout}) wrote a wrong or stray block at context {context}")
+
     sends = {}
     hr_dev, dr_dev = hr.to(dev), dr.to(dev)
     staging_h = torch.empty_like(packed, pin_memory=gpu)
@@ -143,21 +157,16 @@ def _measure_one(spec: PoolSpec, context: int, dev: torch.device, repeats: int, 
 
     sends[("scattered", "staged")] = staged
     sends[("packed", "copy + scatter")] = copy_scatter
-    for (layout, method), fn in sends.items():
-        for r in range(repeats + 1):
-            pool.poison()
-            ms = _clock(fn, dev)
-            if r:
-                add("host→gpu", layout, method, ms)
-            elif not _verify(pool, d_ids, host, h_ids):  # packed holds the host pool's table blocks, in order
-                raise RuntimeError(f"swap-in method {method!r} ({layout}) wrote a wrong or stray block at context "
-                                   f"{context}")
+    for (layout, method), fn in sends.items():  # packed holds the host pool's table blocks, in order
+        timed("host→gpu", layout, method, fn, before=pool.poison, check=lambda: _verify(pool, d_ids, host, h_ids))
     # the other way, beside it: notebook 04's gather to pinned host, the same blocks from the GPU pool's table,
     # into a packed host buffer (what notebook 04 measured) and into the host pool's own table
     why = paged_xport.unavailable("chunked-gather-d2h", dev, "pinned")
     if why:
         for layout in ("packed", "scattered"):
             add("gpu→host", layout, "chunked-gather-d2h", float("nan"), note=why)
+        for _ in range(repeats):  # the ceiling alone, so the direction still has one
+            add("gpu→host", "contiguous", "contiguous", _clock(ceiling["gpu→host"], dev))
         return rows
     _fill(pool, seed + 2)
     src_t = BlockAllocator(2 * n, spec.block_size, seed=seed + 1, order="random").allocate(context)
@@ -167,13 +176,8 @@ def _measure_one(spec: PoolSpec, context: int, dev: torch.device, repeats: int, 
         back = paged_xport.make_transport("chunked-gather-d2h", spec, "pinned", 2 * n, src_device=dev)
         back.prepare(pool, src_t, dst_t)
         want = np.arange(len(src_t.ids)) if dst_t is None else dst_t.ids
-        for r in range(repeats + 1):
-            back.poison()
-            ms = _clock(lambda: back.send(pool, src_t, dst_t).wait(), dev)
-            if r:
-                add("gpu→host", layout, "chunked-gather-d2h", ms)
-            elif not _verify(back.pool, want, pool, src_t.ids):
-                raise RuntimeError(f"chunked-gather-d2h ({layout}) wrote a wrong or stray block at context {context}")
+        timed("gpu→host", layout, "chunked-gather-d2h", lambda: back.send(pool, src_t, dst_t).wait(),
+              before=back.poison, check=lambda: _verify(back.pool, want, pool, src_t.ids))
         back.close()
     return rows
 

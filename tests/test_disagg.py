@@ -602,6 +602,18 @@ def test_checksums_together_are_the_checksums_one_by_one():
     assert checksums([]) == []
 
 
+def test_a_bench_without_a_common_clock_is_tabulated_as_unknown():
+    """Across two hosts the bench's times are NaN (no clock in common): the table says so instead of failing the
+    run while it writes its results."""
+    from kvlab.disagg.report import bench_table
+
+    nan = float("nan")
+    rows = [{"layout": "contiguous", "context": 128, "kind": k, "sample": i, "ms": nan if k != "ceiling" else 1.0,
+             "bytes": 1000, "kernel": "nccl send"} for k in ("send", "ceiling", "layer") for i in range(3)]
+    t = bench_table(pd.DataFrame(rows))
+    assert len(t) == 1 and t[["pct_of_ceiling", "pct_lo", "pct_hi", "send_ms"]].isna().all(axis=None)
+
+
 def test_bulk_orders_permute_the_same_rows():
     """Each bulk order of a paged ipc send moves exactly the table's rows, once each, pairs kept together: by
     destination row, by source row, or block-major across the layer sides."""

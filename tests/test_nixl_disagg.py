@@ -178,8 +178,9 @@ def test_ucx_transports_of_the_cache_on_a_gpu(tmp_path):
     found = ucx_transports(tmp_path / "w.log")
     assert found == [{"peer": "intra-node", "from": "host", "to": "cuda", "transports": ["tcp/lo"]},
                      {"peer": "intra-node", "from": "cuda", "to": "cuda", "transports": ["cuda_ipc/cuda"]}]
-    assert cache_transports(found, "cuda:0") == ["cuda_ipc/cuda"]
-    assert cache_transports(found, "cpu") == ["tcp/lo"]
+    assert cache_transports(found, "cuda:0") == ["cuda_ipc/cuda"] == cache_transports(found, "cuda:0", "cuda:1")
+    assert cache_transports(found, "cpu") == ["tcp/lo"] == cache_transports(found, "cpu", "cuda:0")
+    assert cache_transports(found, "cpu", "cpu") == []  # no host → host table in this log
 
 
 @pytest.mark.parametrize("argv, says", [

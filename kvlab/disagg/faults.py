@@ -211,7 +211,7 @@ def _attempt(w, base, sink, layers: list[int], fault, good: set[int]):
 
     sync_device(w.dev)
     t0 = time.perf_counter()
-    sums = _sink_checksums(sink, sorted(landed_in_time))  # each checksum ends in int(): the device is done
+    sums = _sink_checksums(sink, sorted(landed_in_time))  # ends in tolist(): the device is done
     done["checksum_recv_ms"] = (time.perf_counter() - t0) * 1e3
     done["checksum_recv_bytes"] = len(landed_in_time) * done["checksum_bytes"] // sink.layers
     corrupt = {i for i, c in sums.items() if c != done["checksums"][i]}

@@ -443,7 +443,7 @@ def _nixl_summary(run_dir, cfg: DisaggConfig, launcher: dict | None) -> dict:
     from .nixl_link import cache_transports, ucx_transports
 
     found = ucx_transports(Path(run_dir, "worker-prefill.log")) if not launcher else []
-    used = cache_transports(found, cfg.devices()[0])  # the cache's writes only (ucx_writes keeps every table)
+    used = cache_transports(found, *cfg.devices())  # the cache's memory pair only (ucx_writes keeps every table)
     return {"version": nixl_version(), "descs": cfg.nixl_descs, "operation": "WRITE", "agents": 2,
             "ucx_writes": found, "ucx_transports": used or "unknown (no UCX_PROTO_INFO report in the prefill log)",
             "tcp_fallback": any(t.startswith("tcp/") for t in used) if used else None}

@@ -390,7 +390,7 @@ class IpcLink:
         the same rows object as the last bind keep what was tuned and captured for them."""
         if tag == self._tag and dst_rows is self._bound and tag in self._dst:
             return
-        self._bound = dst_rows
+        bound = dst_rows
         if dst_rows is not None:
             have = self._dst[tag].numel() // row_elems
             if dst_rows.top >= have:
@@ -399,7 +399,7 @@ class IpcLink:
             dev = self._dst[tag].device
             if dev != dst_rows.all.device and dev.type == "cuda":  # a pull: the kernel and its indices on the decode GPU
                 dst_rows = dst_rows.to(dev)
-        self._tag, self._dst_rows = tag, dst_rows
+        self._tag, self._dst_rows, self._bound = tag, dst_rows, bound  # only once the rows were checked
         self.reset_tuning()  # a tuned order holds the rows of the tables it was tuned on
 
     def _rows_of(self, unit, src: Source) -> tuple[torch.Tensor, torch.Tensor]:
@@ -442,10 +442,20 @@ class IpcLink:
         key = (rows.data_ptr(), tuple(rows.shape), rows.dtype, src.pool.rows.data_ptr(), tuple(src.pool.rows.shape),
                s_rows.data_ptr(), d_rows.data_ptr(), s_rows.numel(), tuple(sorted(cfg.items())) if cfg else None)
         if key not in self._graphs:
+            here = torch.cuda.current_stream()  # _stream_for's stream: on the kernel's device
             self._launch(src, rows, s_rows, d_rows)
+            # captured on a stream of our own on that device, without torch.cuda.graph's device-wide synchronize
+            # and cache emptying
+            cap = torch.cuda.Stream(device=here.device)
+            cap.wait_stream(here)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, capture_error_mode="thread_local"):
-                self._launch(src, rows, s_rows, d_rows)
+            with torch.cuda.stream(cap):
+                g.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self._launch(src, rows, s_rows, d_rows)
+                finally:
+                    g.capture_end()
+            here.wait_stream(cap)
             self._graphs = {key: g}  # the latest only: a graph keeps its tensors' addresses, not the tensors
         return self._graphs[key]
 

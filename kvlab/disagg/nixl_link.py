@@ -367,13 +367,16 @@ _WHAT = re.compile(r"\|\s*remote memory write by ucp_put\S* from (\w+)(?:/\S+)?(
 _ROW = re.compile(r"\|\s*[\d.]+(?:\.\.\S+)?\s*\|\s*[^|]+\|\s*([^|]+?)\s*\|$")
 
 
-def cache_transports(found: list[dict], device: str) -> list[str]:
-    """The transports of the writes whose source is the cache's memory (cuda for a GPU prefill device, else host),
-    from `ucx_transports`' entries. UCX also reports tables for other memory pairs it met (on the H200, writes from
-    host memory to the GPU over tcp/lo, beside the cache's cuda → cuda writes over cuda_ipc): those are not the
-    cache's path."""
-    kind = "cuda" if str(device).startswith("cuda") else "host"
-    return sorted({t for e in found if e["from"] == kind for t in e["transports"]})
+def cache_transports(found: list[dict], device: str, dst_device: str | None = None) -> list[str]:
+    """The transports of the writes between the cache's memory kinds (cuda for a GPU device, else host: from the
+    prefill `device`, to `dst_device` when given), from `ucx_transports`' entries. UCX also reports tables for other
+    memory pairs it met (on the H200, writes from host memory to the GPU over tcp/lo, beside the cuda → cuda tables
+    over cuda_ipc): those are not the pair the cache's descriptors name."""
+    def kind(d):
+        return "cuda" if str(d).startswith("cuda") else "host"
+
+    return sorted({t for e in found if e["from"] == kind(device) and (dst_device is None or e["to"] == kind(dst_device))
+                   for t in e["transports"]})
 
 
 def ucx_transports(log: str | os.PathLike) -> list[dict]:

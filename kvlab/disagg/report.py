@@ -12,6 +12,7 @@ and the inputs of the goals (kvlab.goals, study "disagg"). Nothing here measures
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -65,7 +66,9 @@ def bench_table(bench: pd.DataFrame) -> pd.DataFrame:
         send = g[g["kind"] == "send"]["ms"].tolist()
         ceil = g[g["kind"] == "ceiling"]["ms"].tolist()
         nbytes = int(g[g["kind"] == "send"]["bytes"].iloc[0])
-        lo, hi = ratio_ci(ceil, send)
+        finite = all(math.isfinite(x) for x in send + ceil)
+        # two hosts have no clock in common: their bench's times are NaN, and so is every ratio of them
+        lo, hi = ratio_ci(ceil, send) if finite else (float("nan"), float("nan"))
         row = {"layout": layout, "context": int(context), "n": len(send), "bytes": nbytes,
                "send_ms": statistics.median(send), "ceiling_ms": statistics.median(ceil),
                "send_gbps": nbytes / statistics.median(send) / 1e6,

@@ -307,15 +307,15 @@ class PrefillWorker:
                 "kernel": f"{self.link.name} send{gather}", "timer": "host clock, two processes", "host": host_id()}
 
     def _paged_controls(self, src: Source, msg: dict) -> dict:
-        """Where a paged IPC send's time goes, tuned config, median of n each: the same kernel into a pool of this
-        process (same shape, same block table: is it the IPC mapping?) and into the IPC pool with the rows
-        sorted by source row (is it the order of the reads?)."""
+        """Where a paged IPC send's time goes, tuned config and order, one plain launch each (no CUDA graph), median
+        of n each: the send's launch into the IPC pool, the same launch into a pool of this process (same shape,
+        same rows: is it the IPC mapping?), and into the IPC pool with the rows sorted by source row (is it the
+        order of the reads?)."""
         from .. import kernels
 
         dst = self.link._dst[msg["tag"]].view(-1, src.pool.rows.shape[1])
         local = torch.empty_like(dst)  # on the decode GPU too, when the send pulls
-        didx = self.link._dst_rows.all
-        sidx = self.link._src_rows(src).all  # on the kernel's device
+        sidx, didx = self.link._rows_of(tuple(range(src.layers)), src)  # the send's rows, in its order
         perm = torch.argsort(sidx)
         cfg = self.link.kernel_config
         stream = self.link._stream_for(src)
@@ -323,7 +323,7 @@ class PrefillWorker:
         def one(d, si, di):
             return event_ms(stream, lambda: kernels.launch_rows(src.pool.rows, si, d, di, cfg))
 
-        out = {"local_pool_ms": [], "ipc_src_order_ms": [], "ipc_layer_order_ms": []}
+        out = {"local_pool_ms": [], "ipc_src_order_ms": [], "ipc_send_order_ms": []}
         for k in range(msg["warmup"] + msg["n"]):
             got = (one(local, sidx, didx), one(dst, sidx[perm], didx[perm]), one(dst, sidx, didx))
             if k >= msg["warmup"]:
