@@ -11,6 +11,9 @@ time and what was written, so a reader can always tell which code drew which fig
                        backlog, findings; the send-pattern summary, findings and figures when it ran them
     handoff            the seed-004 summary, the goals, the figure
     paged_transfer     summary, goals
+    link_ceilings      the fit and its figure
+    disagg             the goal table and the TTFT figure
+    swapin             the summary and the share-of-the-link figure
 """
 
 from __future__ import annotations
@@ -25,11 +28,11 @@ from . import results
 
 __all__ = ["analyse", "STUDIES", "FIGURES", "add_arguments", "run_args"]
 
-STUDIES = ("overlap_timeline", "handoff", "paged_transfer", "link_ceilings", "disagg")
+STUDIES = ("overlap_timeline", "handoff", "paged_transfer", "link_ceilings", "disagg", "swapin")
 # the figures each study's analysis can draw (which of them it draws depends on the run's tables)
 FIGURES = {"overlap_timeline": ("decomposition", "event_timeline", "patterns", "clock_timeline"),
            "handoff": ("handoff_ttft",), "paged_transfer": ("gbps_vs_block_size", "access_patterns"),
-           "link_ceilings": ("gbps_vs_size",), "disagg": ("disagg_ttft",)}
+           "link_ceilings": ("gbps_vs_size",), "disagg": ("disagg_ttft",), "swapin": ("swapin_pct",)}
 
 
 def _need(tables: dict, run: Path, name: str) -> pd.DataFrame:
@@ -234,8 +237,17 @@ def _disagg(run: Path, record: dict, tables: dict, out: _Out) -> None:
     out.figure(dr.plot(run), "disagg_ttft")
 
 
+def _swapin(run: Path, record: dict, tables: dict, out: _Out) -> None:
+    from . import plots, swapin
+
+    plots.style()
+    s = swapin.summarise(_need(tables, run, "results"))
+    out.table(s, "summary")
+    out.figure(swapin.plot(s), "swapin_pct")
+
+
 _DISPATCH = {"overlap_timeline": _overlap_timeline, "handoff": _handoff, "paged_transfer": _paged,
-             "link_ceilings": _link_ceilings, "disagg": _disagg}
+             "link_ceilings": _link_ceilings, "disagg": _disagg, "swapin": _swapin}
 
 
 def analyse(run_dir, out: str | Path | None = None, publish: bool = False, suffix: str = "",

@@ -39,7 +39,7 @@ from . import kernels
 from .paged import BlockAllocator, BlockPool, PoolSpec
 from .timing import sync_device
 
-__all__ = ["H2D_METHODS", "measure", "summarise", "run"]
+__all__ = ["H2D_METHODS", "measure", "summarise", "plot", "run"]
 
 H2D_METHODS = ("triton-uva", "staged")
 _TUNE_ROWS = 16384  # tune triton-uva's tile on the first 16,384 rows (256 MiB of 16 KiB rows), as notebook 04 does
@@ -208,6 +208,48 @@ def summarise(df: pd.DataFrame) -> pd.DataFrame:
                            pct_of_ceiling=100 * statistics.median(ceil) / med, pct_lo=100 * lo, pct_hi=100 * hi)
             out.append(row)
     return pd.DataFrame(out)
+
+
+def plot(summary: pd.DataFrame, title: str = ""):
+    """Each method's share of the contiguous copy of the same bytes (median, 95 % interval), host → GPU on the
+    left and GPU → host on the right, one bar per context; methods that did not run are left out."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from . import plots
+
+    s = summary[(summary["method"] != "contiguous") & (summary["n"] > 0)]
+    contexts = sorted(s["context"].unique())
+    colors = dict(zip(contexts, [plots.BLUE, plots.VERMILLION, plots.GREEN, plots.ORANGE]))
+    dirs = [d for d in ("host→gpu", "gpu→host") if d in set(s["direction"])]
+    fig, axes = plt.subplots(1, len(dirs), figsize=(10.5, 4.4), squeeze=False,
+                             gridspec_kw={"width_ratios": [max(1, s[s.direction == d][["host_layout", "method"]]
+                                                               .drop_duplicates().shape[0]) for d in dirs]})
+    for ax, d in zip(axes[0], dirs):
+        g = s[s.direction == d]
+        names = {"chunked-gather-d2h": "chunked gather"}
+        labels = list(dict.fromkeys(f"{names.get(m, m)}\n({lay})" for lay, m in zip(g["host_layout"], g["method"])))
+        x = np.arange(len(labels))
+        width = 0.8 / max(1, len(contexts))
+        for k, c in enumerate(contexts):
+            gc = g[g.context == c]
+            key = {f"{names.get(m, m)}\n({lay})": r for lay, m, r in zip(gc["host_layout"], gc["method"],
+                                                                           gc.itertuples())}
+            v = np.array([key[lb].pct_of_ceiling if lb in key else np.nan for lb in labels])
+            lo = np.array([key[lb].pct_lo if lb in key else np.nan for lb in labels])
+            hi = np.array([key[lb].pct_hi if lb in key else np.nan for lb in labels])
+            err = np.clip(np.vstack([np.nan_to_num(v - lo), np.nan_to_num(hi - v)]), 0, None)
+            ax.bar(x + (k - (len(contexts) - 1) / 2) * width, v, width, yerr=err, color=colors[c], capsize=2,
+                   label=f"{c // 1024}k tokens" if c >= 1024 else f"{c} tokens")
+        ax.axhline(100, color="0.4", lw=0.8, ls="--")
+        ax.set_xticks(x, labels)
+        ax.set_ylim(0, 125)
+        ax.set_title({"host→gpu": "pinned host → GPU pool", "gpu→host": "GPU pool → pinned host"}[d])
+    axes[0][0].set_ylabel("% of a contiguous copy of the same bytes")
+    axes[0][0].legend(loc="upper left", ncol=len(contexts), frameon=False)
+    fig.suptitle(title or "A paged cache across PCIe: what each method keeps of the link")
+    fig.tight_layout()
+    return fig
 
 
 def run(model: str = "qwen2.5-7b", contexts=("4k", "32k"), block_size: int = 16, kv_dtype: str = "bf16",
