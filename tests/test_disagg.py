@@ -634,3 +634,8 @@ def test_bulk_orders_permute_the_same_rows():
     assert inter[:6] == [side * 10 + 7 for side in range(6)]  # the first block of every layer side first
     with pytest.raises(ValueError, match="unknown bulk order 'zigzag'"):
         bulk_perm("zigzag", s, d, 6)
+
+
+def test_a_block_order_that_does_not_exist_is_refused():
+    with pytest.raises(ValueError, match="block-order = 'sorted' is not valid; valid: random, packed"):
+        disagg.check(disagg.DisaggConfig(layouts=("paged",), block_order="sorted"))

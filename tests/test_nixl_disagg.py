@@ -112,6 +112,21 @@ def test_nixl_merged_descriptors_move_the_cache_and_a_corrupt_copy_exactly(tmp_p
     assert (f["detected_by"] == "checksum").all() and f["bytes_equal"].all()
 
 
+def test_packed_block_tables_let_merged_descriptors_join_whole_layer_sides(tmp_path):
+    """With both allocators handing out the lowest ids in order, a layer side's blocks are adjacent in both pools:
+    merged, a bulk request is one descriptor per layer side (2 layers × K, V = 4) and a layer-wise one 2, where
+    one a block is 2 × 2 × 8 = 32 (128 tokens in 16-token blocks); every decode identical."""
+    out = tmp_path / "run"
+    done = kvlab_command(["disagg", "--backend", "nixl", "--layout", "paged", "--nixl-descs", "merged", "--block-order",
+                          "packed", "--repeats", "1", "--quiet", "--out", str(out)], _env(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["tokens_match"] and s["logits_equal"] and s["bytes_equal"] and s["poison_left"] == 0
+    req = pd.read_csv(out / "requests.csv")
+    assert set(req[req["mode"] == "bulk"]["descriptors"]) == {4}
+    assert set(req[req["mode"] == "layerwise"]["descriptors"]) == {4}  # per request: 2 per layer, 2 layers
+
+
 def test_merge_runs_joins_rows_adjacent_on_both_sides_only():
     src = np.array([4, 5, 6, 9, 10, 2], dtype=np.int64)
     dst = np.array([0, 1, 7, 8, 9, 10], dtype=np.int64)

@@ -12,6 +12,7 @@ BACKENDS = ("gloo", "ipc", "nccl", "nixl")
 MODES = ("bulk", "layerwise")
 LAYOUTS = ("contiguous", "paged")
 KV_DTYPES = ("bfloat16", "float16", "float32")
+BLOCK_ORDERS = ("random", "packed")
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 
 DECODE, PREFILL = 0, 1  # ranks: the decode process is rank 0 (it writes the run), the prefill process rank 1
@@ -59,6 +60,8 @@ class DisaggConfig:
     fault_timeout_s: float = 1.0  # the campaign's deadline for a layer to land
     fault_kinds: tuple = ("drop", "delay", "corrupt")  # the campaign's kinds, in turn (also kill: gloo only; oom)
     nixl_descs: str = "block"  # nixl, paged: one descriptor per block ("block") or per run of adjacent blocks ("merged")
+    block_order: str = "random"  # paged: how both sides' allocators hand out blocks, "random" (a busy server's
+    # scattered free list) or "packed" (the lowest free ids in order: a fresh server, blocks adjacent)
 
     def spec(self):
         """The model's ModelSpec: a registry name's, or read from the config.json / model folder `model` names."""
@@ -190,6 +193,9 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
 
     if cfg.nixl_descs not in DESCS:
         raise ValueError(f"nixl-descs = {cfg.nixl_descs!r} is not valid; valid: {', '.join(DESCS)}")
+    if cfg.block_order not in BLOCK_ORDERS:
+        raise ValueError(f"block-order = {cfg.block_order!r} is not valid; valid: {', '.join(BLOCK_ORDERS)}"
+                         f"{preflight._suggest(cfg.block_order, BLOCK_ORDERS)}")
     if cfg.nixl_descs != "block" and cfg.backend != "nixl":
         raise ValueError(f"nixl-descs = {cfg.nixl_descs!r} is an option of backend nixl; got backend {cfg.backend!r}")
     from .faults import KINDS

@@ -69,14 +69,15 @@ def _build(cfg: DisaggConfig, dev: torch.device):
 
 
 def _pool_for(model, context: int, cfg: DisaggConfig, dev: torch.device, seed: int):
-    """A pool twice the blocks the context needs, and a table of blocks drawn at random from it."""
+    """A pool twice the blocks the context needs, and a table of its blocks: drawn at random, or the lowest ids
+    in order (`cfg.block_order`)."""
     from ..kvcache import layout_for
     from ..paged import BlockAllocator, BlockPool, PoolSpec
 
     spec = PoolSpec.from_kv_layout(layout_for(model, context, dtype=cfg.kv_dtype), cfg.block_size)
     n = 2 * spec.blocks_for(context)
     pool = BlockPool(spec, n, device=dev).poison()
-    table = BlockAllocator(n, cfg.block_size, seed=seed, order="random").allocate(context)
+    table = BlockAllocator(n, cfg.block_size, seed=seed, order=cfg.block_order).allocate(context)
     return pool, table
 
 
