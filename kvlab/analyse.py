@@ -242,8 +242,9 @@ def _swapin(run: Path, record: dict, tables: dict, out: _Out) -> None:
 
     plots.style()
     s = swapin.summarise(_need(tables, run, "results"))
+    fig = swapin.plot(s)  # before anything is written: a run with nothing to plot says so in one line
     out.table(s, "summary")
-    out.figure(swapin.plot(s), "swapin_pct")
+    out.figure(fig, "swapin_pct")
 
 
 _DISPATCH = {"overlap_timeline": _overlap_timeline, "handoff": _handoff, "paged_transfer": _paged,

@@ -303,7 +303,7 @@ def disagg_nixl(paths: list[str]) -> str:
         ucx = cache_transports(ucx_transports(Path(d) / "worker-prefill.log"), s.get("prefill_device", "cpu"),
                                s.get("decode_device")) or s["nixl"]["ucx_transports"]
         for r in dr.nixl_table(req).itertuples():
-            order = (record.get("disagg_config") or {}).get("block_order", "random")
+            order = (record.get("disagg_config") or {}).get("block_order", "random") if r.layout == "paged" else "—"
             rows.append({"run": _link(path), "descriptors": s["nixl"]["descs"], "block tables": order,
                          "layout": r.layout, "mode": r.mode,
                          "context": _ctx(r.context), "KiB": f"{r.kv_bytes // 1024:,}",

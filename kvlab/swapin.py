@@ -193,6 +193,8 @@ def summarise(df: pd.DataFrame) -> pd.DataFrame:
     contiguous copy with the 95 % interval of that ratio (kvlab.timing.ratio_ci)."""
     from .timing import ratio_ci
 
+    if "host_layout" not in df.columns:  # run 20261201-030223 (before the column): every host pool was scattered
+        df = df.assign(host_layout=np.where(df["method"] == "contiguous", "contiguous", "scattered"))
     out = []
     for (context, direction), g in df.groupby(["context", "direction"], sort=False):
         ceil = g[g.method == "contiguous"]["ms"].dropna().tolist()
@@ -219,8 +221,10 @@ def plot(summary: pd.DataFrame, title: str = ""):
     from . import plots
 
     s = summary[(summary["method"] != "contiguous") & (summary["n"] > 0)]
+    if s.empty:
+        raise ValueError("no method but the contiguous copy ran in this run: there is nothing to plot")
     contexts = sorted(s["context"].unique())
-    colors = dict(zip(contexts, [plots.BLUE, plots.VERMILLION, plots.GREEN, plots.ORANGE]))
+    colors = {c: plots.CYCLE[k % len(plots.CYCLE)] for k, c in enumerate(contexts)}
     dirs = [d for d in ("host→gpu", "gpu→host") if d in set(s["direction"])]
     fig, axes = plt.subplots(1, len(dirs), figsize=(10.5, 4.4), squeeze=False,
                              gridspec_kw={"width_ratios": [max(1, s[s.direction == d][["host_layout", "method"]]

@@ -54,7 +54,8 @@ def test_analyse_refuses_what_it_cannot_read(tmp_path):
 
 @pytest.mark.parametrize("run", [DATA / "handoff" / "20261129-103726-h200",
                                  DATA / "paged_transfer" / "20261129-114123-h200",
-                                 DATA / "swapin" / "20261201-030638-h200"])
+                                 DATA / "swapin" / "20261201-030638-h200",
+                                 DATA / "swapin" / "20261201-030223-h200"])  # before the host_layout column
 def test_analyse_reproduces_the_committed_summary(run, tmp_path):
     """The analysis, re-run from a GPU run's raw rows on a CPU, gives back the summary that run committed
     (every column it had; the handoff summary has gained columns since, which are extra here)."""

@@ -639,3 +639,5 @@ def test_bulk_orders_permute_the_same_rows():
 def test_a_block_order_that_does_not_exist_is_refused():
     with pytest.raises(ValueError, match="block-order = 'sorted' is not valid; valid: random, packed"):
         disagg.check(disagg.DisaggConfig(layouts=("paged",), block_order="sorted"))
+    with pytest.raises(ValueError, match="block-order = 'packed' orders a paged cache's blocks; add --layout paged"):
+        disagg.check(disagg.DisaggConfig(layouts=("contiguous",), block_order="packed"))

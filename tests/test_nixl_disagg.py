@@ -112,6 +112,7 @@ def test_nixl_merged_descriptors_move_the_cache_and_a_corrupt_copy_exactly(tmp_p
     assert (f["detected_by"] == "checksum").all() and f["bytes_equal"].all()
 
 
+@needs_nixl
 def test_packed_block_tables_let_merged_descriptors_join_whole_layer_sides(tmp_path):
     """With both allocators handing out the lowest ids in order, a layer side's blocks are adjacent in both pools:
     merged, a bulk request is one descriptor per layer side (2 layers × K, V = 4) and a layer-wise one 2, where

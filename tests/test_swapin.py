@@ -62,3 +62,19 @@ def test_bad_input_is_refused_before_a_folder(tmp_path, kw, says):
     with pytest.raises(ValueError, match=says):
         swapin.run(**{"model": "kvlab-tiny", "contexts": "64", "out": str(tmp_path / "run"), **kw})
     assert not (tmp_path / "run").exists()
+
+
+def test_the_figure_takes_any_number_of_contexts_and_refuses_an_empty_run():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    rows = [{"context": c, "direction": d, "host_layout": lay, "method": m, "n": 3, "bytes": 1, "note": "",
+             "ms": 1.0, "ms_min": 1.0, "ms_max": 1.0, "gbps": 1.0, "pct_of_ceiling": 90.0, "pct_lo": 89.0,
+             "pct_hi": 91.0}
+            for c in (128, 256, 512, 1024, 2048, 4096) for d, lay, m in (("host→gpu", "packed", "copy + scatter"),
+                                                                         ("gpu→host", "packed", "chunked-gather-d2h"))]
+    fig = swapin.plot(pd.DataFrame(rows))
+    assert len(fig.axes) == 2 and len(fig.axes[0].patches) == 6
+    only_ceiling = pd.DataFrame([dict(rows[0], method="contiguous", host_layout="contiguous")])
+    with pytest.raises(ValueError, match="nothing to plot"):
+        swapin.plot(only_ceiling)

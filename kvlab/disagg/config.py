@@ -196,6 +196,9 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
     if cfg.block_order not in BLOCK_ORDERS:
         raise ValueError(f"block-order = {cfg.block_order!r} is not valid; valid: {', '.join(BLOCK_ORDERS)}"
                          f"{preflight._suggest(cfg.block_order, BLOCK_ORDERS)}")
+    if cfg.block_order != "random" and "paged" not in cfg.layouts:
+        raise ValueError(f"block-order = {cfg.block_order!r} orders a paged cache's blocks; add --layout paged "
+                         f"(layouts given: {', '.join(cfg.layouts)})")
     if cfg.nixl_descs != "block" and cfg.backend != "nixl":
         raise ValueError(f"nixl-descs = {cfg.nixl_descs!r} is an option of backend nixl; got backend {cfg.backend!r}")
     from .faults import KINDS

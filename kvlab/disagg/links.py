@@ -436,8 +436,8 @@ class IpcLink:
         """The bulk send's one kernel launch, captured once in a CUDA graph for these tensors and this config and
         replayed by every later bulk send: a Triton launch costs ~0.1 ms of host work, which a send from an idle
         stream waits for (the bench of run 20261201-030308: 1.02–1.04 ms a send against 0.926 ms back to back).
-        The first call launches once (compiling the kernel; it writes the bytes the send writes) and captures
-        (which synchronises the device)."""
+        The first call launches once (compiling the kernel; it writes the bytes the send writes), then captures on
+        a side stream of the same device, ordered after the caller's stream (no device-wide synchronize)."""
         cfg = self.kernel_config.as_dict() if self.kernel_config is not None else None
         key = (rows.data_ptr(), tuple(rows.shape), rows.dtype, src.pool.rows.data_ptr(), tuple(src.pool.rows.shape),
                s_rows.data_ptr(), d_rows.data_ptr(), s_rows.numel(), tuple(sorted(cfg.items())) if cfg else None)
