@@ -389,7 +389,8 @@ VERDICT_RUNS = {
                          "overlap_timeline/20261129-114951-h200", "overlap_timeline/20261130-145803-h200"],
     "disagg": ["disagg/20261130-174816-h200", "disagg/20261130-175223-h200", "disagg/20261130-175620-h200",
                "disagg/20261130-175845-h200", "disagg/20261201-023701-h200", "disagg/20261201-023837-h200",
-               "disagg/20261201-030308-h200", "disagg/20261201-032027-h200"],
+               "disagg/20261201-030308-h200", "disagg/20261201-032027-h200", "disagg/20261201-035926-h200",
+               "disagg/20261201-040057-h200"],
     "faults": ["disagg/20261130-190554-cpu", "disagg/20261130-190727-cpu", "disagg/20261130-190910-cpu",
                "disagg/20261130-231101-cpu", "disagg/20261130-231342-cpu", "disagg/20261130-231636-cpu",
                "disagg/20261201-003237-cpu", "disagg/20261201-003410-cpu", "disagg/20261201-003554-cpu",
@@ -404,7 +405,8 @@ NIXL_FAULT_RUNS = VERDICT_RUNS["faults"][6:9]  # drop, delay, corrupt over two N
 OOM_RUNS = VERDICT_RUNS["faults"][9:13]  # drop, delay, corrupt, oom at 1k: gloo (fail, retry, recompute), nixl (retry)
 GPU_FAULT_RUNS = VERDICT_RUNS["faults"][13:16]  # the same kinds over ipc on one H200, Qwen2.5-7B at 1k, paged
 NIXL_RUNS = ["disagg/20261201-003207-cpu", "disagg/20261201-003224-cpu"]  # one descriptor a block; merged
-NIXL_GPU_RUNS = DISAGG_RUNS[4:6]  # two NIXL agents on one H200, Qwen2.5-7B: contiguous; paged (a descriptor a block)
+# two NIXL agents on one H200, Qwen2.5-7B: contiguous; paged, a descriptor a block; paged, merged, packed tables
+NIXL_GPU_RUNS = DISAGG_RUNS[4:6] + ["disagg/20261201-035926-h200"]
 
 
 def _goals_of(study: str, path: str) -> pd.DataFrame:
