@@ -291,6 +291,7 @@ def disagg_nixl(paths: list[str]) -> str:
     """Two NIXL agents (kvlab disagg --backend nixl): per run, layout, mode and context — descriptors and transfers a
     request, the host time to build descriptor lists and post, the UCX transport that carried the writes."""
     from .disagg import report as dr
+    from .disagg.nixl_link import cache_transports, ucx_transports
 
     rows = []
     for path in paths:
@@ -298,8 +299,6 @@ def disagg_nixl(paths: list[str]) -> str:
         req, _, s = dr.load(d)
         # read from the prefill log by today's parser: summary.json's field, written by the run, missed the GPU's
         # cuda → cuda tables before 2026-12-01 (the H200 runs of 13a05c7 say tcp/lo, which was another memory pair)
-        from .disagg.nixl_link import cache_transports, ucx_transports
-
         ucx = cache_transports(ucx_transports(Path(d) / "worker-prefill.log"), s.get("prefill_device", "cpu"),
                                s.get("decode_device")) or s["nixl"]["ucx_transports"]
         for r in dr.nixl_table(req).itertuples():

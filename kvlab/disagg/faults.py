@@ -51,16 +51,13 @@ def checksum(t: torch.Tensor) -> str:
     and the sum of each word times its position (1, 2, …; int64, wrapping), as text. Any single flipped bit
     changes the first; a swap of two different words anywhere changes the second. (A CRC would be stronger
     against many errors at once; this one is two reductions on the device.)"""
-    flat = t.contiguous().view(-1)
-    if flat.numel() * flat.element_size() % 4 == 0:
-        words = flat.view(torch.int32).to(torch.int64)
-    else:
-        words = flat.view(torch.uint8).to(torch.int64)
+    words = _words(t).to(torch.int64)
     pos = torch.arange(1, words.numel() + 1, device=words.device, dtype=torch.int64)
     return f"{int(words.sum())}:{int((words * pos).sum())}"
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes as 32-bit words (or bytes, when its size is not a multiple of 4), flat."""
     flat = t.contiguous().view(-1)
     return flat.view(torch.int32) if flat.numel() * flat.element_size() % 4 == 0 else flat.view(torch.uint8)
 

@@ -327,7 +327,7 @@ class IpcLink:
         self.order = "table"  # the bulk send's row order (see tune())
         self._bulk_rows = None  # (source rows, destination rows) of a bulk send in that order, or None: the table's
         self._peer_stream = None  # a pull's stream, on the decode GPU (see _stream_for)
-        self._peer_rows: dict = {}  # id(source rows) → (source rows, their copy on the decode GPU)
+        self._peer_rows = None  # (source rows, their copy on the decode GPU) of the last pull
 
     # decode side
     def expose(self, tag: str, sink: Sink) -> None:
@@ -360,7 +360,7 @@ class IpcLink:
 
                 enable_peer(self.device, t.device)
             self._dst = {tag: t}  # the decode side has moved on: release the mapping of its previous destination
-            self._peer_rows = {}
+            self._peer_rows = None
         return self._dst[tag]
 
     def pulls(self, src: Source) -> bool:
@@ -379,10 +379,9 @@ class IpcLink:
         """The source's row indices on the kernel's device (a pull: copied once to the decode GPU)."""
         if not self.pulls(src):
             return src.rows
-        key = id(src.rows)
-        if key not in self._peer_rows or self._peer_rows[key][0] is not src.rows:
-            self._peer_rows[key] = (src.rows, src.rows.to(self._dst[self._tag].device))
-        return self._peer_rows[key][1]
+        if self._peer_rows is None or self._peer_rows[0] is not src.rows:
+            self._peer_rows = (src.rows, src.rows.to(self._dst[self._tag].device))
+        return self._peer_rows[1]
 
     def bind(self, tag: str, dst_rows: "_Rows | None", row_elems: int = 0) -> None:
         """The destination the next sends write into (and, paged, the decode pool's rows for them, each
@@ -488,6 +487,7 @@ class IpcLink:
         destination with the source's previous contents and hide a row a send fails to write. reset_tuning()
         goes back to the default config and the table's order."""
         from .. import kernels
+        from ..paged_triton import finalists as fastest
 
         rows = self._dst[self._tag].view(-1, src.pool.rows.shape[1])
         stream = self._stream_for(src)
@@ -500,7 +500,7 @@ class IpcLink:
             with torch.cuda.stream(stream):
                 _, table = kernels.tune(src.pool.rows, s, rows, d, device=stream.device)
             tried += [{**row, "order": order} for row in table]
-        timed = sorted((r for r in tried if r.get("ms") is not None), key=lambda r: r["ms"])[:finalists]
+        timed = fastest(tried, finalists)
         fields = kernels.KernelConfig.__dataclass_fields__
         for row in timed:
             cfg = kernels.KernelConfig(**{f: row[f] for f in fields})
@@ -556,7 +556,7 @@ class IpcLink:
         if self._peer_stream is not None:
             self._peer_stream.synchronize()
         self._graphs = {}  # before the memory they write into is unmapped
-        self._dst, self._peer_rows = {}, {}
+        self._dst, self._peer_rows = {}, None
         if self.stream is not None:
             torch.cuda.synchronize(self.device)
 
