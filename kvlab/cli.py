@@ -133,14 +133,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(only if only in command_names() else None).parse_args(argv)
     # What run.json records as the command line (the kernel's own sys.argv names only itself).
     args.argv = ["kvlab", *argv]
+    # SIGTERM (`timeout`, a batch system) ends a command the way Ctrl-C does, so a run folder it had started says
+    # it stopped rather than "running" (a notebook run under `timeout` on the H200 did, 2026-12-01)
+    old_term = results.raise_on_sigterm()
     try:
         return int(args._func(args) or 0)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         if os.environ.get("KVLAB_DEBUG"):
             raise
-        print(f"kvlab {args.command}: interrupted (Ctrl-C); a run folder it had started says it stopped",
+        print(f"kvlab {args.command}: {results.stop_reason(err)}; a run folder it had started says it stopped",
               file=sys.stderr)
-        return 130
+        return 143 if isinstance(err, results.Terminated) else 130
     except OSError as err:  # PermissionError, NotADirectoryError, a full disk: one line, the path named
         if os.environ.get("KVLAB_DEBUG"):
             raise
@@ -155,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"kvlab {args.command}: error: {err}", file=sys.stderr)
         return 2
+    finally:
+        if old_term is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, old_term)
 
 
 # ----------------------------------------------------------------------- notebook params
@@ -262,9 +270,9 @@ def execute(notebook: Path, params: Mapping, run_dir: str | os.PathLike | None =
             )
         except papermill.PapermillExecutionError as err:
             error = f"{err.ename}: {err.evalue} (cell {err.exec_count})"
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (main() turns it into results.Terminated)
             results.record_execution(folder, notebook.name, False, time.monotonic() - t0,
-                                     "interrupted")
+                                     results.stop_reason(err))
             raise
         except Exception as err:  # the kernel died, would not start or timed out: still a failed run
             first = (str(err).strip().splitlines() or [""])[0]

@@ -519,6 +519,35 @@ def record_execution(run_dir: str | os.PathLike, notebook: str, ok: bool, second
     return True
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a `timeout`, a batch system) as an exception: handled like Ctrl-C, so a run folder says it stopped."""
+
+
+def raise_on_sigterm():
+    """Turn SIGTERM into Terminated (main thread only); returns the old handler, or None where none was set.
+
+    The handler fires once and then ignores SIGTERM: GNU `timeout` signals the command and then its process
+    group, and a second exception raised while the first is being handled would cut the marking short."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated("terminated (SIGTERM)")
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def stop_reason(err: BaseException) -> str:
+    """What a run folder says about why it stopped: 'terminated (SIGTERM)', 'interrupted (Ctrl-C)' or the error."""
+    if isinstance(err, Terminated):
+        return str(err)
+    return "interrupted (Ctrl-C)" if isinstance(err, KeyboardInterrupt) else str(err)
+
+
 # ----------------------------------------------------------------------------------- reading
 
 

@@ -247,6 +247,46 @@ def test_failed_notebook_exits_nonzero_and_keeps_the_partial_notebook(toy_projec
     assert results.runs("toy") == []  # a failed run is not a result
 
 
+@pytest.mark.parametrize("signals", [1, 2])
+def test_sigterm_during_a_notebook_leaves_a_run_that_says_it_stopped(tmp_path, make_notebook, signals):
+    """`timeout` ends `kvlab run` with SIGTERM (and then its process group): the run folder must say it stopped.
+    On the H200 (2026-12-01) a notebook killed this way left run.json saying "running", which looks like a run
+    still going rather than one that ended."""
+    import signal
+    import time
+
+    root = tmp_path / "project"
+    make_notebook(root / "notebooks" / "00_slow.ipynb", 'run_dir: str = ""  # set by kvlab run\n',
+                  "import time\nfrom kvlab import results\nrun = results.start('slow', {}, run_dir=run_dir)\n"
+                  "time.sleep(300)\nrun.finish()")
+    chosen = tmp_path / "runs" / "20260101-000000-cpu"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVLAB_")}
+    env.update(KVLAB_ROOT=str(root), KVLAB_DATA=str(tmp_path / "data"), KVLAB_FIGURES=str(tmp_path / "figures"),
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p))
+    p = subprocess.Popen([sys.executable, "-m", "kvlab", "run", "slow", "--no-progress", "--run-dir", str(chosen)],
+                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # the notebook has started its run
+            if (chosen / "run.json").is_file() and json.loads((chosen / "run.json").read_text())["status"] == "running":
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the notebook never started its run")
+        for _ in range(signals):
+            p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    record = json.loads((chosen / "run.json").read_text())
+    assert p.returncode == 143, err
+    assert "terminated (SIGTERM)" in err
+    assert record["status"] == "failed" and record["execution"]["error"] == "terminated (SIGTERM)"
+    assert "SIGTERM" in (chosen / results.STOPPED).read_text()
+
+
 def test_run_all_continues_after_a_failure_and_fails_at_the_end(toy_project, make_notebook,
                                                                  kvlab_dirs, capsys):
     make_notebook(toy_project / "notebooks" / "01_broken.ipynb",

@@ -18,6 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
+from .. import results
 from .config import DECODE, DisaggConfig, check
 from .workers import ROWS_FILE, entry
 
@@ -101,7 +102,7 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True, r
     run_.update(disagg_config=_params(cfg))
     procs: list = []
     t0 = time.monotonic()
-    old_term = _raise_on_sigterm()
+    old_term = results.raise_on_sigterm()
     try:
         procs = _start_workers(cfg, store.port, run_.dir)
         deaths = _watch(cfg, store, procs, progress, restart=lambda g: _start(cfg, store.port, run_.dir, "prefill", g))
@@ -110,8 +111,7 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True, r
             run_.finish()
         return summary
     except BaseException as err:
-        _stopped(run_, str(err) if isinstance(err, Terminated) else
-                 "interrupted (Ctrl-C)" if isinstance(err, KeyboardInterrupt) else str(err))
+        _stopped(run_, results.stop_reason(err))
         raise
     finally:
         _stop(procs)
@@ -119,22 +119,7 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True, r
             signal.signal(signal.SIGTERM, old_term)
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a `timeout`, a batch system): handled like Ctrl-C, so the workers stop and the run says so."""
-
-
-def _raise_on_sigterm():
-    """Turn SIGTERM into an exception while the workers run (main thread only); returns the old handler."""
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def handler(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: `timeout` sends a second to the process group
-        raise Terminated("terminated (SIGTERM)")
-
-    return signal.signal(signal.SIGTERM, handler)
+Terminated = results.Terminated  # the launcher's SIGTERM, as kvlab.results raises it
 
 
 def _start(cfg: DisaggConfig, port: int, run_dir: Path, role: str, generation: int = 0):
