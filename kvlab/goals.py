@@ -298,7 +298,21 @@ _FAULTS = [
          note="the slowest decision's time minus one deadline per attempt it made"),
 ]
 
-GOALS: dict[str, Goal] = {g.id: g for g in (*_HANDOFF, *_PAGED, *_OVERLAP, *_DISAGG, *_FAULTS)}
+# issue 12 (2026-11-29): "0 published runs with a null, stale or unverifiable commit", judged over every committed
+# run (kvlab.provenance). Moved into this file on 2026-12-01, unchanged. The second goal was added that day, after
+# the one-GPU studies were rerun from a commit that can be checked: it reads only the runs that the README's results
+# tables read. It stands beside the first, which keeps its verdict (the old runs stay committed).
+_PROVENANCE = [
+    Goal("provenance.every_run", "provenance", "every published run can be rebuilt", "cannot_rebuild", "<=", 0,
+         digits=0, declared="issue 12, 2026-11-29 (judged in kvlab.report until 2026-12-01, unchanged)",
+         note="committed runs whose code kvlab provenance cannot reconstruct"),
+    Goal("provenance.tables", "provenance", "every run that a results table reads can be rebuilt",
+         "tables_cannot_rebuild", "<=", 0, digits=0, beside="provenance.every_run",
+         declared="2026-12-01, after the one-GPU studies were rerun (the goal beside it had missed)",
+         note="runs read by the README's results tables whose code kvlab provenance cannot reconstruct"),
+]
+
+GOALS: dict[str, Goal] = {g.id: g for g in (*_HANDOFF, *_PAGED, *_OVERLAP, *_DISAGG, *_FAULTS, *_PROVENANCE)}
 
 
 def for_study(study: str) -> list[Goal]:
