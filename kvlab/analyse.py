@@ -142,8 +142,11 @@ def _overlap_timeline(run: Path, record: dict, tables: dict, out: _Out) -> None:
             out.meta["decomposition_totals"] = {k: v for k, v in dec.totals.items() if not isinstance(v, tuple)}
             totals = dec.totals
             out.meta["findings"] += overlap.findings(dec, backlog)
-            ax = overlap_report.decomposition_chart(dec, title=f"Δ time per layer vs colocated ({record.get('context', '')} "
-                                                        f"tokens → {record.get('destination_label', '')})")
+            res = record.get("resolved") or {}
+            # the notebook's title: the model and the context are in `resolved` (run.json has no top-level context)
+            ax = overlap_report.decomposition_chart(dec, title=f"Δ time per layer vs colocated: {res.get('model', '')}, "
+                                                        f"{int(res.get('context', 0)):,} tokens → "
+                                                        f"{record.get('destination_label', '')}")
             out.figure(ax.figure, "decomposition")
     layers = tables.get("event_layers")
     if layers is not None and len(layers):

@@ -289,12 +289,14 @@ def decomposition_chart(decomp: Decomposition, ax=None, title: str | None = None
         ax.bar(x, v, bottom=bottom, color=color, label=label, width=0.8)
         pos += np.where(v >= 0, v, 0)
         neg += np.where(v < 0, v, 0)
-    labels = [s.replace("layer ", "") for s in seg.segment]
+    # "lead-in" on two lines: on one it ran into "pre" beside it (28 layers, 0.28 in a segment)
+    labels = [s.replace("layer ", "").replace("lead-in", "lead-\nin") for s in seg.segment]
     step = max(1, len(labels) // 30)
     ax.set_xticks(x[::step])
     ax.set_xticklabels(labels[::step], fontsize=8)
     ax.axhline(0, color="#333333", linewidth=0.8)
-    ax.set_xlabel("layer (pre = embedding, post = norm + LM head)")
+    # left-aligned: centred, the long label ran into the footer at the figure's bottom right
+    ax.set_xlabel("layer (pre = embedding, post = norm + LM head)", loc="left")
     ax.set_ylabel("Δ time vs colocated (ms)")
     ax.legend(fontsize=8, ncol=2)
     if title:
