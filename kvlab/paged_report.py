@@ -149,6 +149,7 @@ def plot_gbps_vs_block_size(df: pd.DataFrame, context: int | None = None):
     row's note says so); a method measured at one block size only (NIXL, in a process of its own) is a lone
     marker and its legend entry says so. Returns the matplotlib Figure."""
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     context = int(df.context.max()) if context is None else int(context)
     sub = df[(df.context == context) & (df.status == "ok")]
@@ -194,6 +195,12 @@ def plot_gbps_vs_block_size(df: pd.DataFrame, context: int | None = None):
         top.set_yscale("log")
         lo, hi = float(d.gbps.min()), float(d.gbps.max())
         top.set_ylim(lo / 1.6, hi * 1.6)
+        # under two decades matplotlib labels the minor ticks too (2×10⁰, 3×10⁰ …), and they overlap (run 052414):
+        # there, plain numbers at 1, 2 and 5 of each decade; above, the decades alone
+        top.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        if hi * 1.6 / (lo / 1.6) < 100:
+            top.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+            top.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         top.set_title(dest)
         bottom.set_ylim(80, 102)
         bottom.axhline(100, color="0.5", lw=0.6)
