@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = ["kvlab", *argv]
     # SIGTERM (`timeout`, a batch system) ends a command the way Ctrl-C does, so a run folder it had started says
     # it stopped rather than "running" (a notebook run under `timeout` on the H200 did, 2026-12-01)
-    old_term = results.raise_on_sigterm()
+    restore_term = results.raise_on_sigterm()
     try:
         return int(args._func(args) or 0)
     except KeyboardInterrupt as err:
@@ -159,10 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvlab {args.command}: error: {err}", file=sys.stderr)
         return 2
     finally:
-        if old_term is not None:
-            import signal
-
-            signal.signal(signal.SIGTERM, old_term)
+        restore_term()
 
 
 # ----------------------------------------------------------------------- notebook params
@@ -271,8 +268,9 @@ def execute(notebook: Path, params: Mapping, run_dir: str | os.PathLike | None =
         except papermill.PapermillExecutionError as err:
             error = f"{err.ename}: {err.evalue} (cell {err.exec_count})"
         except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (main() turns it into results.Terminated)
-            results.record_execution(folder, notebook.name, False, time.monotonic() - t0,
-                                     results.stop_reason(err))
+            with results.shielded():
+                results.record_execution(folder, notebook.name, False, time.monotonic() - t0,
+                                         results.stop_reason(err))
             raise
         except Exception as err:  # the kernel died, would not start or timed out: still a failed run
             first = (str(err).strip().splitlines() or [""])[0]
@@ -806,8 +804,8 @@ Example: kvlab disagg --backend gloo --model kvlab-tiny --context 128 --decode-t
         print(f"kvlab disagg: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as err:
-        print(f"kvlab disagg: stopped ({err or 'Ctrl-C'}); the run folder says so", file=sys.stderr)
-        return 130
+        print(f"kvlab disagg: stopped ({results.stop_reason(err)}); the run folder says so", file=sys.stderr)
+        return 143 if isinstance(err, results.Terminated) else 130
     if not summary:  # the prefill rank under torchrun: rank 0 reports
         return 0
     ok = summary["tokens_match"] and summary["logits_equal"] and summary["poison_left"] == 0

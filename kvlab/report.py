@@ -179,7 +179,7 @@ def paged(path: str) -> str:
     from . import paged_report
 
     s = paged_report.summary(_table(path, "results"))
-    skipped = s.repeats == 0  # a method this run could not use (NIXL not installed): said, not timed
+    skipped = s.status == "skipped"  # a method this run could not use (NIXL not installed): said, not timed
     out = pd.DataFrame({
         "destination": s.destination, "method": s.method, "pieces": s.pieces.map(lambda v: f"{v:,}"),
         "time median (min–max)": s.time.where(~skipped, "not run here"), "GB/s": s.gbps.map(lambda v: _s(v, ",.1f")),
@@ -560,14 +560,17 @@ def evidence_runs() -> list[str]:
     """The runs ("study/run_id") that the README's results tables read, found by rendering every block but
     META_BLOCKS and noting each run folder opened: the list cannot drift from what the tables show."""
     global _READ
-    _READ = set()
+    outer, _READ = _READ, set()
     try:
         for name, make in BLOCKS.items():
             if name not in META_BLOCKS:
                 make()
-        return sorted(_READ)
+        found = _READ
     finally:
-        _READ = None
+        _READ = outer
+    if outer is not None:  # a nested call: what it read, the outer one read too
+        outer |= found
+    return sorted(found)
 
 
 def goals_side_by_side(runs: dict[str, str]) -> str:

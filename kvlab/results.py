@@ -19,6 +19,7 @@ the newest GPU run and ``kvlab.plots`` never lets a CPU run replace a figure pub
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import enum
@@ -524,21 +525,57 @@ class Terminated(KeyboardInterrupt):
 
 
 def raise_on_sigterm():
-    """Turn SIGTERM into Terminated (main thread only); returns the old handler, or None where none was set.
+    """Turn SIGTERM into Terminated until the returned `restore()` is called (main thread only; elsewhere, and where
+    kvlab's handler is in place already, nothing changes and `restore()` does nothing).
 
     The handler fires once and then ignores SIGTERM: GNU `timeout` signals the command and then its process
-    group, and a second exception raised while the first is being handled would cut the marking short."""
+    group, and a second exception raised while the first is being handled would cut the marking short. A nested
+    caller (kvlab disagg inside `kvlab`'s main) leaves the outer handler alone, so a restore cannot re-arm a
+    handler that has fired."""
     import signal
     import threading
 
     if threading.current_thread() is not threading.main_thread():
-        return None
+        return lambda: None
+    old = signal.getsignal(signal.SIGTERM)
+    if getattr(old, "_kvlab_sigterm", False) or (old == signal.SIG_IGN and _SIGTERM_FIRED[0]):
+        return lambda: None
 
     def handler(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _SIGTERM_FIRED[0] = True
         raise Terminated("terminated (SIGTERM)")
 
-    return signal.signal(signal.SIGTERM, handler)
+    handler._kvlab_sigterm = True
+    _SIGTERM_FIRED[0] = False
+    signal.signal(signal.SIGTERM, handler)
+
+    def restore():
+        # None: a handler set outside Python, which Python cannot put back; the default is the nearest
+        signal.signal(signal.SIGTERM, old if old is not None else signal.SIG_DFL)
+
+    return restore
+
+
+_SIGTERM_FIRED = [False]  # kvlab's handler has fired (and set SIG_IGN): a nested caller must not re-arm it
+
+
+@contextlib.contextmanager
+def shielded():
+    """Ignore SIGTERM and Ctrl-C for the block (main thread only): a run folder being marked stopped must not be cut
+    short by the second signal `timeout` sends, or by a second Ctrl-C. What was set before is put back."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in held.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
 
 
 def stop_reason(err: BaseException) -> str:

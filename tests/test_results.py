@@ -623,3 +623,27 @@ def test_every_published_run_has_a_provenance_status():
         st, detail = provenance.status(json.loads((d / "run.json").read_text()), d,
                                        Path(__file__).resolve().parents[1])
         assert st in known and detail, d
+
+
+def test_sigterm_handler_nests_and_restores():
+    """kvlab's main() arms SIGTERM and kvlab disagg arms it again inside: the inner call must leave the outer handler
+    alone (restoring it after it fired would re-arm it), and the outer restore puts back what was there."""
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    restore = results.raise_on_sigterm()
+    try:
+        armed = signal.getsignal(signal.SIGTERM)
+        assert getattr(armed, "_kvlab_sigterm", False)
+        inner = results.raise_on_sigterm()
+        assert signal.getsignal(signal.SIGTERM) is armed
+        with pytest.raises(results.Terminated, match="SIGTERM"):
+            armed(signal.SIGTERM, None)  # fires once: SIGTERM is ignored from then on
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+        inner()
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # not re-armed
+        assert results.stop_reason(results.Terminated("terminated (SIGTERM)")) == "terminated (SIGTERM)"
+        assert results.stop_reason(KeyboardInterrupt()) == "interrupted (Ctrl-C)"
+    finally:
+        restore()
+    assert signal.getsignal(signal.SIGTERM) == before

@@ -53,24 +53,14 @@ def _store(port: int, timeout_s: float):
 
 def _stopped(run, why: str) -> None:
     """Mark the run folder stopped (run.json's `stopped` and status "failed", STOPPED.txt), deaf to SIGTERM and
-    Ctrl-C meanwhile: `timeout` signals the launcher twice (itself, then its process group), and a second
-    Terminated raised in here once left run.json saying "running" (a campaign on the H200, 2026-12-01)."""
-    import threading
-
-    from .. import results
-
-    held = {}
-    if threading.current_thread() is threading.main_thread():
-        held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
+    Ctrl-C meanwhile (results.shielded): `timeout` signals the launcher twice (itself, then its process group), and a
+    second Terminated raised in here once left run.json saying "running" (a campaign on the H200, 2026-12-01)."""
+    with results.shielded():
         try:
             run.update(stopped=why)
         except Exception:
             pass
         results.record_execution(run.dir, "kvlab disagg", ok=False, seconds=0.0, error=why)
-    finally:
-        for s, h in held.items():
-            signal.signal(s, h)
 
 
 def _worker_error(store) -> str | None:
@@ -102,7 +92,7 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True, r
     run_.update(disagg_config=_params(cfg))
     procs: list = []
     t0 = time.monotonic()
-    old_term = results.raise_on_sigterm()
+    restore_term = results.raise_on_sigterm()
     try:
         procs = _start_workers(cfg, store.port, run_.dir)
         deaths = _watch(cfg, store, procs, progress, restart=lambda g: _start(cfg, store.port, run_.dir, "prefill", g))
@@ -115,8 +105,7 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True, r
         raise
     finally:
         _stop(procs)
-        if old_term is not None:
-            signal.signal(signal.SIGTERM, old_term)
+        restore_term()
 
 
 Terminated = results.Terminated  # the launcher's SIGTERM, as kvlab.results raises it
@@ -323,7 +312,7 @@ def _torchrun(cfg: DisaggConfig, out, progress: bool) -> dict:
         run_.finish()
         return summary
     except BaseException as err:
-        _stopped(run_, str(err))
+        _stopped(run_, results.stop_reason(err))
         raise
 
 
