@@ -223,8 +223,9 @@ def _set_footer(fig, text: str) -> None:
                                  color="#666666")
 
 
-# an SVG larger than this (a timeline of thousands of kernels: ~0.5 MB) is kept gzipped, as .svgz
-SVG_GZIP_BYTES = 200_000
+# an SVG larger than this is kept gzipped, as .svgz: every one. Matplotlib's SVGs shrink about 5× (132 of them in
+# data/ took 10.9 MiB as .svg, 1.9 MiB as .svgz), and the PNG beside each is the copy to look at
+SVG_GZIP_BYTES = 0
 
 
 def _gzip_svg(path: Path) -> Path:
@@ -238,8 +239,8 @@ def _gzip_svg(path: Path) -> Path:
 
 
 def write(fig, folder: Path, name: str, footer: str) -> list[Path]:
-    """Write ``fig`` with ``footer`` as ``<folder>/<name>.png`` and ``.svg`` (``.svgz`` above
-    SVG_GZIP_BYTES); returns the paths. What `save` does for a run folder, and `kvlab analyse` for an
+    """Write ``fig`` with ``footer`` as ``<folder>/<name>.png`` and ``.svgz`` (gzipped SVG; plain ``.svg`` at
+    or under SVG_GZIP_BYTES); returns the paths. What `save` does for a run folder, and `kvlab analyse` for an
     analysis folder."""
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise ValueError(f"figure name {name!r} is not valid: use lowercase letters, digits, '-' "
@@ -273,8 +274,8 @@ def publishing() -> str | None:
 
 
 def save(fig, name: str, run, publish: bool | None = None) -> list[Path]:
-    """Write ``fig`` as ``<run_dir>/figures/<name>.png`` and ``.svg`` (``.svgz``, gzipped, above
-    SVG_GZIP_BYTES), then publish both to
+    """Write ``fig`` as ``<run_dir>/figures/<name>.png`` and ``.svgz`` (gzipped SVG; see SVG_GZIP_BYTES), then
+    publish both to
     ``<figures_root>/<study>/`` with a sidecar ``<name>.json`` (run id, device, is_gpu, and drawn_by: the
     commit and code hash of the code that drew it, kvlab.provenance.drawing).
 
@@ -338,9 +339,12 @@ def publish_files(files: list[Path], name: str, run, mode: str = "yes", drawn: d
     target.mkdir(parents=True, exist_ok=True)
     copies = []
     for src in files:
-        dst = target / f"{name}{''.join(Path(src).suffixes[-1:])}"
+        suffix = Path(src).suffix
+        dst = target / f"{name}{suffix}"
         shutil.copyfile(src, dst)
         copies.append(dst)
+        if suffix in (".svg", ".svgz"):  # the other form, from an earlier publish, would name another drawing
+            (target / f"{name}{'.svgz' if suffix == '.svg' else '.svg'}").unlink(missing_ok=True)
     sidecar.write_text(
         json.dumps({"figure": name, "study": study, "run_id": run_id, "is_gpu": is_gpu,
                     "device": device, "run": f"{study}/{run_id}", "parameters": params, "drawn_by": drawn, **extra},

@@ -363,12 +363,12 @@ def _figure():
 def test_save_writes_run_copy_and_publishes_with_footer(kvlab_dirs):
     run = results.start("toy", {})
     fig = _figure()
-    assert plots.save(fig, "line", run) == [run.dir / "figures" / "line.png", run.dir / "figures" / "line.svg"]
+    assert plots.save(fig, "line", run) == [run.dir / "figures" / "line.png", run.dir / "figures" / "line.svgz"]
     assert not (kvlab_dirs.figures / "toy").exists(), "a plain run publishes nothing"
     paths = plots.save(fig, "line", run, publish=True)
     published = kvlab_dirs.figures / "toy"
-    assert paths == [run.dir / "figures" / "line.png", run.dir / "figures" / "line.svg",
-                     published / "line.png", published / "line.svg"]
+    assert paths == [run.dir / "figures" / "line.png", run.dir / "figures" / "line.svgz",
+                     published / "line.png", published / "line.svgz"]
     assert all(p.stat().st_size > 0 for p in paths)
     assert (published / "line.png").read_bytes() == (run.dir / "figures/line.png").read_bytes()
     drawn = provenance.drawing()
@@ -377,7 +377,12 @@ def test_save_writes_run_copy_and_publishes_with_footer(kvlab_dirs):
     sidecar = read_json(published / "line.json")
     assert sidecar["run_id"] == run.run_id and sidecar["is_gpu"] is False
     assert sidecar["drawn_by"] == drawn and drawn["code_sha256"] == provenance.tree_hash()
+    import gzip
+
+    assert gzip.decompress((published / "line.svgz").read_bytes()).lstrip().startswith(b"<?xml")
+    (published / "line.svg").write_text("<svg/>")  # an earlier publish's plain SVG: another drawing, removed
     plots.save(fig, "line", run, publish=True)  # saving again keeps one footer
+    assert not (published / "line.svg").exists()
     assert len(fig.texts) == 1
     plt.close(fig)
 
@@ -398,7 +403,7 @@ def test_cpu_run_never_replaces_a_gpu_published_figure(kvlab_dirs, monkeypatch, 
     cpu_run = results.start("toy", {})
     assert not cpu_run.is_gpu
     paths = plots.save(_figure(), "line", cpu_run)
-    assert paths == [cpu_run.dir / "figures/line.png", cpu_run.dir / "figures/line.svg"]
+    assert paths == [cpu_run.dir / "figures/line.png", cpu_run.dir / "figures/line.svgz"]
     assert (published / "line.png").read_bytes() == gpu_png
     assert read_json(published / "line.json")["run_id"] == gpu_run.run_id
     assert "GPU run" in capsys.readouterr().out
