@@ -256,6 +256,8 @@ def write(fig, folder: Path, name: str, footer: str) -> list[Path]:
         fig.savefig(path, format=ext, metadata=metadata)
         if ext == "svg" and path.stat().st_size > SVG_GZIP_BYTES:
             path = _gzip_svg(path)
+        if ext == "svg":  # the other form, from an earlier drawing into this folder, would be another figure
+            (folder / f"{name}{'.svg' if path.suffix == '.svgz' else '.svgz'}").unlink(missing_ok=True)
         written.append(path)
     return written
 

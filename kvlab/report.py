@@ -179,7 +179,8 @@ def paged(path: str) -> str:
     from . import paged_report
 
     s = paged_report.summary(_table(path, "results"))
-    skipped = s.status == "skipped"  # a method this run could not use (NIXL not installed): said, not timed
+    # a method this run could not use (NIXL not installed): said, not timed; other skips keep their row as it is
+    skipped = (s.status == "skipped") & s.note.fillna("").str.contains("not installed|does not load")
     out = pd.DataFrame({
         "destination": s.destination, "method": s.method, "pieces": s.pieces.map(lambda v: f"{v:,}"),
         "time median (min–max)": s.time.where(~skipped, "not run here"), "GB/s": s.gbps.map(lambda v: _s(v, ",.1f")),

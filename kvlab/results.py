@@ -528,26 +528,27 @@ def raise_on_sigterm():
     """Turn SIGTERM into Terminated until the returned `restore()` is called (main thread only; elsewhere, and where
     kvlab's handler is in place already, nothing changes and `restore()` does nothing).
 
-    The handler fires once and then ignores SIGTERM: GNU `timeout` signals the command and then its process
+    The handler raises once and ignores any later SIGTERM: GNU `timeout` signals the command and then its process
     group, and a second exception raised while the first is being handled would cut the marking short. A nested
-    caller (kvlab disagg inside `kvlab`'s main) leaves the outer handler alone, so a restore cannot re-arm a
-    handler that has fired."""
+    caller (kvlab disagg inside `kvlab`'s main) leaves the outer handler alone, so it cannot re-arm one that has
+    fired. A process started after the handler fired gets the default action (exec resets caught signals)."""
     import signal
     import threading
 
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     old = signal.getsignal(signal.SIGTERM)
-    if getattr(old, "_kvlab_sigterm", False) or (old == signal.SIG_IGN and _SIGTERM_FIRED[0]):
+    if getattr(old, "_kvlab_sigterm", False):
         return lambda: None
 
     def handler(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        _SIGTERM_FIRED[0] = True
+        if handler.fired:
+            return
+        handler.fired = True
         raise Terminated("terminated (SIGTERM)")
 
     handler._kvlab_sigterm = True
-    _SIGTERM_FIRED[0] = False
+    handler.fired = False
     signal.signal(signal.SIGTERM, handler)
 
     def restore():
@@ -555,9 +556,6 @@ def raise_on_sigterm():
         signal.signal(signal.SIGTERM, old if old is not None else signal.SIG_DFL)
 
     return restore
-
-
-_SIGTERM_FIRED = [False]  # kvlab's handler has fired (and set SIG_IGN): a nested caller must not re-arm it
 
 
 @contextlib.contextmanager

@@ -283,8 +283,9 @@ def run(model: str = "qwen2.5-7b", contexts=("4k", "32k"), block_size: int = 16,
     spec = PoolSpec(spec_m.layers, block_size, spec_m.kv_heads, spec_m.head_dim, dt)
     params = {"model": spec_m.name, "contexts": ctx, "block_size": block_size, "kv_dtype": dt,
               "device": str(dev), "repeats": repeats, "seed": seed}
-    r = results.start("swapin", params, run_dir=out)
+    r = None
     try:
+        r = results.start("swapin", params, run_dir=out)
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(ctx), desc="swapin", unit="context")
@@ -296,6 +297,8 @@ def run(model: str = "qwen2.5-7b", contexts=("4k", "32k"), block_size: int = 16,
         r.finish()
         return str(r.dir), s
     except BaseException as err:
-        results.record_execution(r.dir, "kvlab swapin", ok=False, seconds=0.0,
-                                 error=results.stop_reason(err))
+        if r is not None:
+            with results.shielded():
+                results.record_execution(r.dir, "kvlab swapin", ok=False, seconds=0.0,
+                                         error=results.stop_reason(err))
         raise

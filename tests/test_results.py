@@ -383,6 +383,9 @@ def test_save_writes_run_copy_and_publishes_with_footer(kvlab_dirs):
     (published / "line.svg").write_text("<svg/>")  # an earlier publish's plain SVG: another drawing, removed
     plots.save(fig, "line", run, publish=True)  # saving again keeps one footer
     assert not (published / "line.svg").exists()
+    (run.dir / "figures" / "line.svg").write_text("<svg/>")  # in the run folder too: drawn again, it goes
+    plots.save(fig, "line", run)
+    assert not (run.dir / "figures" / "line.svg").exists() and (run.dir / "figures" / "line.svgz").is_file()
     assert len(fig.texts) == 1
     plt.close(fig)
 
@@ -643,12 +646,18 @@ def test_sigterm_handler_nests_and_restores():
         inner = results.raise_on_sigterm()
         assert signal.getsignal(signal.SIGTERM) is armed
         with pytest.raises(results.Terminated, match="SIGTERM"):
-            armed(signal.SIGTERM, None)  # fires once: SIGTERM is ignored from then on
-        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+            armed(signal.SIGTERM, None)  # fires once: a second SIGTERM (timeout's to the group) is ignored
+        assert armed(signal.SIGTERM, None) is None
         inner()
-        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # not re-armed
+        assert signal.getsignal(signal.SIGTERM) is armed and armed.fired  # the inner restore re-armed nothing
         assert results.stop_reason(results.Terminated("terminated (SIGTERM)")) == "terminated (SIGTERM)"
         assert results.stop_reason(KeyboardInterrupt()) == "interrupted (Ctrl-C)"
     finally:
         restore()
     assert signal.getsignal(signal.SIGTERM) == before
+    again = results.raise_on_sigterm()  # a new arming after a restore fires again
+    try:
+        with pytest.raises(results.Terminated):
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+    finally:
+        again()

@@ -88,12 +88,13 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True, r
         return _torchrun(cfg, out, progress)
     store = _store(cfg.port, cfg.timeout_s)
     owned = run is None
-    run_ = results.start("disagg", _params(cfg), run_dir=out) if owned else run
-    run_.update(disagg_config=_params(cfg))
     procs: list = []
-    t0 = time.monotonic()
+    run_ = None
     restore_term = results.raise_on_sigterm()
-    try:
+    try:  # from the run folder's creation on: a SIGTERM meanwhile still leaves a folder that says it stopped
+        run_ = results.start("disagg", _params(cfg), run_dir=out) if owned else run
+        run_.update(disagg_config=_params(cfg))
+        t0 = time.monotonic()
         procs = _start_workers(cfg, store.port, run_.dir)
         deaths = _watch(cfg, store, procs, progress, restart=lambda g: _start(cfg, store.port, run_.dir, "prefill", g))
         summary = _write(run_, cfg, time.monotonic() - t0, deaths=deaths)
@@ -101,7 +102,8 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True, r
             run_.finish()
         return summary
     except BaseException as err:
-        _stopped(run_, results.stop_reason(err))
+        if run_ is not None:
+            _stopped(run_, results.stop_reason(err))
         raise
     finally:
         _stop(procs)
@@ -303,16 +305,18 @@ def _torchrun(cfg: DisaggConfig, out, progress: bool) -> dict:
     launcher = {"kind": "torchrun", "nnodes": nnodes,
                 "node_rank": int(os.environ.get("GROUP_RANK", "0")), "master_addr": host, "master_port": port,
                 "run_id": os.environ["TORCHELASTIC_RUN_ID"], "gloo_interface": iface, "gloo_interface_why": why}
-    run_ = results.start("disagg", _params(cfg), run_dir=out)
-    run_.update(launcher=launcher)
-    t0 = time.monotonic()
+    run_ = None
     try:
+        run_ = results.start("disagg", _params(cfg), run_dir=out)
+        run_.update(launcher=launcher)
+        t0 = time.monotonic()
         entry(rank, _params(cfg), host, port, prefix, str(run_.dir), progress)
         summary = _write(run_, cfg, time.monotonic() - t0, launcher)
         run_.finish()
         return summary
     except BaseException as err:
-        _stopped(run_, results.stop_reason(err))
+        if run_ is not None:
+            _stopped(run_, results.stop_reason(err))
         raise
 
 
