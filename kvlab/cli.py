@@ -268,9 +268,7 @@ def execute(notebook: Path, params: Mapping, run_dir: str | os.PathLike | None =
         except papermill.PapermillExecutionError as err:
             error = f"{err.ename}: {err.evalue} (cell {err.exec_count})"
         except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (main() turns it into results.Terminated)
-            with results.shielded():
-                results.record_execution(folder, notebook.name, False, time.monotonic() - t0,
-                                         results.stop_reason(err))
+            results.record_execution(folder, notebook.name, False, time.monotonic() - t0, results.stop_reason(err))
             raise
         except Exception as err:  # the kernel died, would not start or timed out: still a failed run
             first = (str(err).strip().splitlines() or [""])[0]

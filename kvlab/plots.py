@@ -238,6 +238,12 @@ def _gzip_svg(path: Path) -> Path:
     return out
 
 
+def _drop_other_svg(folder: Path, name: str, kept: str) -> None:
+    """Remove ``<folder>/<name>`` in the SVG form other than ``kept`` (".svg" or ".svgz"): left from an earlier
+    drawing, it would be another figure under the same name."""
+    (Path(folder) / f"{name}{'.svgz' if kept == '.svg' else '.svg'}").unlink(missing_ok=True)
+
+
 def write(fig, folder: Path, name: str, footer: str) -> list[Path]:
     """Write ``fig`` with ``footer`` as ``<folder>/<name>.png`` and ``.svgz`` (gzipped SVG; plain ``.svg`` at
     or under SVG_GZIP_BYTES); returns the paths. What `save` does for a run folder, and `kvlab analyse` for an
@@ -256,8 +262,8 @@ def write(fig, folder: Path, name: str, footer: str) -> list[Path]:
         fig.savefig(path, format=ext, metadata=metadata)
         if ext == "svg" and path.stat().st_size > SVG_GZIP_BYTES:
             path = _gzip_svg(path)
-        if ext == "svg":  # the other form, from an earlier drawing into this folder, would be another figure
-            (folder / f"{name}{'.svg' if path.suffix == '.svgz' else '.svgz'}").unlink(missing_ok=True)
+        if ext == "svg":
+            _drop_other_svg(folder, name, path.suffix)
         written.append(path)
     return written
 
@@ -345,8 +351,8 @@ def publish_files(files: list[Path], name: str, run, mode: str = "yes", drawn: d
         dst = target / f"{name}{suffix}"
         shutil.copyfile(src, dst)
         copies.append(dst)
-        if suffix in (".svg", ".svgz"):  # the other form, from an earlier publish, would name another drawing
-            (target / f"{name}{'.svgz' if suffix == '.svg' else '.svg'}").unlink(missing_ok=True)
+        if suffix in (".svg", ".svgz"):
+            _drop_other_svg(target, name, suffix)
     sidecar.write_text(
         json.dumps({"figure": name, "study": study, "run_id": run_id, "is_gpu": is_gpu,
                     "device": device, "run": f"{study}/{run_id}", "parameters": params, "drawn_by": drawn, **extra},

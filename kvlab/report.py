@@ -375,8 +375,7 @@ def swapin(paths: list[str]) -> str:
     same direction's contiguous copy with its 95 % interval; a method that could not run says why."""
     rows = []
     for path in paths:
-        record, d = _run(path)
-        for r in pd.read_csv(d / "summary.csv").itertuples():
+        for r in _table(path, "summary").itertuples():
             ran = r.n > 0
             rows.append({"run": _link(path), "context": _ctx(r.context), "direction": r.direction,
                          "host blocks": r.host_layout, "method": r.method,

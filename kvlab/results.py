@@ -500,24 +500,26 @@ def record_execution(run_dir: str | os.PathLike, notebook: str, ok: bool, second
     ``STOPPED.txt`` into the folder (also when the notebook failed before ``start()``). Returns False when
     the run has no run.json.
     """
-    path = Path(run_dir) / RUN_JSON
-    if ok:
-        (Path(run_dir) / STOPPED).unlink(missing_ok=True)  # an earlier attempt into the same folder failed
-    elif Path(run_dir).is_dir():
-        # whoever lists the folder sees at once that it is not a result, run.json or not
-        (Path(run_dir) / STOPPED).write_text(
-            f"This run stopped before it finished ({error or 'failed'}).\n"
-            f"Its tables and figures are partial; kvlab's readers skip it (run.json status: failed).\n"
-            f"The executed notebook, {notebook}, shows where it stopped.\n", encoding="utf-8")
-    if not path.is_file():
-        return False
-    record = _read_json(path)
-    record["execution"] = {"notebook": notebook, "ok": bool(ok), "seconds": round(seconds, 3),
-                           "error": error}
-    if not ok:  # also after finish(): a cell after it failed, so the notebook did not run to its end
-        record["status"] = "failed"
-    _write_json(path, record)
-    return True
+    # a failure is marked deaf to a second SIGTERM (`timeout` signals twice) or Ctrl-C
+    with shielded() if not ok else contextlib.nullcontext():
+        path = Path(run_dir) / RUN_JSON
+        if ok:
+            (Path(run_dir) / STOPPED).unlink(missing_ok=True)  # an earlier attempt into the same folder failed
+        elif Path(run_dir).is_dir():
+            # whoever lists the folder sees at once that it is not a result, run.json or not
+            (Path(run_dir) / STOPPED).write_text(
+                f"This run stopped before it finished ({error or 'failed'}).\n"
+                f"Its tables and figures are partial; kvlab's readers skip it (run.json status: failed).\n"
+                f"The executed notebook, {notebook}, shows where it stopped.\n", encoding="utf-8")
+        if not path.is_file():
+            return False
+        record = _read_json(path)
+        record["execution"] = {"notebook": notebook, "ok": bool(ok), "seconds": round(seconds, 3),
+                               "error": error}
+        if not ok:  # also after finish(): a cell after it failed, so the notebook did not run to its end
+            record["status"] = "failed"
+        _write_json(path, record)
+        return True
 
 
 class Terminated(KeyboardInterrupt):

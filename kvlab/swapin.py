@@ -298,7 +298,5 @@ def run(model: str = "qwen2.5-7b", contexts=("4k", "32k"), block_size: int = 16,
         return str(r.dir), s
     except BaseException as err:
         if r is not None:
-            with results.shielded():
-                results.record_execution(r.dir, "kvlab swapin", ok=False, seconds=0.0,
-                                         error=results.stop_reason(err))
+            results.record_execution(r.dir, "kvlab swapin", ok=False, seconds=0.0, error=results.stop_reason(err))
         raise
