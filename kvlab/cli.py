@@ -773,6 +773,10 @@ def _cmd_trace(args) -> int:
     arg("--fault-timeout", type=float, default=1.0, help="the campaign's deadline for a request's layers, counted from "
                                                           "the request, prefill included: above the prefill time "
                                                           "(default 1 s)"),
+    arg("--decode-memory-gib", type=float, default=0.0,
+        help="cap the decode process's allocator at this many GiB while it serves (its weights, the reference it "
+             "keeps, its destination, every request); past it a real out-of-memory stops the run with one line "
+             "naming the request and step (default 0: no cap; a GPU decode device only)"),
     arg("--out", default="", help="run folder (default: a new data/disagg/<run_id>/)"),
     arg("--quiet", action="store_true", help="no progress bar"),
 )
@@ -795,7 +799,7 @@ Example: kvlab disagg --backend gloo --model kvlab-tiny --context 128 --decode-t
         decode_tokens=args.decode_tokens, timeout_s=args.timeout, bench=args.bench, port=args.port,
         faults=args.faults, policy=args.policy, retries=args.retries, fault_timeout_s=args.fault_timeout,
         fault_kinds=args.fault_kinds, nixl_descs=args.nixl_descs, block_order=args.block_order,
-        seed=args.seed)
+        seed=args.seed, decode_memory_gib=args.decode_memory_gib)
     try:
         summary = disagg.run(cfg, args.out, progress=not args.quiet)
     except (disagg.DisaggError, disagg.IncompleteCacheError, TimeoutError) as err:

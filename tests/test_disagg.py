@@ -113,6 +113,9 @@ def test_a_layer_that_never_arrives_is_refused_by_name(tmp_path):
     (["--repeats", "0"], "repeats = 0"),
     (["--device", "cuda:7"], "does not exist"),
     (["--timeout", "0"], "timeout = 0.0"),
+    (["--decode-memory-gib", "-1"], "decode-memory-gib = -1.0: give GiB > 0, or 0 for no cap"),
+    (["--decode-memory-gib", "nan"], "decode-memory-gib = nan"),
+    (["--decode-memory-gib", "2", "--decode-device", "cpu"], "caps a GPU's allocator; the decode device is cpu"),
 ])
 def test_bad_input_is_one_line_before_anything_is_written(argv, says, tmp_path):
     done = kvlab_command(["disagg", *argv, "--out", str(tmp_path / "run")], _env(tmp_path))
@@ -375,6 +378,98 @@ def test_disagg_gpu_ipc_paged_between_two_gpus_pulls(tmp_path):
     assert s["tokens_match"] and s["logits_equal"] and s["bytes_equal"] and s["poison_left"] == 0
     b = pd.read_csv(tmp_path / "run" / "bench.csv")
     assert b[b.kind == "send"]["kernel"].str.contains("pulled by the decode GPU").all()
+
+
+@pytest.mark.gpu
+def test_a_real_decode_out_of_memory_stops_the_run_in_one_line_and_leaves_no_process(tmp_path):
+    """Not injected: the decode process's allocator is capped between what it holds after its reference and what
+    its destination needs, so allocating the destination really fails. One line names the step, nothing is
+    decoded, both workers are gone and the run folder says so, with the memory recorded up to the failure."""
+    cfg = dict(backend="ipc", contexts=(2048,), layouts=("paged",), modes=("layerwise",), repeats=1, warmup=0)
+    s = disagg.run(disagg.DisaggConfig(**cfg), tmp_path / "free", progress=False)
+    phases = {r["phase"]: r for r in s["decode_memory"]}
+    assert set(phases) == {"reference", "destination", "requests"}
+    before, after = phases["reference"]["allocated_bytes"], phases["destination"]["allocated_bytes"]
+    assert after > before  # the destination is allocated and kept
+    cap = (before + (after - before) / 2) / 2 ** 30
+    with pytest.raises(disagg.DisaggError, match="while allocating its destination for the cache: it asked for") as e:
+        disagg.run(disagg.DisaggConfig(**cfg, decode_memory_gib=cap), tmp_path / "capped", progress=False)
+    assert "DecodeOutOfMemory" in str(e.value) and "\n" not in str(e.value)
+    run = json.loads((tmp_path / "capped" / "run.json").read_text())
+    assert run["status"] == "failed" and "DecodeOutOfMemory" in run["stopped"]
+    assert all(code is not None for code in run["worker_exit"].values())
+    assert [r["phase"] for r in run["decode_memory"]] == ["reference", "destination"]
+    assert run["decode_memory"][-1]["failed"]
+    assert not (tmp_path / "capped" / "requests.csv").exists()
+
+
+def test_an_out_of_memory_in_the_decode_process_becomes_one_line_naming_the_request_and_step():
+    from kvlab.disagg.memory import DecodeMemory, DecodeOutOfMemory
+    from kvlab.disagg.workers import DecodeWorker
+
+    w = object.__new__(DecodeWorker)
+    w.mem = DecodeMemory(torch.device("cpu"))
+
+    def fails():
+        w.mem.where, w.mem.step = "request 7 (paged, 32768 tokens, layerwise)", "reading"
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.75 GiB. GPU 0 has a total capacity of "
+                                     "139.81 GiB\nmore lines")
+
+    w._run = fails
+    with pytest.raises(DecodeOutOfMemory) as e:
+        w.run()
+    msg = str(e.value)
+    assert msg.startswith("request 7 (paged, 32768 tokens, layerwise): the decode process ran out of memory on cpu "
+                          "while reading the landed cache into the cache decode reads: it asked for 1.75 GiB")
+    assert "nothing was decoded from its cache" in msg and "\n" not in msg
+    assert isinstance(e.value.__cause__, torch.OutOfMemoryError)
+    w.mem.step, w.mem.landed = "landing", "5 of 28 layers had landed; missing 5…27"
+    assert "while receiving the layers (5 of 28 layers had landed; missing 5…27)" in str(w.mem.explain(
+        torch.OutOfMemoryError("out of memory")))
+    other = ValueError("not a memory error")
+    w._run = lambda: (_ for _ in ()).throw(other)
+    with pytest.raises(ValueError) as e:  # anything else passes through as it was
+        w.run()
+    assert e.value is other
+
+
+def test_layer_lists_are_written_as_runs():
+    from kvlab.disagg.workers import _layers_text
+
+    assert _layers_text([3, 4, 5, 9]) == "3…5, 9"
+    assert _layers_text([0]) == "0" and _layers_text([]) == "none" and _layers_text([1, 3]) == "1, 3"
+
+
+def test_a_stopped_run_records_how_each_worker_ended_and_the_decode_sides_memory(tmp_path):
+    from kvlab import results
+    from kvlab.disagg import launch
+
+    class Store:
+        def __init__(self, d):
+            self.d = d
+
+        def check(self, keys):
+            return all(k in self.d for k in keys)
+
+        def get(self, k):
+            return self.d[k].encode()
+
+    class Proc:
+        def __init__(self, code):
+            self.code = code
+
+        def poll(self):
+            return self.code
+
+    mem = [{"phase": "reference", "allocated_bytes": 10}, {"phase": "destination", "failed": True}]
+    store = Store({"kvlab/error/decode": json.dumps({"error": "DecodeOutOfMemory: x", "memory": mem})})
+    run = results.start("disagg", {}, run_dir=tmp_path / "r")
+    launch._stopped(run, "DisaggError: the decode process stopped", store, [("decode", Proc(1)), ("prefill", Proc(-15))])
+    got = json.loads((tmp_path / "r" / "run.json").read_text())
+    assert got["status"] == "failed" and got["worker_exit"] == {"decode": 1, "prefill": -15}
+    assert got["decode_memory"] == mem
+    launch._stopped(results.start("disagg", {}, run_dir=tmp_path / "s"), "Ctrl-C")  # no store, no workers
+    assert "worker_exit" not in json.loads((tmp_path / "s" / "run.json").read_text())
 
 
 # ------------------------------------------------------------------------------------- fault injection

@@ -62,6 +62,7 @@ class DisaggConfig:
     nixl_descs: str = "block"  # nixl, paged: one descriptor per block ("block") or per run of adjacent blocks ("merged")
     block_order: str = "random"  # paged: how both sides' allocators hand out blocks, "random" (a busy server's
     # scattered free list) or "packed" (the lowest free ids in order: a fresh server, blocks adjacent)
+    decode_memory_gib: float = 0.0  # cap on the decode process's allocator while it serves (0: none)
 
     def spec(self):
         """The model's ModelSpec: a registry name's, or read from the config.json / model folder `model` names."""
@@ -216,10 +217,30 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
                          f"{cfg.timeout_s:g} s (a late layer is waited for after its deadline)")
     if cfg.bench and cfg.backend not in ("ipc", "nccl", "gloo"):
         raise ValueError(f"bench times the send alone with backend ipc, nccl or gloo; got {cfg.backend!r}")
+    _memory_cap_ok(cfg.decode_memory_gib, dec)
     spec = cfg.spec()
     if cfg.drop_layer >= spec.layers:
         raise ValueError(f"drop_layer = {cfg.drop_layer}: {spec.name} has layers 0 … {spec.layers - 1}")
     return cfg
+
+
+def _memory_cap_ok(gib, decode: str) -> None:
+    """--decode-memory-gib: 0 (no cap), or GiB > 0 up to the decode GPU's memory."""
+    import math
+
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not math.isfinite(gib) or gib < 0:
+        raise ValueError(f"decode-memory-gib = {gib!r}: give GiB > 0, or 0 for no cap")
+    if not gib:
+        return
+    if not decode.startswith("cuda"):
+        raise ValueError(f"decode-memory-gib = {gib:g} caps a GPU's allocator; the decode device is {decode}: "
+                         "leave it out, or decode on a GPU (--decode-device cuda:N)")
+    import torch
+
+    total = torch.cuda.get_device_properties(torch.device(decode)).total_memory / (1 << 30)
+    if gib > total:
+        raise ValueError(f"decode-memory-gib = {gib:g} is more than {decode} has ({total:.1f} GiB): give at most "
+                         f"{total:.1f}, or 0 for no cap")
 
 
 def from_params(params, gpu: bool | None = None) -> DisaggConfig:

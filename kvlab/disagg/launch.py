@@ -51,16 +51,31 @@ def _store(port: int, timeout_s: float):
                          "--port, or leave it out and a free port is chosen") from None
 
 
-def _stopped(run, why: str) -> None:
+def _stopped(run, why: str, store=None, procs=None) -> None:
     """Mark the run folder stopped (run.json's `stopped` and status "failed", STOPPED.txt), deaf to SIGTERM and
     Ctrl-C meanwhile (results.shielded): `timeout` signals the launcher twice (itself, then its process group), and a
     second Terminated raised in here once left run.json saying "running" (a campaign on the H200, 2026-12-01)."""
     with results.shielded():
         try:
-            run.update(stopped=why)
+            extra = {}
+            if procs:  # after _stop: how each worker ended (none may still run)
+                extra["worker_exit"] = {role: p.poll() for role, p in procs}
+            memory = _worker_memory(store) if store is not None else None
+            if memory:  # the decode side's memory by phase up to its out-of-memory (kvlab.disagg.memory)
+                extra["decode_memory"] = memory
+            run.update(stopped=why, **extra)
         except Exception:
             pass
         results.record_execution(run.dir, "kvlab disagg", ok=False, seconds=0.0, error=why)
+
+
+def _worker_memory(store) -> list | None:
+    """The memory phases the decode process posted with its error (an out-of-memory), or None."""
+    key = "kvlab/error/decode"
+    try:
+        return json.loads(store.get(key)).get("memory") if store.check([key]) else None
+    except Exception:
+        return None
 
 
 def _worker_error(store) -> str | None:
@@ -103,7 +118,9 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True, r
         return summary
     except BaseException as err:
         if run_ is not None:
-            _stopped(run_, results.stop_reason(err))
+            with results.shielded():
+                _stop(procs)  # first, so the run folder can say how each worker ended
+            _stopped(run_, results.stop_reason(err), store, procs)
         raise
     finally:
         _stop(procs)
@@ -399,6 +416,8 @@ def _write(run_, cfg: DisaggConfig, seconds: float, launcher: dict | None = None
         "seconds": round(seconds, 3),
         "configs": summarise(rows, cfg),
     }
+    if got.get("memory"):  # GPU: the decode process's memory by phase (kvlab.disagg.memory)
+        summary["decode_memory"] = got["memory"]
     if got["bench"]:
         summary["bench"] = bench_table(pd.DataFrame(got["bench"])).to_dict("records")
     if got.get("tuned"):

@@ -31,6 +31,7 @@ import torch
 from ..timing import sync_device
 from .config import DECODE, PREFILL, DisaggConfig
 from .links import Sink, Source, _Rows, event_ms, make_link, units
+from .memory import DecodeMemory
 from .protocol import Control, IncompleteCacheError, LandedLayers
 
 __all__ = ["entry", "connect", "ROWS_FILE"]
@@ -372,6 +373,7 @@ class DecodeWorker:
         self.progress = progress
         self.generation = 0  # of the prefill process now serving; a new one after each death (kill faults)
         self.peer_dead = False  # the launcher recorded the current prefill process's death
+        self.mem = DecodeMemory(dev, cfg.decode_memory_gib)  # its phases, its cap, what an out-of-memory says
 
     def take_over(self) -> None:
         """The prefill process died: leave its process group and form the next with the process the launcher
@@ -404,6 +406,14 @@ class DecodeWorker:
         return ref, int(first[0]), toks, logits
 
     def run(self) -> None:
+        """Every (layout, context): the reference, the destination, the requests (and the bench, the campaign).
+        A real out-of-memory anywhere in it becomes one DecodeOutOfMemory line (kvlab.disagg.memory)."""
+        try:
+            self._run()
+        except torch.OutOfMemoryError as err:
+            raise self.mem.explain(err) from err
+
+    def _run(self) -> None:
         from tqdm.auto import tqdm
 
         cfg = self.cfg
@@ -411,54 +421,69 @@ class DecodeWorker:
         total = per * len(cfg.layouts) * len(cfg.contexts)
         bar = tqdm(total=total, desc=f"disagg {cfg.backend}", unit="req", disable=not self.progress or None,
                    file=sys.stderr)
+        mem = self.mem
         for layout in cfg.layouts:
             for context in cfg.contexts:
-                ref = self.reference(context)
-                if layout == "contiguous":
-                    from ..kvcache import KVBuffer
+                where = {"layout": layout, "context": context}
+                mem.where = f"{layout}, {context} tokens"
+                mem.cap_off()  # the reference is the measurement's, not the server's: computed without the cap
+                with mem.phase("reference", **where):
+                    ref = self.reference(context)
+                mem.cap_on()
+                with mem.phase("destination", **where):
+                    if layout == "contiguous":
+                        from ..kvcache import KVBuffer
 
-                    sink, table = Sink(buffer=KVBuffer(ref[0].layout, self.dev)), None
-                else:
-                    pool, table = _pool_for(self.model, context, cfg, self.dev, seed=cfg.seed + 2)
-                    sink = Sink(pool=pool, block_ids=table.ids.tolist())
-                tag = f"{layout}-{context}"
-                if self.link.name in ("ipc", "nixl"):
-                    self.link.expose(tag, sink)
-                base = {"layout": layout, "context": context, "tag": tag}
-                if table is not None:
-                    base.update(dst_blocks=table.ids.tolist(), dst_num_blocks=sink.pool.num_blocks)
-                kinds = ["colocated", *cfg.modes]
-                for r in range(cfg.warmup + cfg.repeats):
-                    k = r % len(kinds)
-                    for mode in kinds[k:] + kinds[:k]:  # rotated each round: no mode always first
-                        row = self.request(mode, base, sink, table, ref)
-                        row.update(round=r, warmup=r < cfg.warmup)
-                        self.rows.append(row)
-                        bar.update(1)
-                        self.control.store.add("progress", 1)
-                if cfg.bench:
-                    msg = dict(base, mode="bulk", bench=True, n=cfg.bench_repeats, warmup=3)
-                    if self.link.name == "ipc":
-                        n = self._go(msg)
-                        got = self.control.wait(f"req{n}/done", f"the bench of {tag}")
+                        sink, table = Sink(buffer=KVBuffer(ref[0].layout, self.dev)), None
                     else:
-                        got = self.bench_dist(msg, sink)
-                    if got["tuned"]:
-                        self.tuned.append({"layout": layout, "context": context, **got["tuned"]})
-                    for kind in ("send", "ceiling", "layer", "send_default"):
-                        for i, ms in enumerate(got[f"{kind}_ms"]):
-                            nbytes = got["layer_bytes"] if kind == "layer" else got["bytes"]
-                            kernel = "triton row copy, default config" if kind == "send_default" else got["kernel"]
-                            self.bench_rows.append({"backend": cfg.backend, "layout": layout, "context": context,
-                                                    "kind": kind, "sample": i, "ms": ms, "bytes": nbytes,
-                                                    "gbps": nbytes / ms / 1e6, "kernel": kernel, "timer": got["timer"]})
-                if cfg.faults and (layout, context) == (cfg.layouts[0], cfg.contexts[0]):
-                    from .faults import run_campaign
-
-                    self.fault_rows += run_campaign(self, base, sink, table, ref)
+                        pool, table = _pool_for(self.model, context, cfg, self.dev, seed=cfg.seed + 2)
+                        sink = Sink(pool=pool, block_ids=table.ids.tolist())
+                with mem.phase("requests", **where):
+                    self._serve(layout, context, sink, table, ref, bar)
                 del sink
         bar.close()
         self._go({"stop": True})
+
+    def _serve(self, layout: str, context: int, sink: Sink, table, ref, bar) -> None:
+        """The requests of one (layout, context), then its bench and its campaign."""
+        cfg = self.cfg
+        tag = f"{layout}-{context}"
+        if self.link.name in ("ipc", "nixl"):
+            self.link.expose(tag, sink)
+        base = {"layout": layout, "context": context, "tag": tag}
+        if table is not None:
+            base.update(dst_blocks=table.ids.tolist(), dst_num_blocks=sink.pool.num_blocks)
+        kinds = ["colocated", *cfg.modes]
+        for r in range(cfg.warmup + cfg.repeats):
+            k = r % len(kinds)
+            for mode in kinds[k:] + kinds[:k]:  # rotated each round: no mode always first
+                row = self.request(mode, base, sink, table, ref)
+                row.update(round=r, warmup=r < cfg.warmup)
+                self.rows.append(row)
+                bar.update(1)
+                self.control.store.add("progress", 1)
+        if cfg.bench:
+            self.mem.where, self.mem.step = f"the bench of {tag}", "landing"
+            msg = dict(base, mode="bulk", bench=True, n=cfg.bench_repeats, warmup=3)
+            if self.link.name == "ipc":
+                n = self._go(msg)
+                got = self.control.wait(f"req{n}/done", f"the bench of {tag}")
+            else:
+                got = self.bench_dist(msg, sink)
+            if got["tuned"]:
+                self.tuned.append({"layout": layout, "context": context, **got["tuned"]})
+            for kind in ("send", "ceiling", "layer", "send_default"):
+                for i, ms in enumerate(got[f"{kind}_ms"]):
+                    nbytes = got["layer_bytes"] if kind == "layer" else got["bytes"]
+                    kernel = "triton row copy, default config" if kind == "send_default" else got["kernel"]
+                    self.bench_rows.append({"backend": cfg.backend, "layout": layout, "context": context,
+                                            "kind": kind, "sample": i, "ms": ms, "bytes": nbytes,
+                                            "gbps": nbytes / ms / 1e6, "kernel": kernel, "timer": got["timer"]})
+        if cfg.faults and (layout, context) == (cfg.layouts[0], cfg.contexts[0]):
+            from .faults import run_campaign
+
+            self.mem.where, self.mem.step = f"the fault campaign on {layout}, {context} tokens", "campaign"
+            self.fault_rows += run_campaign(self, base, sink, table, ref)
 
     def bench_dist(self, msg: dict, sink: Sink) -> dict:
         """The decode side of PrefillWorker.bench_dist: each round, post the receive of the bulk send (then of the
@@ -488,6 +513,9 @@ class DecodeWorker:
         ref_buf, ref_first, ref_toks, ref_logits = ref
         row = {"backend": cfg.backend, "layout": base["layout"], "mode": mode, "context": base["context"],
                "prefill_device": cfg.devices()[0], "decode_device": str(self.dev)}
+        mem = self.mem
+        mem.where = f"request {self.n} ({base['layout']}, {base['context']} tokens, {mode})"
+        mem.step, mem.landed = ("decode" if mode == "colocated" else "landing"), ""
         if mode == "colocated":
             n = self._go(dict(base, mode=mode))
             done = self.control.wait(f"req{n}/done", f"request {n}'s prefill")
@@ -508,6 +536,10 @@ class DecodeWorker:
             self.link.wait_landed(n, sink, tracker, self.control)
         except TimeoutError as err:
             late = err
+        except torch.OutOfMemoryError:
+            gone = tracker.missing(n)
+            mem.landed = f"{sink.layers - len(gone)} of {sink.layers} layers had landed; missing {_layers_text(gone)}"
+            raise
         t_landed = _ns()
         done = self.control.wait(f"req{n}/done", f"request {n}'s prefill")
         try:
@@ -515,10 +547,12 @@ class DecodeWorker:
         except IncompleteCacheError as err:
             raise IncompleteCacheError(f"{err} — {late}" if late else str(err)) from None
         t0 = _ns()
+        mem.step = "reading"
         cache = sink.buffer if table is None else sink.pool.read(table)
         sync_device(self.dev)
         read_ms = (_ns() - t0) / 1e6
         first = done["first_token"]
+        mem.step = "decode"
         step_ms = self._step(cache, first)
         t_first = _ns()
         toks, logits = decode(self.model, cache, torch.tensor([first], device=self.dev), cfg.decode_tokens)
@@ -548,6 +582,18 @@ class DecodeWorker:
         decode(self.model, cache, torch.tensor([first], device=self.dev), 1)
         sync_device(self.dev)
         return (_ns() - t0) / 1e6
+
+
+def _layers_text(layers: list[int]) -> str:
+    """[3, 4, 5, 9] → '3…5, 9'."""
+    out, i = [], 0
+    while i < len(layers):
+        j = i
+        while j + 1 < len(layers) and layers[j + 1] == layers[j] + 1:
+            j += 1
+        out.append(f"{layers[i]}" if i == j else f"{layers[i]}…{layers[j]}")
+        i = j + 1
+    return ", ".join(out) or "none"
 
 
 class _Uncounted:
@@ -614,7 +660,7 @@ def entry(rank: int, cfg_dict: dict, host: str, port: int, prefix: str, run_dir:
                 w = DecodeWorker(cfg, model, dev, control, link, progress)
                 w.run()
                 out = {"rows": w.rows, "bench": w.bench_rows, "tuned": w.tuned, "faults": w.fault_rows,
-                       "pid": os.getpid(),
+                       "memory": w.mem.rows, "pid": os.getpid(),
                        "peer_pid": control.wait("pid/prefill", "the prefill process's pid"),
                        "host": socket.gethostname()}
                 control.wait("released", "the prefill process to let go of this process's memory")
@@ -635,7 +681,8 @@ def entry(rank: int, cfg_dict: dict, host: str, port: int, prefix: str, run_dir:
     except BaseException as err:
         line = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         try:
-            control.post(f"error/{role}", {"error": line, "traceback": traceback.format_exc()[-4000:]})
+            control.post(f"error/{role}", {"error": line, "traceback": traceback.format_exc()[-4000:],
+                                           "memory": getattr(err, "memory_rows", None)})
         except Exception:
             pass
         raise

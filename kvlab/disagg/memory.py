@@ -1,0 +1,129 @@
+"""The decode process's device memory: what each phase of its work holds, a cap on it, and what a real
+out-of-memory says (issue 16).
+
+`--decode-memory-gib G` caps PyTorch's caching allocator in the decode process at G GiB
+(torch.cuda.set_per_process_memory_fraction), from the moment the decode side starts to serve: its weights, the
+colocated reference it keeps for the comparison, its destination for the cache, and everything a request needs
+(receives, the read of a paged pool into the cache decode reads, decode itself). The reference is computed before
+the cap is put on (it is the measurement's, not the server's), and the cap is lifted while the next context's
+reference is computed. An allocation past the cap fails as an allocation past the device's end would: the
+allocator frees its cached blocks, tries again, and raises torch.OutOfMemoryError. Outside the cap: the CUDA
+context and what libraries allocate themselves (NCCL's buffers, for one).
+
+An out-of-memory in the decode process, capped or not, becomes one `DecodeOutOfMemory` line naming the request,
+the step it was in, the memory in use, and that nothing was decoded from that request's cache. The decode process
+then stops, the launcher stops the prefill process, and the run folder says why.
+
+Per (layout, context) the phases are recorded (`rows`): reference, destination, requests, each with the memory
+allocated at its end and the peaks allocated and reserved during it. summary.json carries them as
+`decode_memory`, and a stopped run's run.json carries those recorded before the stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import torch
+
+__all__ = ["DecodeMemory", "DecodeOutOfMemory", "STEPS"]
+
+GiB = 1 << 30
+
+# what the decode side was doing, for the error line
+STEPS = {
+    "starting": "building its model",
+    "reference": "computing its colocated reference (prefill and decode on this device, before the cap)",
+    "capping": "taking up its cap",
+    "destination": "allocating its destination for the cache",
+    "landing": "receiving the layers",
+    "reading": "reading the landed cache into the cache decode reads",
+    "decode": "decoding from the landed cache",
+    "campaign": "in the fault campaign",
+}
+
+
+class DecodeOutOfMemory(RuntimeError):
+    """The decode process ran out of device memory; the message says where, and that nothing was decoded."""
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+class DecodeMemory:
+    """The decode process's memory on `device`: phases recorded, the cap (`cap_gib`, 0: none) put on and lifted,
+    the step now under way (`step`) and the request (`where`) for the error line."""
+
+    def __init__(self, device: torch.device, cap_gib: float = 0.0):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.cap = int(round(cap_gib * GiB)) if cap_gib else 0
+        self.rows: list[dict] = []
+        self.step = "starting"
+        self.where = ""  # "request 7 (paged, 32768 tokens, layerwise)" or "paged, 32768 tokens"
+        self.landed = ""  # while landing: which layers had landed when it failed
+
+    def total(self) -> int:
+        return torch.cuda.get_device_properties(self.device).total_memory if self.cuda else 0
+
+    @contextlib.contextmanager
+    def phase(self, name: str, **keys):
+        """Record the memory of one phase: allocated at its end, peaks during it (CUDA only)."""
+        self.step = name
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        yield
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            self.rows.append({**keys, "phase": name, "allocated_bytes": torch.cuda.memory_allocated(self.device),
+                              "peak_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
+                              "peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device),
+                              "cap_bytes": self.cap or None})
+
+    def cap_on(self) -> None:
+        """Put the cap on (nothing without one). What the process already holds must fit under it."""
+        if not self.cap:
+            return
+        self.step = "capping"
+        torch.cuda.empty_cache()  # the reference's cached blocks go back; what is still allocated stays
+        held = torch.cuda.memory_allocated(self.device)
+        if held >= self.cap:
+            raise DecodeOutOfMemory(
+                f"{self.where or 'the decode side'}: the decode process already holds {_gib(held)} on {self.device} "
+                f"(its weights and the colocated reference) before it serves a request, at or over its cap of "
+                f"{_gib(self.cap)} (--decode-memory-gib); nothing was sent or decoded. Give a cap above {_gib(held)}")
+        torch.cuda.set_per_process_memory_fraction(min(1.0, self.cap / self.total()), self.device)
+
+    def cap_off(self) -> None:
+        if self.cap:
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+
+    def explain(self, err: BaseException) -> DecodeOutOfMemory:
+        """The one line for an out-of-memory `err` raised during the current step."""
+        first = str(err).splitlines()[0] if str(err) else ""
+        m = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", first)
+        asked = f"it asked for {m.group(1)}" if m else "an allocation failed"
+        if self.cuda:
+            use = f"{_gib(torch.cuda.memory_allocated(self.device))} allocated"
+            use += (f" under its cap of {_gib(self.cap)} (--decode-memory-gib)" if self.cap
+                    else f" of the device's {_gib(self.total())}")
+        else:
+            use = f"on {self.device}"
+        landed = f" ({self.landed})" if self.step == "landing" and self.landed else ""
+        nothing = ("nothing was decoded from its cache" if self.step in ("landing", "reading", "decode", "campaign")
+                   else "no request was decoded from this destination")
+        more = "a larger --decode-memory-gib, or none," if self.cap else "a device with more free memory"
+        out = DecodeOutOfMemory(
+            f"{self.where or 'the decode side'}: the decode process ran out of memory on {self.device} while "
+            f"{STEPS.get(self.step, self.step)}{landed}: {asked}, {use}; {nothing}. Give it {more} or a shorter "
+            f"context")
+        failed = []
+        if self.cuda:  # the step that failed, with what it held and its phase's peaks until then
+            failed = [{"phase": self.step, "where": self.where, "failed": True,
+                       "allocated_bytes": torch.cuda.memory_allocated(self.device),
+                       "peak_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
+                       "peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device), "cap_bytes": self.cap or None}]
+        out.memory_rows = list(self.rows) + failed  # the phases recorded before it: the launcher puts them in run.json
+        return out
