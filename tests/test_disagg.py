@@ -384,13 +384,21 @@ def test_disagg_gpu_ipc_paged_between_two_gpus_pulls(tmp_path):
 def test_a_real_decode_out_of_memory_stops_the_run_in_one_line_and_leaves_no_process(tmp_path):
     """Not injected: the decode process's allocator is capped between what it holds after its reference and what
     its destination needs, so allocating the destination really fails. One line names the step, nothing is
-    decoded, both workers are gone and the run folder says so, with the memory recorded up to the failure."""
-    cfg = dict(backend="ipc", contexts=(2048,), layouts=("paged",), modes=("layerwise",), repeats=1, warmup=0)
+    decoded, both workers are gone and the run folder says so, with the memory recorded up to the failure.
+    A small model with a wide cache (32 KiB a token): the 8k pool (512 MiB) needs a segment of its own, so the cap
+    is met by the allocator and not absorbed by a segment the reference left half free (kvlab-tiny's was)."""
+    config = tmp_path / "wide.json"
+    config.write_text(json.dumps({"model_type": "qwen2", "hidden_size": 1024, "num_attention_heads": 8,
+                                  "num_key_value_heads": 8, "num_hidden_layers": 8, "intermediate_size": 2048,
+                                  "vocab_size": 1000, "max_position_embeddings": 16384, "torch_dtype": "bfloat16"}))
+    cfg = dict(backend="ipc", model=str(config), contexts=(8192,), layouts=("paged",), modes=("layerwise",),
+               repeats=1, warmup=0)
     s = disagg.run(disagg.DisaggConfig(**cfg), tmp_path / "free", progress=False)
+    assert s["tokens_match"] and s["logits_equal"]
     phases = {r["phase"]: r for r in s["decode_memory"]}
     assert set(phases) == {"reference", "destination", "requests"}
     before, after = phases["reference"]["allocated_bytes"], phases["destination"]["allocated_bytes"]
-    assert after > before  # the destination is allocated and kept
+    assert after - before >= 512 << 20  # the destination is allocated and kept
     cap = (before + (after - before) / 2) / 2 ** 30
     with pytest.raises(disagg.DisaggError, match="while allocating its destination for the cache: it asked for") as e:
         disagg.run(disagg.DisaggConfig(**cfg, decode_memory_gib=cap), tmp_path / "capped", progress=False)
@@ -425,6 +433,12 @@ def test_an_out_of_memory_in_the_decode_process_becomes_one_line_naming_the_requ
     assert isinstance(e.value.__cause__, torch.OutOfMemoryError)
     w.mem.step, w.mem.landed = "landing", "5 of 28 layers had landed; missing 5…27"
     assert "while receiving the layers (5 of 28 layers had landed; missing 5…27)" in str(w.mem.explain(
+        torch.OutOfMemoryError("out of memory")))
+    w.mem.step = "checking"
+    assert "its decode had finished but could not be checked, so it is not counted" in str(w.mem.explain(
+        torch.OutOfMemoryError("out of memory")))
+    w.mem.step = "colocated"
+    assert "colocated request's decode step (from its own reference cache)" in str(w.mem.explain(
         torch.OutOfMemoryError("out of memory")))
     other = ValueError("not a memory error")
     w._run = lambda: (_ for _ in ()).throw(other)

@@ -39,6 +39,8 @@ STEPS = {
     "landing": "receiving the layers",
     "reading": "reading the landed cache into the cache decode reads",
     "decode": "decoding from the landed cache",
+    "colocated": "taking the colocated request's decode step (from its own reference cache)",
+    "checking": "checking the decode against the colocated reference (tokens, logits, bytes, poison)",
     "campaign": "in the fault campaign",
 }
 
@@ -90,10 +92,12 @@ class DecodeMemory:
         torch.cuda.empty_cache()  # the reference's cached blocks go back; what is still allocated stays
         held = torch.cuda.memory_allocated(self.device)
         if held >= self.cap:
-            raise DecodeOutOfMemory(
+            err = DecodeOutOfMemory(
                 f"{self.where or 'the decode side'}: the decode process already holds {_gib(held)} on {self.device} "
                 f"(its weights and the colocated reference) before it serves a request, at or over its cap of "
                 f"{_gib(self.cap)} (--decode-memory-gib); nothing was sent or decoded. Give a cap above {_gib(held)}")
+            err.memory_rows = list(self.rows)
+            raise err
         torch.cuda.set_per_process_memory_fraction(min(1.0, self.cap / self.total()), self.device)
 
     def cap_off(self) -> None:
@@ -112,8 +116,13 @@ class DecodeMemory:
         else:
             use = f"on {self.device}"
         landed = f" ({self.landed})" if self.step == "landing" and self.landed else ""
-        nothing = ("nothing was decoded from its cache" if self.step in ("landing", "reading", "decode", "campaign")
-                   else "no request was decoded from this destination")
+        nothing = {"landing": "nothing was decoded from its cache", "reading": "nothing was decoded from its cache",
+                   "decode": "its decode did not finish and none of it is kept",
+                   "campaign": "the fault being handled was not decoded",
+                   "colocated": "the colocated request was not served",
+                   "checking": "its decode had finished but could not be checked, so it is not counted",
+                   "reference": "no request was served", "starting": "no request was served",
+                   }.get(self.step, "no request was decoded from this destination")
         more = "a larger --decode-memory-gib, or none," if self.cap else "a device with more free memory"
         out = DecodeOutOfMemory(
             f"{self.where or 'the decode side'}: the decode process ran out of memory on {self.device} while "

@@ -515,7 +515,7 @@ class DecodeWorker:
                "prefill_device": cfg.devices()[0], "decode_device": str(self.dev)}
         mem = self.mem
         mem.where = f"request {self.n} ({base['layout']}, {base['context']} tokens, {mode})"
-        mem.step, mem.landed = ("decode" if mode == "colocated" else "landing"), ""
+        mem.step, mem.landed = ("colocated" if mode == "colocated" else "landing"), ""
         if mode == "colocated":
             n = self._go(dict(base, mode=mode))
             done = self.control.wait(f"req{n}/done", f"request {n}'s prefill")
@@ -556,6 +556,7 @@ class DecodeWorker:
         step_ms = self._step(cache, first)
         t_first = _ns()
         toks, logits = decode(self.model, cache, torch.tensor([first], device=self.dev), cfg.decode_tokens)
+        mem.step = "checking"
         same = done["host"] == host_id()
         row.update(
             request=n, kv_bytes=ref_buf.nbytes, bytes_moved=done["bytes_moved"], prefill_ms=done["prefill_ms"],
