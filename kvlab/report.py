@@ -387,6 +387,66 @@ def swapin(paths: list[str]) -> str:
     return _md(pd.DataFrame(rows))
 
 
+_GiB = 1 << 30
+
+
+def decode_memory(path: str) -> str:
+    """A finished kvlab disagg run's decode-side memory by phase (summary.json's decode_memory), in GiB."""
+    _, d = _run(path)
+    rows = [{"run": _link(path), "layout": r["layout"], "context": _ctx(r["context"]), "phase": r["phase"],
+             "allocated at its end (GiB)": f"{r['allocated_bytes'] / _GiB:.2f}",
+             "peak allocated (GiB)": f"{r['peak_allocated_bytes'] / _GiB:.2f}",
+             "peak reserved (GiB)": f"{r['peak_reserved_bytes'] / _GiB:.2f}"}
+            for r in json.loads((d / "summary.json").read_text())["decode_memory"]]
+    return _md(pd.DataFrame(rows))
+
+
+def _exit(code) -> str:
+    import signal
+
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"{code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return str(code)
+
+
+def decode_oom(paths: list[str]) -> str:
+    """kvlab disagg runs under --decode-memory-gib (and one without): the cap; how the run ended — finished, with
+    its checks and the decode side's peak, or stopped by a real out-of-memory, with the step it hit, what it asked
+    for and what was allocated then; and how each worker process ended."""
+    rows = []
+    for path in paths:
+        rec, d = _run(path)
+        cap = rec["parameters"].get("decode_memory_gib") or 0
+        row = {"run": _link(path), "cap (GiB)": f"{cap:.2f}" if cap else "none"}
+        if rec["status"] == "finished":
+            s = json.loads((d / "summary.json").read_text())
+            peak = max(r["peak_allocated_bytes"] for r in s["decode_memory"])
+            ok = s["tokens_match"] and s["logits_equal"] and s["bytes_equal"] and s["poison_left"] == 0
+            row.update(ended=f"finished, {s['requests']} request(s) {'identical to colocated' if ok else 'DIFFERENT'}",
+                       step="—", **{"asked for": "—"},
+                       **{"allocated (GiB)": f"peak {peak / _GiB:.2f}"},
+                       workers=", ".join(_exit(c) for c in (rec.get("worker_exit") or {}).values()) or "—")
+        else:
+            why = rec.get("stopped", "")
+            failed = [r for r in rec.get("decode_memory") or [] if r.get("failed")]
+            asked = re.search(r"it asked for ([\d.]+ [KMGT]?i?B)", why)
+            held = re.search(r"already holds ([\d.]+) GiB", why)
+            oom = "DecodeOutOfMemory" in why
+            row.update(ended="stopped: decode out of memory" if oom else f"stopped: {why[:60]}",
+                       step=failed[0]["phase"] if failed else "capping" if held else "—",
+                       **{"asked for": asked.group(1) if asked else "—",
+                          "allocated (GiB)": (f"{failed[0]['allocated_bytes'] / _GiB:.2f}" if failed
+                                              else f"{float(held.group(1)):.2f}" if held else "—")},
+                       workers=", ".join(_exit(c) for c in (rec.get("worker_exit") or {}).values()) or "—")
+        rows.append(row)
+    return _md(pd.DataFrame(rows).rename(columns={"workers": "decode, prefill exit"}))
+
+
 def _link(path: str) -> str:
     return f"[{path.split('/')[-1]}](data/{path}/)"
 
@@ -401,7 +461,8 @@ VERDICT_RUNS = {
     "overlap_timeline": ["overlap_timeline/20261129-104724-h200", "overlap_timeline/20261129-113044-h200",
                          "overlap_timeline/20261129-114951-h200", "overlap_timeline/20261130-145803-h200",
                          *(f"overlap_timeline/20261201-{r}-h200" for r in (
-                             "052308", "052334", "052238", "053129", "053057", "053340", "053207", "052920"))],
+                             "052308", "052334", "052238", "053129", "053057", "053340", "071055", "053207",
+                             "071148", "052920"))],
     "disagg": ["disagg/20261130-174816-h200", "disagg/20261130-175223-h200", "disagg/20261130-175620-h200",
                "disagg/20261130-175845-h200", "disagg/20261201-023701-h200", "disagg/20261201-023837-h200",
                "disagg/20261201-030308-h200", "disagg/20261201-032027-h200", "disagg/20261201-035926-h200",
@@ -419,11 +480,15 @@ KILL_RUNS = VERDICT_RUNS["faults"][3:6]  # the same kinds and kill
 NIXL_FAULT_RUNS = VERDICT_RUNS["faults"][6:9]  # drop, delay, corrupt over two NIXL agents, paged
 OOM_RUNS = VERDICT_RUNS["faults"][9:13]  # drop, delay, corrupt, oom at 1k: gloo (fail, retry, recompute), nixl (retry)
 GPU_FAULT_RUNS = VERDICT_RUNS["faults"][13:16]  # the same kinds over ipc on one H200, Qwen2.5-7B at 1k, paged
+# a real out-of-memory on the decode side (--decode-memory-gib), ipc on one H200, Qwen2.5-7B at 32k, paged, at 75f2289:
+# no cap; 10 GiB; between reference and destination; half a cache, 1.5 caches past the destination; the peak + 1 GiB
+DECODE_OOM_RUNS = [f"disagg/20261201-{r}-h200" for r in ("071737", "071759", "071816", "071832", "071853", "071914")]
 NIXL_RUNS = ["disagg/20261201-003207-cpu", "disagg/20261201-003224-cpu"]  # one descriptor a block; merged
 # two NIXL agents on one H200, Qwen2.5-7B: contiguous; paged, a descriptor a block; paged, merged, packed tables
 NIXL_GPU_RUNS = DISAGG_RUNS[4:6] + ["disagg/20261201-035926-h200"]
 # notebook 03 on one H200 at a98a5a7, one lease (2026-12-01): 1k same GPU with seed 004's hooks (event), then
-# armed flags; 1k pinned (31 event rounds) and pageable; 4k, 16k and 32k within the GPU; 32k to pageable host
+# armed flags; 1k pinned (31 event rounds) and pageable; 4k, 16k and 32k within the GPU; 32k to pageable host;
+# and, in a later lease at f9f197f (no change to notebook 03's code), 16k and 32k to pinned host
 OVERLAP_1GPU = VERDICT_RUNS["overlap_timeline"][4:]
 
 
@@ -618,6 +683,8 @@ BLOCKS = {
     "faults_gpu": lambda: faults(GPU_FAULT_RUNS),
     "checksum_cost_gpu": lambda: checksum_cost(GPU_FAULT_RUNS + ["disagg/20261201-030404-h200"]),
     "swapin_1gpu": lambda: swapin(["swapin/20261201-030638-h200"]),
+    "decode_memory_gpu": lambda: decode_memory(DECODE_OOM_RUNS[0]),
+    "decode_oom_gpu": lambda: decode_oom(DECODE_OOM_RUNS),
     "verdicts": verdicts,
     "verdict_counts": verdict_counts,
     "provenance": provenance_table,

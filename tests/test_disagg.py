@@ -67,6 +67,8 @@ def test_gloo_contract_summary(gloo_run):
     assert len(pids) == 2 and all(isinstance(p, int) for p in pids)
     run = json.loads((out / "run.json").read_text())
     assert run["status"] == "finished" and run["study"] == "disagg" and run["summary"]["backend"] == "gloo"
+    assert run["worker_exit"] == {"decode": 0, "prefill": 0}  # both ended of themselves, none left running
+    assert "decode_memory" not in s  # a CPU decode side records no device memory
 
 
 def test_gloo_every_request_decodes_like_colocated(gloo_run):

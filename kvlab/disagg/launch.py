@@ -113,6 +113,8 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True, r
         procs = _start_workers(cfg, store.port, run_.dir)
         deaths = _watch(cfg, store, procs, progress, restart=lambda g: _start(cfg, store.port, run_.dir, "prefill", g))
         summary = _write(run_, cfg, time.monotonic() - t0, deaths=deaths)
+        _stop(procs)  # a prefill process still on its way out is stopped here, not left to run on
+        run_.update(worker_exit={role: p.poll() for role, p in procs})
         if owned:
             run_.finish()
         return summary
