@@ -766,7 +766,8 @@ def _cmd_trace(args) -> int:
                                                  "corrupt a layer) after the measurement; writes faults.csv"),
     arg("--fault-kinds", default="drop,delay,corrupt",
         help="the campaign's fault kinds, in turn: drop, delay, corrupt, kill (the prefill process dies mid-send and "
-             "a new one takes over; gloo), oom (the decode side runs out of memory as a layer lands; injected) "
+             "a new one takes over; gloo), oom (the decode side runs out of memory as a layer lands; injected: for a "
+             "real one, --decode-memory-gib) "
              "(default drop,delay,corrupt)"),
     arg("--policy", default="fail", help="what decode does about a fault: fail, retry, recompute (default fail)"),
     arg("--retries", type=int, default=2, help="retry: attempts after the first (default 2)"),

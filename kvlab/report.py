@@ -435,7 +435,8 @@ def decode_oom(paths: list[str]) -> str:
             why = rec.get("stopped", "")
             failed = [r for r in rec.get("decode_memory") or [] if r.get("failed")]
             asked = re.search(r"it asked for ([\d.]+ [KMGT]?i?B)", why)
-            held = re.search(r"already holds ([\d.]+) GiB", why)
+            held = (re.search(r"\(([\d.]+) GiB of it allocated", why)  # since the refusal says both
+                    or re.search(r"already holds ([\d.]+) GiB", why))
             oom = "DecodeOutOfMemory" in why
             row.update(ended="stopped: decode out of memory" if oom else f"stopped: {why[:60]}",
                        step=failed[0]["phase"] if failed else "capping" if held else "—",

@@ -492,6 +492,20 @@ def _record_diff(run_dir: Path, git: dict) -> None:
     git["diff_rebuilds_code"] = provenance.rebuilt_hash(commit, run_dir / "git.diff") == code
 
 
+def amend(run_dir: str | os.PathLike, **fields) -> None:
+    """Add fields to run.json as it is on disk, keeping what others wrote there since (a Run's own `update`
+    writes its record back whole, and would undo record_execution's "failed"). Provenance fields are refused as in
+    Run.update."""
+    clash = sorted(set(fields) & _PROTECTED)
+    if clash:
+        raise ValueError(f"run.json fields {clash} are written by kvlab and cannot be amended; "
+                         f"protected: {sorted(_PROTECTED)}")
+    path = Path(run_dir) / RUN_JSON
+    record = _read_json(path)
+    record.update({key: jsonable(value, key) for key, value in fields.items()})
+    _write_json(path, record)
+
+
 def record_execution(run_dir: str | os.PathLike, notebook: str, ok: bool, seconds: float,
                      error: str | None = None) -> bool:
     """Note in a run's run.json how its notebook execution ended (``kvlab run`` calls this).

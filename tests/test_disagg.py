@@ -407,7 +407,7 @@ def test_a_real_decode_out_of_memory_stops_the_run_in_one_line_and_leaves_no_pro
     assert "DecodeOutOfMemory" in str(e.value) and "\n" not in str(e.value)
     run = json.loads((tmp_path / "capped" / "run.json").read_text())
     assert run["status"] == "failed" and "DecodeOutOfMemory" in run["stopped"]
-    assert all(code is not None for code in run["worker_exit"].values())
+    assert run["worker_exit"]["decode"] == 1 and run["worker_exit"]["prefill"] is not None
     assert [r["phase"] for r in run["decode_memory"]] == ["reference", "destination"]
     assert run["decode_memory"][-1]["failed"]
     assert not (tmp_path / "capped" / "requests.csv").exists()
@@ -480,12 +480,78 @@ def test_a_stopped_run_records_how_each_worker_ended_and_the_decode_sides_memory
     mem = [{"phase": "reference", "allocated_bytes": 10}, {"phase": "destination", "failed": True}]
     store = Store({"kvlab/error/decode": json.dumps({"error": "DecodeOutOfMemory: x", "memory": mem})})
     run = results.start("disagg", {}, run_dir=tmp_path / "r")
-    launch._stopped(run, "DisaggError: the decode process stopped", store, [("decode", Proc(1)), ("prefill", Proc(-15))])
+    launch._stopped(run, "DisaggError: the decode process stopped")
+    launch._record_end(run, [("decode", Proc(1)), ("prefill", Proc(-15))], launch._worker_memory(store))
     got = json.loads((tmp_path / "r" / "run.json").read_text())
     assert got["status"] == "failed" and got["worker_exit"] == {"decode": 1, "prefill": -15}
-    assert got["decode_memory"] == mem
-    launch._stopped(results.start("disagg", {}, run_dir=tmp_path / "s"), "Ctrl-C")  # no store, no workers
-    assert "worker_exit" not in json.loads((tmp_path / "s" / "run.json").read_text())
+    assert got["decode_memory"] == mem and got["stopped"] == "DisaggError: the decode process stopped"
+    assert launch._worker_memory(Store({})) is None
+
+
+def test_an_out_of_memory_after_decode_is_named_as_the_check_and_leaves_no_process(tmp_path):
+    """Through the launcher, on a CPU: the decode process's poison count (the check after its decode) raises
+    torch.OutOfMemoryError, as it did for real on the H200 (run 20261201-071033), here by a patch loaded into both
+    worker processes. One line names the request and the step and says the decode had finished; both workers are
+    gone; run.json says it stopped and how each worker ended."""
+    patch = tmp_path / "patch"
+    patch.mkdir()
+    (patch / "sitecustomize.py").write_text(
+        "import torch\n"
+        "from kvlab import kvcache\n"
+        "def _oom(self):\n"
+        "    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 7.00 GiB. (a test)')\n"
+        "kvcache.KVBuffer.count_poison = _oom\n")
+    env = _env(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(patch), env.get("PYTHONPATH", "")) if p)
+    out = tmp_path / "run"
+    done = kvlab_command(["disagg", "--backend", "gloo", "--context", "128", "--mode", "bulk", "--repeats", "1",
+                          "--warmup", "0", "--quiet", "--out", str(out)], env)
+    lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+    assert done.returncode == 1 and len(lines) == 1, done.stderr[-3000:]
+    assert ("DecodeOutOfMemory: request 1 (contiguous, 128 tokens, bulk): the decode process ran out of memory on cpu "
+            "while checking the decode against the colocated reference" in lines[0]), lines[0]
+    assert "it asked for 7.00 GiB; its decode had finished but could not be checked, so it is not counted" in lines[0]
+    run = json.loads((out / "run.json").read_text())
+    assert run["status"] == "failed" and "DecodeOutOfMemory" in run["stopped"] and (out / "STOPPED.txt").is_file()
+    assert run["worker_exit"]["decode"] == 1 and run["worker_exit"]["prefill"] is not None
+    assert not (out / "summary.json").exists() and not (out / "requests.csv").exists()
+
+
+def test_a_decode_out_of_memory_under_torchrun_is_one_line_and_keeps_the_memory(monkeypatch, tmp_path):
+    """Under torchrun rank 0 is the decode worker itself: its DecodeOutOfMemory reaches the caller as the
+    launcher's one-line DisaggError, and run.json keeps the memory rows it carried."""
+    from kvlab.disagg import launch
+    from kvlab.disagg.memory import DecodeOutOfMemory
+
+    for k, v in {"TORCHELASTIC_RUN_ID": "t", "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(k, v)
+    rows = [{"phase": "reference", "allocated_bytes": 1}, {"phase": "destination", "failed": True}]
+
+    def entry(*a, **k):
+        err = DecodeOutOfMemory("paged, 128 tokens: the decode process ran out of memory on cuda:0 while allocating")
+        err.memory_rows = rows
+        raise err
+
+    monkeypatch.setattr(launch, "entry", entry)
+    with pytest.raises(disagg.DisaggError, match="^the decode process stopped: DecodeOutOfMemory: paged, 128 tokens"):
+        disagg.run(disagg.DisaggConfig(), tmp_path / "run", progress=False)
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["status"] == "failed" and run["decode_memory"] == rows
+
+
+def test_the_poison_count_is_the_same_across_its_chunks():
+    """count_poison sums its mask 16 M elements at a time: NaNs in the first chunk, at a chunk's edge and in the
+    last, partial one are all counted."""
+    from kvlab.kvcache import KVBuffer, KVLayout
+
+    buf = KVBuffer(KVLayout(1, 1, 1, (1 << 24) + 1000, 1, torch.bfloat16), "cpu")  # one chunk and a bit
+    buf.data.zero_()
+    flat = buf.data.view(-1)
+    assert flat.numel() > 1 << 24
+    for i in (0, (1 << 24) - 1, 1 << 24, flat.numel() - 1):
+        flat[i] = float("nan")
+    assert buf.count_poison() == 4 == int(torch.isnan(buf.data).sum())
 
 
 # ------------------------------------------------------------------------------------- fault injection

@@ -232,6 +232,8 @@ def _memory_cap_ok(gib, decode: str) -> None:
         raise ValueError(f"decode-memory-gib = {gib!r}: give GiB > 0, or 0 for no cap")
     if not gib:
         return
+    if gib < 1 / 1024:
+        raise ValueError(f"decode-memory-gib = {gib!r}: give at least 1 MiB (0.001 GiB), or 0 for no cap")
     if not decode.startswith("cuda"):
         raise ValueError(f"decode-memory-gib = {gib:g} caps a GPU's allocator; the decode device is {decode}: "
                          "leave it out, or decode on a GPU (--decode-device cuda:N)")

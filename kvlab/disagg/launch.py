@@ -20,6 +20,7 @@ from pathlib import Path
 
 from .. import results
 from .config import DECODE, DisaggConfig, check
+from .memory import DecodeOutOfMemory
 from .workers import ROWS_FILE, entry
 
 __all__ = ["run", "DisaggError", "under_torchrun", "summarise", "gloo_interface"]
@@ -51,22 +52,33 @@ def _store(port: int, timeout_s: float):
                          "--port, or leave it out and a free port is chosen") from None
 
 
-def _stopped(run, why: str, store=None, procs=None) -> None:
+def _stopped(run, why: str) -> None:
     """Mark the run folder stopped (run.json's `stopped` and status "failed", STOPPED.txt), deaf to SIGTERM and
     Ctrl-C meanwhile (results.shielded): `timeout` signals the launcher twice (itself, then its process group), and a
     second Terminated raised in here once left run.json saying "running" (a campaign on the H200, 2026-12-01)."""
     with results.shielded():
         try:
-            extra = {}
-            if procs:  # after _stop: how each worker ended (none may still run)
-                extra["worker_exit"] = {role: p.poll() for role, p in procs}
-            memory = _worker_memory(store) if store is not None else None
-            if memory:  # the decode side's memory by phase up to its out-of-memory (kvlab.disagg.memory)
-                extra["decode_memory"] = memory
-            run.update(stopped=why, **extra)
+            run.update(stopped=why)
         except Exception:
             pass
         results.record_execution(run.dir, "kvlab disagg", ok=False, seconds=0.0, error=why)
+
+
+def _record_end(run, procs=None, memory=None) -> None:
+    """After the workers are stopped: how each ended (run.json `worker_exit`) and, after a decode-side
+    out-of-memory, the decode side's memory by phase up to it (`decode_memory`). Written after the folder is marked
+    stopped, on its own: a failure here cannot undo that marking."""
+    extra = {}
+    if procs:
+        extra["worker_exit"] = {role: p.poll() for role, p in procs}
+    if memory:
+        extra["decode_memory"] = memory
+    if extra:
+        with results.shielded():
+            try:
+                results.amend(run.dir, **extra)  # not run.update: it would write "running" back over "failed"
+            except Exception:
+                pass
 
 
 def _worker_memory(store) -> list | None:
@@ -120,9 +132,9 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True, r
         return summary
     except BaseException as err:
         if run_ is not None:
-            with results.shielded():
-                _stop(procs)  # first, so the run folder can say how each worker ended
-            _stopped(run_, results.stop_reason(err), store, procs)
+            _stopped(run_, results.stop_reason(err))
+            _stop(procs)  # then the record of how each worker ended
+            _record_end(run_, procs, _worker_memory(store))
         raise
     finally:
         _stop(procs)
@@ -329,13 +341,17 @@ def _torchrun(cfg: DisaggConfig, out, progress: bool) -> dict:
         run_ = results.start("disagg", _params(cfg), run_dir=out)
         run_.update(launcher=launcher)
         t0 = time.monotonic()
-        entry(rank, _params(cfg), host, port, prefix, str(run_.dir), progress)
+        try:
+            entry(rank, _params(cfg), host, port, prefix, str(run_.dir), progress)
+        except DecodeOutOfMemory as err:  # this process is the decode worker: its error, in the launcher's words
+            raise DisaggError(f"the decode process stopped: DecodeOutOfMemory: {err}") from err
         summary = _write(run_, cfg, time.monotonic() - t0, launcher)
         run_.finish()
         return summary
     except BaseException as err:
         if run_ is not None:
             _stopped(run_, results.stop_reason(err))
+            _record_end(run_, memory=getattr(err.__cause__, "memory_rows", None))
         raise
 
 

@@ -10,9 +10,17 @@ reference is computed. An allocation past the cap fails as an allocation past th
 allocator frees its cached blocks, tries again, and raises torch.OutOfMemoryError. Outside the cap: the CUDA
 context and what libraries allocate themselves (NCCL's buffers, for one).
 
-An out-of-memory in the decode process, capped or not, becomes one `DecodeOutOfMemory` line naming the request,
-the step it was in, the memory in use, and that nothing was decoded from that request's cache. The decode process
-then stops, the launcher stops the prefill process, and the run folder says why.
+An out-of-memory in the decode process, capped or not, becomes one `DecodeOutOfMemory` line naming the request
+(or the layout and context, before any request), the step it was in, the memory in use, and what came of the
+request: nothing decoded from its cache, a decode that did not finish, or — when it hit the check after decode —
+a decode that finished but is not counted. The decode process then stops, the launcher stops the prefill process,
+and the run folder says why.
+
+Several contexts in one run: each context's reference and destination are freed before the next context's
+reference. Over ipc, though, the prefill process keeps its mapping of the previous destination until it attaches
+the next one, and PyTorch keeps memory shared with another process until that process lets go; so under a cap the
+previous destination may still count while the next is allocated. Give the cap room for two destinations, or run
+one context per run (as the committed runs do).
 
 Per (layout, context) the phases are recorded (`rows`): reference, destination, requests, each with the memory
 allocated at its end and the peaks allocated and reserved during it. summary.json carries them as
@@ -46,7 +54,7 @@ STEPS = {
 
 
 class DecodeOutOfMemory(RuntimeError):
-    """The decode process ran out of device memory; the message says where, and that nothing was decoded."""
+    """The decode process ran out of device memory; the message says where, and what came of the request."""
 
 
 def _gib(n: int) -> str:
@@ -65,6 +73,7 @@ class DecodeMemory:
         self.step = "starting"
         self.where = ""  # "request 7 (paged, 32768 tokens, layerwise)" or "paged, 32768 tokens"
         self.landed = ""  # while landing: which layers had landed when it failed
+        self.capped = False  # the cap is on now (it is lifted while a reference is computed)
 
     def total(self) -> int:
         return torch.cuda.get_device_properties(self.device).total_memory if self.cuda else 0
@@ -85,48 +94,54 @@ class DecodeMemory:
                               "cap_bytes": self.cap or None})
 
     def cap_on(self) -> None:
-        """Put the cap on (nothing without one). What the process already holds must fit under it."""
-        if not self.cap:
+        """Put the cap on (nothing without one, or on a CPU). What the process already holds must fit under it:
+        the allocator's cap counts what it has reserved from the device, which after empty_cache is what is
+        allocated plus what is free inside the segments still in use."""
+        if not self.cap or not self.cuda:
             return
         self.step = "capping"
         torch.cuda.empty_cache()  # the reference's cached blocks go back; what is still allocated stays
-        held = torch.cuda.memory_allocated(self.device)
-        if held >= self.cap:
+        held, reserved = torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
+        if reserved >= self.cap:
             err = DecodeOutOfMemory(
-                f"{self.where or 'the decode side'}: the decode process already holds {_gib(held)} on {self.device} "
-                f"(its weights and the colocated reference) before it serves a request, at or over its cap of "
-                f"{_gib(self.cap)} (--decode-memory-gib); nothing was sent or decoded. Give a cap above {_gib(held)}")
+                f"{self.where or 'the decode side'}: the decode process already holds {_gib(reserved)} on "
+                f"{self.device} ({_gib(held)} of it allocated: its weights and the colocated reference) before it "
+                f"serves a request, at or over its cap of {_gib(self.cap)} (--decode-memory-gib); nothing was sent "
+                f"or decoded. Give a cap above {_gib(reserved)}")
             err.memory_rows = list(self.rows)
             raise err
         torch.cuda.set_per_process_memory_fraction(min(1.0, self.cap / self.total()), self.device)
+        self.capped = True
 
     def cap_off(self) -> None:
-        if self.cap:
+        if self.capped:
             torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+            self.capped = False
 
     def explain(self, err: BaseException) -> DecodeOutOfMemory:
         """The one line for an out-of-memory `err` raised during the current step."""
         first = str(err).splitlines()[0] if str(err) else ""
         m = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", first)
         asked = f"it asked for {m.group(1)}" if m else "an allocation failed"
+        use = ""
         if self.cuda:
-            use = f"{_gib(torch.cuda.memory_allocated(self.device))} allocated"
-            use += (f" under its cap of {_gib(self.cap)} (--decode-memory-gib)" if self.cap
-                    else f" of the device's {_gib(self.total())}")
-        else:
-            use = f"on {self.device}"
+            use = f", {_gib(torch.cuda.memory_allocated(self.device))} allocated"
+            use += (f" under its cap of {_gib(self.cap)} (--decode-memory-gib)" if self.capped
+                    else f" of the device's {_gib(self.total())}"
+                    + (" (its cap is lifted while a reference is computed)" if self.cap else ""))
         landed = f" ({self.landed})" if self.step == "landing" and self.landed else ""
         nothing = {"landing": "nothing was decoded from its cache", "reading": "nothing was decoded from its cache",
                    "decode": "its decode did not finish and none of it is kept",
                    "campaign": "the fault being handled was not decoded",
                    "colocated": "the colocated request was not served",
                    "checking": "its decode had finished but could not be checked, so it is not counted",
-                   "reference": "no request was served", "starting": "no request was served",
+                   "reference": "this context's requests were not served",
+                   "starting": "no request was served",
                    }.get(self.step, "no request was decoded from this destination")
-        more = "a larger --decode-memory-gib, or none," if self.cap else "a device with more free memory"
+        more = "a larger --decode-memory-gib, or none," if self.capped else "a device with more free memory"
         out = DecodeOutOfMemory(
             f"{self.where or 'the decode side'}: the decode process ran out of memory on {self.device} while "
-            f"{STEPS.get(self.step, self.step)}{landed}: {asked}, {use}; {nothing}. Give it {more} or a shorter "
+            f"{STEPS.get(self.step, self.step)}{landed}: {asked}{use}; {nothing}. Give it {more} or a shorter "
             f"context")
         failed = []
         if self.cuda:  # the step that failed, with what it held and its phase's peaks until then

@@ -421,28 +421,31 @@ class DecodeWorker:
         total = per * len(cfg.layouts) * len(cfg.contexts)
         bar = tqdm(total=total, desc=f"disagg {cfg.backend}", unit="req", disable=not self.progress or None,
                    file=sys.stderr)
-        mem = self.mem
         for layout in cfg.layouts:
             for context in cfg.contexts:
-                where = {"layout": layout, "context": context}
-                mem.where = f"{layout}, {context} tokens"
-                mem.cap_off()  # the reference is the measurement's, not the server's: computed without the cap
-                with mem.phase("reference", **where):
-                    ref = self.reference(context)
-                mem.cap_on()
-                with mem.phase("destination", **where):
-                    if layout == "contiguous":
-                        from ..kvcache import KVBuffer
-
-                        sink, table = Sink(buffer=KVBuffer(ref[0].layout, self.dev)), None
-                    else:
-                        pool, table = _pool_for(self.model, context, cfg, self.dev, seed=cfg.seed + 2)
-                        sink = Sink(pool=pool, block_ids=table.ids.tolist())
-                with mem.phase("requests", **where):
-                    self._serve(layout, context, sink, table, ref, bar)
-                del sink
+                self._context(layout, context, bar)  # its reference and destination are freed on return
         bar.close()
         self._go({"stop": True})
+
+    def _context(self, layout: str, context: int, bar) -> None:
+        """One (layout, context): its reference (without the cap), its destination and its requests (under it)."""
+        mem = self.mem
+        where = {"layout": layout, "context": context}
+        mem.where = f"{layout}, {context} tokens"
+        mem.cap_off()  # the reference is the measurement's, not the server's: computed without the cap
+        with mem.phase("reference", **where):
+            ref = self.reference(context)
+        mem.cap_on()
+        with mem.phase("destination", **where):
+            if layout == "contiguous":
+                from ..kvcache import KVBuffer
+
+                sink, table = Sink(buffer=KVBuffer(ref[0].layout, self.dev)), None
+            else:
+                pool, table = _pool_for(self.model, context, self.cfg, self.dev, seed=self.cfg.seed + 2)
+                sink = Sink(pool=pool, block_ids=table.ids.tolist())
+        with mem.phase("requests", **where):
+            self._serve(layout, context, sink, table, ref, bar)
 
     def _serve(self, layout: str, context: int, sink: Sink, table, ref, bar) -> None:
         """The requests of one (layout, context), then its bench and its campaign."""
