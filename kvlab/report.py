@@ -482,8 +482,10 @@ NIXL_FAULT_RUNS = VERDICT_RUNS["faults"][6:9]  # drop, delay, corrupt over two N
 OOM_RUNS = VERDICT_RUNS["faults"][9:13]  # drop, delay, corrupt, oom at 1k: gloo (fail, retry, recompute), nixl (retry)
 GPU_FAULT_RUNS = VERDICT_RUNS["faults"][13:16]  # the same kinds over ipc on one H200, Qwen2.5-7B at 1k, paged
 # a real out-of-memory on the decode side (--decode-memory-gib), ipc on one H200, Qwen2.5-7B at 32k, paged, at 75f2289:
-# no cap; 10 GiB; between reference and destination; half a cache, 1.5 caches past the destination; the peak + 1 GiB
-DECODE_OOM_RUNS = [f"disagg/20261201-{r}-h200" for r in ("071737", "071759", "071816", "071832", "071853", "071914")]
+# no cap; 10 GiB; between reference and destination; half a cache, 1.5 caches past the destination; the peak + 1 GiB;
+# and, at df6d814 (the refusal counts what the allocator has reserved), 16.1 GiB: between allocated and reserved
+DECODE_OOM_RUNS = [f"disagg/20261201-{r}-h200" for r in ("071737", "071759", "071816", "071832", "071853", "071914",
+                                                        "073339")]
 NIXL_RUNS = ["disagg/20261201-003207-cpu", "disagg/20261201-003224-cpu"]  # one descriptor a block; merged
 # two NIXL agents on one H200, Qwen2.5-7B: contiguous; paged, a descriptor a block; paged, merged, packed tables
 NIXL_GPU_RUNS = DISAGG_RUNS[4:6] + ["disagg/20261201-035926-h200"]

@@ -504,8 +504,8 @@ def test_an_out_of_memory_after_decode_is_named_as_the_check_and_leaves_no_proce
     env = _env(tmp_path)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(patch), env.get("PYTHONPATH", "")) if p)
     out = tmp_path / "run"
-    done = kvlab_command(["disagg", "--backend", "gloo", "--context", "128", "--mode", "bulk", "--repeats", "1",
-                          "--warmup", "0", "--quiet", "--out", str(out)], env)
+    done = kvlab_command(["disagg", "--backend", "gloo", "--device", "cpu", "--context", "128", "--mode", "bulk",
+                          "--repeats", "1", "--warmup", "0", "--quiet", "--out", str(out)], env)
     lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
     assert done.returncode == 1 and len(lines) == 1, done.stderr[-3000:]
     assert ("DecodeOutOfMemory: request 1 (contiguous, 128 tokens, bulk): the decode process ran out of memory on cpu "
