@@ -413,6 +413,24 @@ def test_a_real_decode_out_of_memory_stops_the_run_in_one_line_and_leaves_no_pro
     assert not (tmp_path / "capped" / "requests.csv").exists()
 
 
+@pytest.mark.gpu
+def test_a_context_leaves_nothing_behind_for_the_next(tmp_path):
+    """Two (layout, context) pairs over ipc: the first's destination is let go of by the prefill process and freed
+    before the second's reference, so both references end holding exactly the same memory (weights and one
+    reference cache). Before, the first destination (and its reference) still counted."""
+    config = tmp_path / "wide.json"
+    config.write_text(json.dumps({"model_type": "qwen2", "hidden_size": 1024, "num_attention_heads": 8,
+                                  "num_key_value_heads": 8, "num_hidden_layers": 8, "intermediate_size": 2048,
+                                  "vocab_size": 1000, "max_position_embeddings": 16384, "torch_dtype": "bfloat16"}))
+    s = disagg.run(disagg.DisaggConfig(backend="ipc", model=str(config), contexts=(8192,),
+                                       layouts=("contiguous", "paged"), modes=("bulk",), repeats=1, warmup=0),
+                   tmp_path / "run", progress=False)
+    assert s["tokens_match"] and s["logits_equal"] and s["bytes_equal"]
+    refs = [r for r in s["decode_memory"] if r["phase"] == "reference"]
+    assert [r["layout"] for r in refs] == ["contiguous", "paged"]
+    assert refs[1]["allocated_bytes"] == refs[0]["allocated_bytes"]
+
+
 def test_an_out_of_memory_in_the_decode_process_becomes_one_line_naming_the_request_and_step():
     from kvlab.disagg.memory import DecodeMemory, DecodeOutOfMemory
     from kvlab.disagg.workers import DecodeWorker

@@ -363,6 +363,19 @@ class IpcLink:
             self._peer_rows = None
         return self._dst[tag]
 
+    def release(self, tag: str) -> None:
+        """Let go of the decode side's destination `tag` (its mapping, and the graph and rows made for it), once
+        every copy into it is done: the decode process can free that memory only after this process closed its
+        handle (PyTorch counts the users of memory it shared)."""
+        if tag not in self._dst:
+            return
+        for s in (self.stream, self._peer_stream):
+            if s is not None:
+                s.synchronize()
+        self._dst.pop(tag)
+        self._graphs = {}  # a graph keeps the address it writes to
+        self._tag = self._bound = self._dst_rows = self._bulk_rows = self._peer_rows = None
+
     def pulls(self, src: Source) -> bool:
         """A paged send to another GPU: the row kernel runs on the decode GPU and reads this GPU's pool."""
         return src.paged and self._dst[self._tag].device != src.device

@@ -347,6 +347,11 @@ class PrefillWorker:
                 self.link.close()  # unmap the decode side's memory before it goes
                 self.control.post("released", 1)
                 return
+            if msg.get("release"):  # the decode side is done with a destination (ipc)
+                self.link.release(msg["release"])
+                self.control.post(f"req{n}/done", {"released": msg["release"]})
+                n += 1
+                continue
             self.control.post(f"req{n}/done", self.handle(n, msg))
             if msg.get("fenced"):
                 # the decode side says which posted receives never got their layer (dropped): fill them, so no
@@ -446,6 +451,12 @@ class DecodeWorker:
                 sink = Sink(pool=pool, block_ids=table.ids.tolist())
         with mem.phase("requests", **where):
             self._serve(layout, context, sink, table, ref, bar)
+        if self.link.name == "ipc":  # the prefill process lets go of the destination, so its memory can be freed
+            tag = f"{layout}-{context}"
+            n = self._go({"release": tag})
+            self.control.wait(f"req{n}/done", f"the prefill process to let go of {tag}")
+            del sink
+            torch.cuda.ipc_collect()  # frees what this process shared once no other process holds it
 
     def _serve(self, layout: str, context: int, sink: Sink, table, ref, bar) -> None:
         """The requests of one (layout, context), then its bench and its campaign."""
