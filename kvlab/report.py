@@ -390,14 +390,16 @@ def swapin(paths: list[str]) -> str:
 _GiB = 1 << 30
 
 
-def decode_memory(path: str) -> str:
-    """A finished kvlab disagg run's decode-side memory by phase (summary.json's decode_memory), in GiB."""
-    _, d = _run(path)
-    rows = [{"run": _link(path), "layout": r["layout"], "context": _ctx(r["context"]), "phase": r["phase"],
-             "allocated at its end (GiB)": f"{r['allocated_bytes'] / _GiB:.2f}",
-             "peak allocated (GiB)": f"{r['peak_allocated_bytes'] / _GiB:.2f}",
-             "peak reserved (GiB)": f"{r['peak_reserved_bytes'] / _GiB:.2f}"}
-            for r in json.loads((d / "summary.json").read_text())["decode_memory"]]
+def decode_memory(paths: list[str]) -> str:
+    """Finished kvlab disagg runs' decode-side memory by phase (summary.json's decode_memory), in GiB."""
+    rows = []
+    for path in paths:
+        _, d = _run(path)
+        rows += [{"run": _link(path), "layout": r["layout"], "context": _ctx(r["context"]), "phase": r["phase"],
+                  "allocated at its end (GiB)": f"{r['allocated_bytes'] / _GiB:.2f}",
+                  "peak allocated (GiB)": f"{r['peak_allocated_bytes'] / _GiB:.2f}",
+                  "peak reserved (GiB)": f"{r['peak_reserved_bytes'] / _GiB:.2f}"}
+                 for r in json.loads((d / "summary.json").read_text())["decode_memory"]]
     return _md(pd.DataFrame(rows))
 
 
@@ -686,7 +688,8 @@ BLOCKS = {
     "faults_gpu": lambda: faults(GPU_FAULT_RUNS),
     "checksum_cost_gpu": lambda: checksum_cost(GPU_FAULT_RUNS + ["disagg/20261201-030404-h200"]),
     "swapin_1gpu": lambda: swapin(["swapin/20261201-030638-h200"]),
-    "decode_memory_gpu": lambda: decode_memory(DECODE_OOM_RUNS[0]),
+    "decode_memory_gpu": lambda: decode_memory(DECODE_OOM_RUNS[:1]),
+    "decode_memory_two_contexts_gpu": lambda: decode_memory(["disagg/20261201-074648-h200"]),
     "decode_oom_gpu": lambda: decode_oom(DECODE_OOM_RUNS),
     "verdicts": verdicts,
     "verdict_counts": verdict_counts,

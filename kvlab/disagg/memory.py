@@ -17,10 +17,11 @@ a decode that finished but is not counted. The decode process then stops, the la
 and the run folder says why.
 
 Several contexts in one run: each context's reference and destination are freed before the next context's
-reference. Over ipc, though, the prefill process keeps its mapping of the previous destination until it attaches
-the next one, and PyTorch keeps memory shared with another process until that process lets go; so under a cap the
-previous destination may still count while the next is allocated. Give the cap room for two destinations, or run
-one context per run (as the committed runs do).
+reference. Over ipc the decode side first asks the prefill process to let go of the destination (`{"release":
+tag}`: PyTorch frees memory shared with another process only once that process has closed its handle), then
+collects it (torch.cuda.ipc_collect); run 20261201-074648 shows the 32k reference after a 4k context ending where
+it ends in a run of its own. Over nixl the decode side keeps the previous destination registered (and so
+allocated) until it registers the next, so there it still counts while the next is allocated.
 
 Per (layout, context) the phases are recorded (`rows`): reference, destination, requests, each with the memory
 allocated at its end and the peaks allocated and reserved during it. summary.json carries them as
