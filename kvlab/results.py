@@ -391,6 +391,11 @@ class Run:
         self._record.update(converted)
         self._write()
 
+    def reload(self) -> None:
+        """Read run.json back from disk, after something else wrote it (record_execution, amend): a later update
+        or finish then starts from what is there, not from this object's older copy."""
+        self._record = _read_json(self.dir / RUN_JSON)
+
     def finish(self) -> None:
         """Mark the run finished (UTC time, duration in seconds) and write run.json. Only finished
         runs are found by ``latest()``; calling it again re-stamps the finish time."""

@@ -117,6 +117,7 @@ def test_a_layer_that_never_arrives_is_refused_by_name(tmp_path):
     (["--timeout", "0"], "timeout = 0.0"),
     (["--decode-memory-gib", "-1"], "decode-memory-gib = -1.0: give GiB > 0, or 0 for no cap"),
     (["--decode-memory-gib", "nan"], "decode-memory-gib = nan"),
+    (["--decode-memory-gib", "0.0001"], "give at least 1 MiB"),
     (["--decode-memory-gib", "2", "--decode-device", "cpu"], "caps a GPU's allocator; the decode device is cpu"),
 ])
 def test_bad_input_is_one_line_before_anything_is_written(argv, says, tmp_path):
@@ -503,6 +504,9 @@ def test_a_stopped_run_records_how_each_worker_ended_and_the_decode_sides_memory
     got = json.loads((tmp_path / "r" / "run.json").read_text())
     assert got["status"] == "failed" and got["worker_exit"] == {"decode": 1, "prefill": -15}
     assert got["decode_memory"] == mem and got["stopped"] == "DisaggError: the decode process stopped"
+    run.update(note="later")  # the Run object was read back: a later update keeps "failed" and the record
+    got = json.loads((tmp_path / "r" / "run.json").read_text())
+    assert got["status"] == "failed" and got["worker_exit"]["decode"] == 1 and got["note"] == "later"
     assert launch._worker_memory(Store({})) is None
 
 
@@ -520,7 +524,7 @@ def test_an_out_of_memory_after_decode_is_named_as_the_check_and_leaves_no_proce
         "    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 7.00 GiB. (a test)')\n"
         "kvcache.KVBuffer.count_poison = _oom\n")
     env = _env(tmp_path)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(patch), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(patch), os.environ.get("PYTHONPATH", "")) if p)
     out = tmp_path / "run"
     done = kvlab_command(["disagg", "--backend", "gloo", "--device", "cpu", "--context", "128", "--mode", "bulk",
                           "--repeats", "1", "--warmup", "0", "--quiet", "--out", str(out)], env)

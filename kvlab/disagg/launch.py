@@ -62,6 +62,10 @@ def _stopped(run, why: str) -> None:
         except Exception:
             pass
         results.record_execution(run.dir, "kvlab disagg", ok=False, seconds=0.0, error=why)
+        try:
+            run.reload()  # so a later update starts from "failed", not from this object's "running"
+        except Exception:
+            pass
 
 
 def _record_end(run, procs=None, memory=None) -> None:
@@ -76,7 +80,8 @@ def _record_end(run, procs=None, memory=None) -> None:
     if extra:
         with results.shielded():
             try:
-                results.amend(run.dir, **extra)  # not run.update: it would write "running" back over "failed"
+                results.amend(run.dir, **extra)  # on what is on disk ("failed"), then read back into `run`
+                run.reload()
             except Exception:
                 pass
 
@@ -133,7 +138,8 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True, r
     except BaseException as err:
         if run_ is not None:
             _stopped(run_, results.stop_reason(err))
-            _stop(procs)  # then the record of how each worker ended
+            with results.shielded():  # a second Ctrl-C or SIGTERM must not cut the stop or the record short
+                _stop(procs)
             _record_end(run_, procs, _worker_memory(store))
         raise
     finally:
