@@ -415,20 +415,22 @@ def test_a_real_decode_out_of_memory_stops_the_run_in_one_line_and_leaves_no_pro
 
 
 @pytest.mark.gpu
-def test_a_context_leaves_nothing_behind_for_the_next(tmp_path):
-    """Two (layout, context) pairs over ipc: the first's destination is let go of by the prefill process and freed
-    before the second's reference, so both references end holding exactly the same memory (weights and one
-    reference cache). Before, the first destination (and its reference) still counted."""
+@pytest.mark.parametrize("layouts", [("contiguous", "paged"), ("paged", "contiguous")])
+def test_a_context_leaves_nothing_behind_for_the_next(layouts, tmp_path):
+    """Two (layout, context) pairs over ipc, with the bench (a paged bulk send replays a CUDA graph, and is tuned):
+    the first's destination is let go of by the prefill process and freed before the second's reference, so both
+    references end holding exactly the same memory (weights and one reference cache). Before, the first
+    destination (and its reference) still counted."""
     config = tmp_path / "wide.json"
     config.write_text(json.dumps({"model_type": "qwen2", "hidden_size": 1024, "num_attention_heads": 8,
                                   "num_key_value_heads": 8, "num_hidden_layers": 8, "intermediate_size": 2048,
                                   "vocab_size": 1000, "max_position_embeddings": 16384, "torch_dtype": "bfloat16"}))
-    s = disagg.run(disagg.DisaggConfig(backend="ipc", model=str(config), contexts=(8192,),
-                                       layouts=("contiguous", "paged"), modes=("bulk",), repeats=1, warmup=0),
+    s = disagg.run(disagg.DisaggConfig(backend="ipc", model=str(config), contexts=(8192,), layouts=layouts,
+                                       modes=("bulk",), repeats=1, warmup=0, bench=True, bench_repeats=3),
                    tmp_path / "run", progress=False)
     assert s["tokens_match"] and s["logits_equal"] and s["bytes_equal"]
     refs = [r for r in s["decode_memory"] if r["phase"] == "reference"]
-    assert [r["layout"] for r in refs] == ["contiguous", "paged"]
+    assert [r["layout"] for r in refs] == list(layouts)
     assert refs[1]["allocated_bytes"] == refs[0]["allocated_bytes"]
 
 
