@@ -429,10 +429,9 @@ def decode_oom(paths: list[str]) -> str:
             s = json.loads((d / "summary.json").read_text())
             peak = max(r["peak_allocated_bytes"] for r in s["decode_memory"])
             ok = s["tokens_match"] and s["logits_equal"] and s["bytes_equal"] and s["poison_left"] == 0
-            row.update(ended=f"finished, {s['requests']} request(s) {'identical to colocated' if ok else 'DIFFERENT'}",
-                       step="—", **{"asked for": "—"},
-                       **{"allocated (GiB)": f"peak {peak / _GiB:.2f}"},
-                       workers=", ".join(_exit(c) for c in (rec.get("worker_exit") or {}).values()) or "—")
+            row.update({"ended": f"finished, {s['requests']} request(s) "
+                                 f"{'identical to colocated' if ok else 'DIFFERENT'}",
+                        "step": "—", "asked for": "—", "allocated (GiB)": f"peak {peak / _GiB:.2f}"})
         else:
             why = rec.get("stopped", "")
             failed = [r for r in rec.get("decode_memory") or [] if r.get("failed")]
@@ -440,14 +439,14 @@ def decode_oom(paths: list[str]) -> str:
             held = (re.search(r"\(([\d.]+) GiB of it allocated", why)  # since the refusal says both
                     or re.search(r"already holds ([\d.]+) GiB", why))
             oom = "DecodeOutOfMemory" in why
-            row.update(ended="stopped: decode out of memory" if oom else f"stopped: {why[:60]}",
-                       step=failed[0]["phase"] if failed else "capping" if held else "—",
-                       **{"asked for": asked.group(1) if asked else "—",
-                          "allocated (GiB)": (f"{failed[0]['allocated_bytes'] / _GiB:.2f}" if failed
-                                              else f"{float(held.group(1)):.2f}" if held else "—")},
-                       workers=", ".join(_exit(c) for c in (rec.get("worker_exit") or {}).values()) or "—")
+            row.update({"ended": "stopped: decode out of memory" if oom else f"stopped: {why[:60]}",
+                        "step": failed[0]["phase"] if failed else "capping" if held else "—",
+                        "asked for": asked.group(1) if asked else "—",
+                        "allocated (GiB)": (f"{failed[0]['allocated_bytes'] / _GiB:.2f}" if failed
+                                            else f"{float(held.group(1)):.2f}" if held else "—")})
+        row["decode, prefill exit"] = ", ".join(_exit(c) for c in (rec.get("worker_exit") or {}).values()) or "—"
         rows.append(row)
-    return _md(pd.DataFrame(rows).rename(columns={"workers": "decode, prefill exit"}))
+    return _md(pd.DataFrame(rows))
 
 
 def _link(path: str) -> str:

@@ -74,7 +74,7 @@ def _record_end(run, procs=None, memory=None) -> None:
     stopped, on its own: a failure here cannot undo that marking."""
     extra = {}
     if procs:
-        extra["worker_exit"] = {role: p.poll() for role, p in procs}
+        extra["worker_exit"] = _exit_codes(procs)
     if memory:
         extra["decode_memory"] = memory
     if extra:
@@ -84,6 +84,11 @@ def _record_end(run, procs=None, memory=None) -> None:
                 run.reload()
             except Exception:
                 pass
+
+
+def _exit_codes(procs: list) -> dict:
+    """{role: exit code} of the worker processes (None: still running)."""
+    return {role: p.poll() for role, p in procs}
 
 
 def _worker_memory(store) -> list | None:
@@ -131,7 +136,7 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True, r
         deaths = _watch(cfg, store, procs, progress, restart=lambda g: _start(cfg, store.port, run_.dir, "prefill", g))
         summary = _write(run_, cfg, time.monotonic() - t0, deaths=deaths)
         _stop(procs)  # a prefill process still on its way out is stopped here, not left to run on
-        run_.update(worker_exit={role: p.poll() for role, p in procs})
+        run_.update(worker_exit=_exit_codes(procs))
         if owned:
             run_.finish()
         return summary

@@ -89,10 +89,13 @@ class DecodeMemory:
         yield
         if self.cuda:
             torch.cuda.synchronize(self.device)
-            self.rows.append({**keys, "phase": name, "allocated_bytes": torch.cuda.memory_allocated(self.device),
-                              "peak_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
-                              "peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device),
-                              "cap_bytes": self.cap or None})
+            self.rows.append({**keys, "phase": name, **self._held()})
+
+    def _held(self) -> dict:
+        """What the allocator holds now, its peaks since the phase began, and the cap (one row's numbers)."""
+        return {"allocated_bytes": torch.cuda.memory_allocated(self.device),
+                "peak_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
+                "peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device), "cap_bytes": self.cap or None}
 
     def cap_on(self) -> None:
         """Put the cap on (nothing without one, or on a CPU). What the process already holds must fit under it:
@@ -146,9 +149,6 @@ class DecodeMemory:
             f"context")
         failed = []
         if self.cuda:  # the step that failed, with what it held and its phase's peaks until then
-            failed = [{"phase": self.step, "where": self.where, "failed": True,
-                       "allocated_bytes": torch.cuda.memory_allocated(self.device),
-                       "peak_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
-                       "peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device), "cap_bytes": self.cap or None}]
+            failed = [{"phase": self.step, "where": self.where, "failed": True, **self._held()}]
         out.memory_rows = list(self.rows) + failed  # the phases recorded before it: the launcher puts them in run.json
         return out

@@ -450,19 +450,19 @@ class DecodeWorker:
                 pool, table = _pool_for(self.model, context, self.cfg, self.dev, seed=self.cfg.seed + 2)
                 sink = Sink(pool=pool, block_ids=table.ids.tolist())
                 del pool  # the sink holds it: one reference to drop below
+        tag = f"{layout}-{context}"
         with mem.phase("requests", **where):
-            self._serve(layout, context, sink, table, ref, bar)
+            self._serve(layout, context, tag, sink, table, ref, bar)
         if self.link.name == "ipc":  # the prefill process lets go of the destination, so its memory can be freed
-            tag = f"{layout}-{context}"
             n = self._go({"release": tag})  # takes a request number: requests.csv skips it
             self.control.wait(f"req{n}/done", f"the prefill process to let go of {tag}")
             del sink, table, ref  # the destination and the reference, with no other holder left
             torch.cuda.ipc_collect()  # what this process shared goes back once the other process has let go
 
-    def _serve(self, layout: str, context: int, sink: Sink, table, ref, bar) -> None:
-        """The requests of one (layout, context), then its bench and its campaign."""
+    def _serve(self, layout: str, context: int, tag: str, sink: Sink, table, ref, bar) -> None:
+        """The requests of one (layout, context), whose destination is known as `tag`, then its bench and its
+        campaign."""
         cfg = self.cfg
-        tag = f"{layout}-{context}"
         if self.link.name in ("ipc", "nixl"):
             self.link.expose(tag, sink)
         base = {"layout": layout, "context": context, "tag": tag}
