@@ -178,6 +178,8 @@ class Landing:
     def landed(self, i: int) -> bool:
         if self._end is not None and i in self.missing:
             return False
+        if self.issuing and not self._issued[i]:  # its event may still hold an earlier send's record
+            return False
         if self.worker is not None and i >= self.landed_layers:
             return False
         ev = self.events[i]
@@ -186,9 +188,20 @@ class Landing:
     def all_landed(self) -> bool:
         return all(self.landed(i) for i in range(self.layers))
 
+    def _not_issuing(self) -> None:
+        """TransferError while a layer-wise send is still being issued: its unsignalled layers are not on their
+        way yet (waiting for them from the thread that signals them would never return)."""
+        if self.issuing:
+            left = self.unissued
+            shown = left if len(left) <= 12 else left[:12] + ["…"]
+            raise TransferError(f"{self.name()} is still being sent: layers {shown} of {self.layers} have not been "
+                                "signalled yet; wait for the Landing that finish() returns")
+
     def wait(self) -> "Landing":
-        """Block the host until every layer has landed (TransferError for a failed or aborted send)."""
+        """Block the host until every layer has landed (TransferError for a failed or aborted send, or for a
+        layer-wise send whose finish() has not been called)."""
         self.check()
+        self._not_issuing()
         if self.worker is not None:
             self.worker.join()
         for ev in self.events:
@@ -201,6 +214,7 @@ class Landing:
     def stream_wait(self, stream) -> None:
         """Make `stream` (on the destination side) wait for every layer, without a host sync."""
         self.check()
+        self._not_issuing()
         if self.worker is not None:
             self.worker.join()
         last = None

@@ -93,6 +93,25 @@ def test_each_layer_is_signalled_exactly_once(tiny, bad, says):
         sender.on_layer(bad)
 
 
+def test_waiting_on_a_layer_wise_send_before_finish_is_refused(tiny):
+    """Found in an audit: wait() between begin() and finish() returned at once and marked the send waited, so
+    receive() and decode read a destination whose layer 1 had never been signalled (NaN)."""
+    _, lay, src, first = _src(tiny)
+    t = Transport(lay, "same-gpu", "cpu")
+    sender = t.layerwise(src).begin()
+    sender.on_layer(0)
+    landing = t.latest
+    assert landing.landed(0) and not landing.landed(1) and landing.state == "in-flight"
+    for call in (landing.wait, lambda: landing.stream_wait(None), lambda: t.receive(landing)):
+        with pytest.raises(TransferError, match=r"send 1 to same-device is still being sent: layers \[1\] of 2"):
+            call()
+    with pytest.raises(TransferError, match="in flight"):
+        steps.decode(tiny, t.buffer, first, 1)
+    sender.on_layer(1)
+    got = t.receive(sender.finish())
+    assert got.count_poison() == 0
+
+
 def test_a_superseded_landing_is_refused(tiny):
     _, lay, src, first = _src(tiny)
     t = Transport(lay, "same-gpu", "cpu")
@@ -132,6 +151,23 @@ def test_a_paged_destination_of_an_aborted_send_is_unreadable(tiny):
     with pytest.raises(TransferError, match="aborted"):
         t.pool.to_hf_cache(dst)
     t.send(pool, table, dst)
+    assert t.pool.read(dst).count_poison() == 0
+
+
+def test_waiting_on_a_paged_layer_wise_send_before_finish_is_refused(tiny):
+    ids, spec, n, pool, table = _paged(tiny)
+    t = make_transport("torch-index", spec, "same-gpu", 2 * n, "cpu")
+    dst = BlockAllocator(2 * n, spec.block_size, seed=2).allocate(table.tokens)
+    prefill_into_pages(tiny, ids, pool, table)
+    sender = t.layerwise(pool, table, dst)
+    sender.begin()
+    sender.on_layer(0)
+    with pytest.raises(TransferError, match=r"is still being sent: layers \[1\] of 2"):
+        sender._landing.wait()
+    with pytest.raises(TransferError, match="in flight"):
+        t.pool.read(dst)
+    sender.on_layer(1)
+    sender.finish().wait()
     assert t.pool.read(dst).count_poison() == 0
 
 
