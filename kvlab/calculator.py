@@ -533,8 +533,8 @@ def held_exposure(compute_s_per_layer: Sequence[float], transfer_s_per_layer: Se
     t = _times("transfer_s_per_layer", transfer_s_per_layer)
     if len(c) != len(t):
         raise ValueError(f"compute_s_per_layer has {len(c)} layers, transfer_s_per_layer {len(t)}")
-    if not 0 <= release < len(c):
-        raise ValueError(f"release={release!r}: expected a layer index in 0…{len(c) - 1}")
+    if isinstance(release, bool) or not isinstance(release, numbers.Integral) or not 0 <= release < len(c):
+        raise ValueError(f"release={release!r}: expected a layer index (an int) in 0…{len(c) - 1}")
     ends, now = [], 0.0
     for ci in c:
         now += ci
@@ -551,8 +551,8 @@ def deadline_release(compute_s_per_layer: Sequence[float], transfer_s_per_layer:
     than eager, layer-by-layer sending — with every transfer `margin` (≥ 1) times slower than given, so a
     link that runs slower than modelled still finishes in time. Hold copies this long, and the link is
     busy only near prefill's end (kvlab.sends.release_plan's "deadline" policy)."""
-    if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not margin >= 1:
-        raise ValueError(f"margin={margin!r}: expected a number ≥ 1 (how much slower than modelled the link may be)")
+    if not isinstance(margin, numbers.Real) or isinstance(margin, bool) or not 1 <= margin < math.inf:
+        raise ValueError(f"margin={margin!r}: expected a finite number ≥ 1 (how much slower than modelled the link may be)")
     t = [x * margin for x in _times("transfer_s_per_layer", transfer_s_per_layer)]
     eager = held_exposure(compute_s_per_layer, t, 0)
     best = 0

@@ -77,6 +77,8 @@ def judge(value, lo, hi, op: str, threshold) -> tuple[str, str]:
     samples for an interval): "not resolved" (rule "no interval"); a NaN value or threshold: "not resolved"."""
     if op not in _OPS:
         raise ValueError(f"op {op!r} is not one of {list(_OPS)}")
+    if (lo is None) != (hi is None):
+        raise ValueError(f"an interval needs both ends: lo={lo!r}, hi={hi!r} (both None: judge the point value)")
     v, t, a, b = _num(value), _num(threshold), _num(lo), _num(hi)
     if math.isnan(t) or (math.isnan(v) and (math.isnan(a) or math.isnan(b))):
         return "not resolved", "no value"

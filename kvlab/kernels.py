@@ -276,6 +276,9 @@ def _check(src, src_idx, dst, dst_idx, device=None):
     if src.dtype != dst.dtype or src.shape[1] != dst.shape[1]:
         raise ValueError(f"src and dst rows differ: src {src.dtype} × {src.shape[1]} elems, "
                          f"dst {dst.dtype} × {dst.shape[1]} elems; they must match")
+    for name, t in (("src_idx", src_idx), ("dst_idx", dst_idx)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a 1-D int64 tensor, got {type(t).__name__}")
     if src_idx.dim() != 1 or src_idx.dtype != torch.int64:
         raise ValueError(f"src_idx must be a 1-D int64 tensor, got {src_idx.dtype} {tuple(src_idx.shape)}")
     if src_idx.device != dev:

@@ -105,9 +105,29 @@ class ModelSpec:
         if self.kv_heads > self.heads:
             raise ValueError(f"ModelSpec kv_heads={self.kv_heads} > heads={self.heads}: a layer cannot have more KV "
                              "heads than query heads")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"ModelSpec kv_heads={self.kv_heads} must divide heads={self.heads} (each KV head serves "
+                             "a whole group of query heads)")
+        for fname in ("intermediate_size", "params", "active_params", "max_positions", "kv_lora_rank",
+                      "qk_rope_head_dim", "sliding_window"):
+            value = getattr(self, fname)
+            if value is None or (fname in ("qk_rope_head_dim", "sliding_window") and value == 0):
+                continue  # not given (a window or a RoPE width of 0 means none)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ModelSpec {fname}={value!r}: must be a positive int (or None)")
+        if self.active_params > self.params:
+            raise ValueError(f"ModelSpec active_params={self.active_params} > params={self.params}: a token cannot "
+                             "pass through more parameters than the model has")
         if self.attention == "mla" and not (self.kv_lora_rank
                                             and self.qk_rope_head_dim is not None):
             raise ValueError("attention='mla' needs kv_lora_rank and qk_rope_head_dim")
+        implied = "mha" if self.kv_heads == self.heads else ("mqa" if self.kv_heads == 1 else "gqa")
+        if self.attention != "mla" and self.attention != implied:
+            raise ValueError(f"ModelSpec attention={self.attention!r} but kv_heads={self.kv_heads} of heads="
+                             f"{self.heads} is {implied!r}")
+        odd = [i for i in self.sliding_layers if not isinstance(i, int) or isinstance(i, bool)]
+        if odd:
+            raise ValueError(f"sliding_layers {odd} are not layer indices (ints)")
         bad = [i for i in self.sliding_layers if not 0 <= i < self.layers]
         if bad:
             raise ValueError(f"sliding_layers {bad} are outside 0..{self.layers - 1}")
@@ -300,6 +320,66 @@ def _refuse_hybrid(cfg: Mapping[str, Any]) -> None:
         raise ValueError(f"{cfg.get('model_type', 'this')} config has attn_layer_period/attn_layer_offset: a hybrid "
                          "model whose other layers keep no KV cache; kvlab would count them all and overstate the "
                          "cache, so hybrid models are refused until they are modelled")
+
+
+# Keys by which a config.json says which layers attend (and so keep a KV cache) without listing layer_types:
+# sliding-window patterns (Gemma 3, Cohere 2, EXAONE 4), full-attention intervals (Qwen3-Next), and the hybrids'
+# own markers (Jamba, Zamba2, Nemotron-H, RecurrentGemma, Bamba).
+_PATTERN_KEYS = ("sliding_window_pattern", "full_attention_interval", "attn_layer_period", "attn_layer_offset",
+                 "layers_block_type", "hybrid_override_pattern", "block_types", "attn_layer_indices")
+
+# Model types whose layer kinds kvlab reads from the config's own fields exactly as transformers does (_sliding);
+# any other type without layer_types asks transformers which layers are which.
+_NATIVE_LAYER_KINDS = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+                                 "gemma", "gemma2", "deepseek_v2", "deepseek_v3"})
+
+
+def _with_layer_types(cfg: dict, where: str) -> dict:
+    """`cfg` with layer_types, derived as transformers derives them when config.json leaves them out (Gemma 3's
+    sliding_window_pattern, Qwen3-Next's full_attention_interval, defaults included). A config that marks its layer
+    kinds in a way neither kvlab nor transformers can read is refused: counting every layer as attention would
+    misstate its cache."""
+    if cfg.get("layer_types") is not None:
+        return cfg
+    marked = [k for k in _PATTERN_KEYS if cfg.get(k) is not None]
+    kind = cfg.get("model_type")
+    if kind in _NATIVE_LAYER_KINDS and not marked:
+        return cfg
+    derived = _transformers_layer_types(cfg)
+    if derived is not None:
+        return {**cfg, "layer_types": derived}
+    if marked:
+        raise ValueError(f"model config ({where}): {', '.join(marked)} mark which layers attend, and transformers does "
+                         f"not derive layer_types for model_type {kind!r}: a hybrid or patterned model whose other "
+                         "layers keep a different cache or none; give layer_types (hybrid models are refused until "
+                         "they are modelled)")
+    return cfg
+
+
+def _transformers_layer_types(cfg: Mapping[str, Any]) -> list | None:
+    """The layer_types transformers' own config class gives this config (None: it knows no such model type, cannot
+    build the config, or derives none)."""
+    import logging
+    import warnings
+
+    try:
+        from transformers import AutoConfig
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return None
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            conf = AutoConfig.for_model(str(cfg.get("model_type")),
+                                        **{k: v for k, v in cfg.items() if k != "model_type"})
+    except Exception:  # an unknown model type, or values its config class rejects: kvlab's own rules apply
+        return None
+    finally:
+        hf_logging.set_verbosity(level)
+    types = getattr(conf, "layer_types", None)
+    return [str(t) for t in types] if isinstance(types, (list, tuple)) else None
 
 
 def _sliding(cfg: Mapping[str, Any], layers: int) -> tuple[int | None, tuple[int, ...]]:
@@ -532,7 +612,7 @@ def from_hf_config(x: Any, *, name: str | None = None, source: str | None = None
         kv_lora_rank = rope_dim = None
 
     _refuse_hybrid(cfg)
-    window, sliding_layers = _sliding(cfg, layers)
+    window, sliding_layers = _sliding(_with_layer_types(cfg, where), layers)
     total, active = param_count(cfg)
     how = "params: computed from the config"
     if params is not None:

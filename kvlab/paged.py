@@ -249,11 +249,23 @@ class BlockPool:
         self._sends: list = []  # (destination block ids, Landing) of recent sends into this pool
         self._owners: dict = {}  # block id → weakref of the BlockTable (the live sequence) holding it
         self.owner_epoch = 0  # changes whenever a block changes owner (transports re-check their claims then)
+        self._written: np.ndarray | None = None  # per block, written since made or poisoned (track_writes())
+
+    def track_writes(self) -> "BlockPool":
+        """From now on reads refuse blocks that nothing has written since the pool was made or last poisoned (a
+        transport's destination pool: a block no send reached holds poison, not a cache)."""
+        self._written = np.zeros(self.num_blocks, dtype=bool)
+        return self
+
+    def _wrote(self, block_ids) -> None:
+        if self._written is not None:
+            self._written[np.asarray(block_ids, dtype=np.int64)] = True
 
     # -- transfer states and ownership --------------------------------------------------------------
     def expect(self, block_ids, landing) -> None:
         """A send (its kvlab.transfer.Landing) is writing `block_ids`: reads of them wait on its fate."""
         ids = np.asarray(block_ids, dtype=np.int64)
+        self._wrote(ids)
         # a send into the very same blocks replaces the last record cheaply (repeated sends of one plan); otherwise
         # a send that landed (or was waited for) and is now fully covered by this one needs no record
         if self._sends and self._sends[-1][0] is ids:
@@ -269,6 +281,11 @@ class BlockPool:
         from .transfer import TransferError
 
         left = np.asarray(table.ids)
+        if self._written is not None and not self._written[left].all():
+            never = left[~self._written[left]]
+            raise TransferError(f"blocks {never[:8].tolist()}{'…' if never.size > 8 else ''} ({never.size} of "
+                                f"{left.size}) have not been written since the pool was made or poisoned: nothing "
+                                "was sent to them, they hold poison")
         for ids, landing in reversed(self._sends):  # per block, the newest send that wrote it decides
             hit = np.intersect1d(ids, left)
             if not hit.size:
@@ -280,6 +297,17 @@ class BlockPool:
             left = np.setdiff1d(left, hit)
             if not left.size:
                 return
+
+    def check_unowned(self, block_ids, what: str) -> None:
+        """ValueError when a live sequence holds any of `block_ids` (`what` would overwrite it)."""
+        if not self._owners:
+            return
+        taken = [int(b) for b in np.asarray(block_ids).tolist()
+                 if (o := self._owners.get(int(b))) is not None and o() is not None]
+        if taken:
+            raise ValueError(f"{what} would overwrite blocks {taken[:8]}{'…' if len(taken) > 8 else ''} "
+                             f"({len(taken)} of {len(block_ids)}), which hold a live sequence of this pool: release it "
+                             "(pool.release(table)) or send into a table of free blocks")
 
     def claim(self, table: "BlockTable") -> None:
         """Hold `table`'s blocks for its sequence; ValueError when another live sequence holds any of them (a send
@@ -355,6 +383,8 @@ class BlockPool:
     def poison(self) -> "BlockPool":
         """NaN everywhere (KV dtypes are floating), so a block a transport failed to write shows."""
         self.data.fill_(float("nan"))
+        if self._written is not None:
+            self._written[:] = False
         return self
 
     def fill_random(self, seed: int = 0) -> "BlockPool":
@@ -362,6 +392,8 @@ class BlockPool:
         gen = torch.Generator(device=self.device).manual_seed(seed)
         for layer in range(self.spec.layers):
             self.data[layer].normal_(generator=gen)
+        if self._written is not None:
+            self._written[:] = True
         return self
 
     # -- checks -----------------------------------------------------------------------------------
@@ -422,9 +454,11 @@ class BlockPool:
         """
         self.check_table(table, "block table")
         self._check_buffer(buffer.layout, table)
+        self.claim(table)  # refused if another live sequence holds any of the blocks
         x = buffer.data[:, :, 0].to(self.device)
         pages = self._to_pages(x, table.num_blocks)
         self.data.index_copy_(2, table.tensor(self.device), pages)
+        self._wrote(table.ids)
 
     def write_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor, table: BlockTable) -> None:
         """Store one layer's K and V ([1, kv_heads, tokens, head_dim] each) into the table's blocks."""
@@ -438,6 +472,7 @@ class BlockPool:
                 raise ValueError(f"{name} of layer {layer} is {t.dtype} {tuple(t.shape)}; the pool needs {s.dtype} {want}")
         x = torch.stack((keys[0], values[0])).to(self.device)
         self.data[layer].index_copy_(1, table.tensor(self.device), self._to_pages(x, table.num_blocks))
+        self._wrote(table.ids)
 
     def read(self, table: BlockTable, device: torch.device | str | None = None) -> KVBuffer:
         """The table's blocks as a new contiguous KVBuffer on `device` (default: the pool's device); refused
@@ -504,6 +539,7 @@ def paged_prefill_cache(pool: BlockPool, table: BlockTable):
     from transformers import DynamicCache
 
     pool.check_table(table, "block table")
+    pool.claim(table)  # the prefill writes these blocks: refused if another live sequence holds any of them
     if _PAGED_LAYER is None:
         _PAGED_LAYER = _paged_layer_class()
     cache = DynamicCache()

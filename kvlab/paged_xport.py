@@ -159,7 +159,7 @@ class PagedTransport:
         self.cuda = src.type == "cuda"
         self._check_capacity(spec.pool_bytes(dst_blocks))
         self.pool = BlockPool(spec, dst_blocks, device=self.dest.device, pin_memory=self.dest.kind == "pinned")
-        self.pool.poison()
+        self.pool.track_writes().poison()  # a block no send reached is refused by every read
         if self.dest.kind == "peer":
             enable_peer(src, self.dest.device)
         self.stream = torch.cuda.Stream(device=src) if self.cuda else None
@@ -258,10 +258,13 @@ class PagedTransport:
         """The Landing of a new send of `plan`: the next send id; the destination pool's reads of its blocks wait
         on it; a destination table's blocks are claimed for its sequence (refused if another live one holds them)."""
         table = plan.dst_table
-        if table is not None and plan.extra.get("owner_epoch") != self.pool.owner_epoch:
+        if plan.extra.get("owner_epoch") != self.pool.owner_epoch:
             # again whenever the pool's ownership changed since this plan last claimed (a release, another
             # sequence's claim); otherwise the check stays out of timed sends
-            self.pool.claim(table)
+            if table is not None:
+                self.pool.claim(table)
+            elif plan.dst_ref is None:  # packed into blocks 0 … n-1, which no live sequence may hold
+                self.pool.check_unowned(plan.dst_ids, f"a packed send of {plan.n_blocks} blocks (no destination table)")
             plan.extra["owner_epoch"] = self.pool.owner_epoch
         self._sends += 1
         landing = Landing(self.spec.layers, events, send_id=self._sends, dest=f"{self.name} → {self.dest.label}")
@@ -488,6 +491,8 @@ class PagedLayerwiseSend:
     and a prefill that writes into the source pool (paged_prefill_cache / prefill_into_pages).
     """
 
+    _landing = None  # the current send's Landing, from begin() on
+
     def __init__(self, transport: PagedTransport, src_pool: BlockPool, src_table: BlockTable,
                  dst_table: BlockTable | None = None):
         self.t = transport
@@ -511,7 +516,9 @@ class PagedLayerwiseSend:
 
     def on_layer(self, i: int) -> None:
         """Layer i's K and V are final in the source pool (on the compute stream): send them. Each layer once."""
-        self._landing.issue(i)
+        if self._landing is None:
+            raise RuntimeError("layer-wise paged send: on_layer() before begin(); call begin() right before prefill")
+        i = self._landing.issue(i)
         lo, hi = self.plan.layer_range(i)
         self.sent += 1
         if not self.cuda:
@@ -535,6 +542,8 @@ class PagedLayerwiseSend:
 
     def finish(self) -> Landing:
         """After prefill returns: the Landing (per-layer events; layers not landed yet are in flight)."""
+        if self._landing is None:
+            raise RuntimeError("layer-wise paged send: finish() before begin(); call begin() right before prefill")
         if self.sent != self.layers:
             missing = self._landing.unissued
             self._landing.fail(missing, f"the send saw {self.sent} of {self.layers} layers")

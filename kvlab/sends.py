@@ -69,6 +69,8 @@ class LayerwiseSend:
     (data/probes/armed_first_prefill). After one unarmed prefill the same request took 1 s.
     """
 
+    _landing = None  # the current send's Landing, from begin() on
+
     def __init__(self, transport: Transport, src: KVBuffer, mode: str = "auto", wakes: str = "halving",
                  timeline: bool = False, release: "list[int] | None" = None):
         self.t = transport
@@ -227,7 +229,9 @@ class LayerwiseSend:
 
     def on_layer(self, i: int) -> None:
         """Layer i's K and V are final on the compute stream: send them. Each layer exactly once, 0 … L-1."""
-        self._landing.issue(i)
+        if self._landing is None:
+            raise RuntimeError("layer-wise send: on_layer() before begin(); call begin() right before prefill")
+        i = self._landing.issue(i)
         self.sent += 1
         mode = self.mode
         if mode == "flag" or mode == "staged":
@@ -295,6 +299,8 @@ class LayerwiseSend:
 
     def finish(self) -> Landing:
         """After prefill returns: the Landing of this send (layers not yet landed are still in flight)."""
+        if self._landing is None:
+            raise RuntimeError("layer-wise send: finish() before begin(); call begin() right before prefill")
         if self.sent != self.layers:
             missing = self._landing.unissued
             self.abort()

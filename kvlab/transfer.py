@@ -28,6 +28,7 @@ Layer-wise sending (`Transport.layerwise`) and its policies live in kvlab.sends.
 
 from __future__ import annotations
 
+import operator
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -142,13 +143,22 @@ class Landing:
         self._issued = [False] * self.layers
         return self
 
-    def issue(self, i: int) -> None:
-        """Layer i leaves now: each of 0 … L-1 exactly once (ValueError for a repeat, a negative, out of range)."""
-        if type(i) is not int or not 0 <= i < self.layers:
+    def issue(self, i: int) -> int:
+        """Layer i leaves now: each of 0 … L-1 exactly once (ValueError for a repeat, a negative, out of range, or
+        not an integer). Returns i as an int."""
+        try:
+            if isinstance(i, bool):
+                raise TypeError
+            i = operator.index(i)  # ints and numpy integers
+        except TypeError:
+            raise ValueError(f"layer-wise send: layer {i!r} is not a layer index (an int in 0 … {self.layers - 1})") \
+                from None
+        if not 0 <= i < self.layers:
             raise ValueError(f"layer-wise send: layer {i!r} is out of range (valid 0 … {self.layers - 1})")
         if self._issued[i]:
             raise ValueError(f"layer-wise send: layer {i} signalled twice in {self.name()}")
         self._issued[i] = True
+        return i
 
     @property
     def unissued(self) -> list[int]:
@@ -285,8 +295,10 @@ class Transport:
         return self._staging
 
     def poison(self) -> None:
-        """NaN-fill the destination so an unwritten byte shows in the decode check."""
+        """NaN-fill the destination so an unwritten byte shows in the decode check. The destination is unreadable
+        until the next send lands (an earlier send's Landing no longer vouches for it)."""
         self.buffer.poison()
+        self.latest = None
 
     # -- transfer states --------------------------------------------------------------------------
     def new_landing(self, events: list | None = None, worker=None) -> Landing:
@@ -300,7 +312,8 @@ class Transport:
         `landing` must be, when given) has not failed or been aborted, and it has landed or been waited for."""
         latest = self.latest
         if latest is None:
-            raise TransferError(f"nothing has been sent to {self.dest.label} yet: its buffer holds poison")
+            since = "since it was poisoned" if self._sends else "yet"
+            raise TransferError(f"nothing has been sent to {self.dest.label} {since}: its buffer holds poison")
         self.readable_landing(landing if landing is not None else latest)
         if latest.state != "landed" and not latest.waited:
             raise TransferError(f"{latest.name()} is still in flight: wait for its landing (receive(), wait() or "
@@ -394,6 +407,9 @@ class Transport:
 
     def readable_landing(self, landing: Landing) -> None:
         """TransferError unless `landing` is the latest send into this destination and has not failed."""
+        if not isinstance(landing, Landing):
+            raise TypeError(f"expected the Landing that send() returned, got {landing!r} "
+                            f"({type(landing).__name__}); the decode device is receive()'s second argument")
         if landing is not self.latest:
             latest = self.latest.name() if self.latest is not None else "none"
             raise TransferError(f"{landing.name()} is not the latest send into {self.dest.label} (latest: {latest}): "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from conftest import cpu_env as _env
@@ -23,10 +25,61 @@ _BASE = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key
     (dict(model_type="jamba", attn_layer_period=8, attn_layer_offset=4), "hybrid model"),
     (dict(model_type="mistral", sliding_window=-5), "sliding_window = -5"),
     (dict(model_type="llama4_text", layer_types=["chunked_attention", "full_attention"] * 2), "full and sliding attention only"),
+    # found in a later audit: config.json forms that mark layer kinds without layer_types were counted as all-attention
+    (dict(model_type="qwen3_next", full_attention_interval=2, head_dim=16), "hybrid model"),
+    (dict(model_type="no_such_arch", sliding_window=8, sliding_window_pattern=2), "sliding_window_pattern mark which "
+                                                                                   "layers attend"),
+    (dict(model_type="no_such_arch", hybrid_override_pattern="M*M*"), "hybrid_override_pattern mark which layers"),
 ])
 def test_configs_that_would_give_wrong_bytes_are_refused(extra, says):
     with pytest.raises(ValueError, match=says):
         models.from_hf_config({**_BASE, **extra})
+
+
+def test_gemma3s_sliding_pattern_is_read_as_transformers_reads_it():
+    """gemma-3-1b's config.json gives sliding_window_pattern 6 and no layer_types: layers 5, 11, 17 and 23 attend to
+    everything, the other 22 keep 512 tokens (an audit found all 26 counted as sliding: 3.3× too few bytes)."""
+    from kvlab import calculator
+
+    cfg = dict(model_type="gemma3_text", num_hidden_layers=26, hidden_size=1152, num_attention_heads=4,
+               num_key_value_heads=1, head_dim=256, vocab_size=262144, intermediate_size=6912, sliding_window=512)
+    for given in ({"sliding_window_pattern": 6}, {}):  # 6 is also transformers' default for Gemma 3
+        spec = models.from_hf_config({**cfg, **given})
+        assert spec.sliding_layers == tuple(i for i in range(26) if (i + 1) % 6)
+        per_token = 2 * 1 * 256 * 2  # K and V, one KV head of 256, bf16
+        assert calculator.kv_cache_bytes(spec, 8192) == per_token * (4 * 8192 + 22 * 512)
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(kv_heads=3, heads=8), "kv_heads=3 must divide heads=8"),
+    (dict(sliding_window=-5, sliding_layers=(0,)), "sliding_window=-5: must be a positive int"),
+    (dict(sliding_window=4.5, sliding_layers=(0,)), "sliding_window=4.5"),
+    (dict(sliding_layers=(1.5,), sliding_window=8), "not layer indices"),
+    (dict(attention="mqa"), "attention='mqa' but kv_heads="),
+    (dict(params=-1), "params=-1"),
+    (dict(active_params=10 ** 12), "active_params=1000000000000 > params"),
+    (dict(intermediate_size=0), "intermediate_size=0"),
+    (dict(max_positions=-1), "max_positions=-1"),
+])
+def test_a_spec_of_an_impossible_shape_is_refused(change, says):
+    import dataclasses
+
+    spec = models.get("kvlab-tiny")
+    with pytest.raises(ValueError, match=re.escape(says)):
+        dataclasses.replace(spec, **change)
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(kv_lora_rank=512.5), "kv_lora_rank=512.5"),
+    (dict(kv_lora_rank=-4), "kv_lora_rank=-4"),
+    (dict(qk_rope_head_dim=-600), "qk_rope_head_dim=-600"),
+])
+def test_an_impossible_mla_spec_is_refused(change, says):
+    import dataclasses
+
+    spec = models.get("deepseek-v3")
+    with pytest.raises(ValueError, match=re.escape(says)):
+        dataclasses.replace(spec, **change)
 
 
 def test_a_spec_with_more_kv_heads_than_heads_is_refused():

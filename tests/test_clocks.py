@@ -258,3 +258,20 @@ def test_send_patterns_refuses_a_cpu(tiny):
         clocks.send_patterns(tiny, 16, device="cpu")
     with pytest.raises(ValueError, match="unknown send pattern"):
         clocks.send_patterns(tiny, 16, variants=["peer, carrier pigeon"], device="cpu")
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda: calculator.held_exposure([1.0, 1.0], [0.5, 0.5], 1.5), "release=1.5: expected a layer index"),
+    (lambda: calculator.deadline_release([1.0, 1.0], [0.5, 0.5], margin=float("inf")), "margin=inf"),
+])
+def test_the_schedule_helpers_name_a_bad_argument(call, says):
+    """Found in an audit: release=1.5 raised a raw TypeError, and margin=inf blamed the transfer times."""
+    with pytest.raises(ValueError, match=says):
+        call()
+
+
+def test_a_numpy_margin_is_a_number():
+    import numpy as np
+
+    assert calculator.deadline_release([1.0, 1.0], [0.5, 0.5], margin=np.float32(2)) == \
+        calculator.deadline_release([1.0, 1.0], [0.5, 0.5], margin=2.0)

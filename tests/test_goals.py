@@ -32,6 +32,10 @@ def test_the_one_rule():
     assert G.state("met") is True and G.state("missed") is False and G.state("not resolved") is None
     with pytest.raises(ValueError, match="op"):
         G.judge(1, None, None, "<", 2)
+    # half an interval is not a point: an audit found lo wholly above a "<=" goal dropped and the point "met"
+    for lo, hi in ((1.5, None), (None, 1.5)):
+        with pytest.raises(ValueError, match="an interval needs both ends"):
+            G.judge(0.5, lo, hi, "<=", 1.0)
 
 
 _CANDIDATES = [dict(context=c, destination=d, method=m, block_size=16)

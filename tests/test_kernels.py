@@ -145,7 +145,7 @@ def test_without_interpreter_auto_falls_back_and_triton_refuses(monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["elems", "dtype", "idx_dtype", "idx_2d", "dst_len", "not_contig", "bounds_src",
-                                  "bounds_dst", "too_few_rows", "backend"])
+                                  "bounds_dst", "too_few_rows", "backend", "idx_list", "dst_idx_list"])
 def test_bad_input_raises_before_writing(case):
     src = _rows(5, 8, torch.float32)
     dst = _poisoned(5, 8, torch.float32)
@@ -173,6 +173,10 @@ def test_bad_input_raises_before_writing(case):
         sidx = torch.tensor([0, 1, 2, 3, 4, 0], dtype=torch.int64)
     elif case == "backend":
         kw["backend"] = "cuda"
+    elif case == "idx_list":  # an audit found lists raising a raw AttributeError
+        sidx = [0, 1]
+    elif case == "dst_idx_list":
+        didx = [2, 3]
     with pytest.raises(ValueError):
         kernels.copy_rows(src, sidx, dst, didx, **kw)
     assert torch.isnan(dst).all()

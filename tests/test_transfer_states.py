@@ -4,6 +4,7 @@ each layer is signalled exactly once; a pool's blocks belong to one live sequenc
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -82,8 +83,9 @@ def test_a_layer_wise_send_that_misses_a_layer_fails_and_names_it(tiny):
         steps.decode(tiny, t.buffer, first, 2)
 
 
-@pytest.mark.parametrize("bad, says", [(-1, "out of range"), (2, "out of range"), (0.0, "out of range"),
-                                       (0, "signalled twice")])
+@pytest.mark.parametrize("bad, says", [(-1, "out of range"), (2, "out of range"), (0.0, "not a layer index"),
+                                       (True, "not a layer index"), (0, "signalled twice"),
+                                       (np.int64(0), "signalled twice")])
 def test_each_layer_is_signalled_exactly_once(tiny, bad, says):
     _, lay, src, _ = _src(tiny)
     sender = Transport(lay, "same-gpu", "cpu").layerwise(src)
@@ -238,3 +240,85 @@ def test_two_live_tables_with_the_same_blocks_are_two_sequences(tiny):
     t.send(pool, table, a)
     with pytest.raises(ValueError, match="hold another live sequence"):
         t.send(pool, table, twin)
+
+
+def test_a_packed_send_or_a_write_cannot_overwrite_a_live_sequence(tiny):
+    """Found in an audit: only a send with a destination table checked ownership; a packed send (blocks 0 … n-1)
+    and pool.write overwrote a live sequence's blocks."""
+    ids, spec, n, pool, table = _paged(tiny)
+    t = make_transport("torch-index", spec, "same-gpu", 2 * n, "cpu")
+    prefill_into_pages(tiny, ids, pool, table)
+    a = BlockTable(list(range(n)), table.tokens, spec.block_size)
+    t.send(pool, table, a)
+    with pytest.raises(ValueError, match=rf"a packed send of {n} blocks .* would overwrite blocks .*\({n} of {n}\)"):
+        t.send(pool, table)
+    other = BlockTable(list(range(1, n + 1)), table.tokens, spec.block_size)
+    with pytest.raises(ValueError, match="hold another live sequence"):
+        t.pool.write(pool.read(table), other)
+    with pytest.raises(ValueError, match="hold another live sequence"):
+        prefill_into_pages(tiny, ids, t.pool, other)
+    assert t.pool.read(a).count_poison() == 0  # a is intact
+    t.pool.release(a)
+    t.send(pool, table)  # a's sequence is done: a packed send may use its blocks
+    assert t.pool.read(BlockTable.packed(table.tokens, spec.block_size)).count_poison() == 0
+
+
+def test_blocks_no_send_reached_are_refused(tiny):
+    """Found in an audit: reading a transport's pool where nothing was sent returned poison without a word."""
+    ids, spec, n, pool, table = _paged(tiny)
+    t = make_transport("torch-index", spec, "same-gpu", 2 * n, "cpu")
+    prefill_into_pages(tiny, ids, pool, table)
+    a = BlockTable(list(range(n)), table.tokens, spec.block_size)
+    elsewhere = BlockTable(list(range(n, 2 * n)), table.tokens, spec.block_size)
+    with pytest.raises(TransferError, match=rf"blocks .* \({n} of {n}\) have not been written"):
+        t.pool.read(a)
+    t.send(pool, table, a)
+    with pytest.raises(TransferError, match="have not been written"):
+        t.pool.to_hf_cache(elsewhere)
+    assert t.pool.read(a).count_poison() == 0
+    t.poison()  # poisoned: what was sent is gone
+    with pytest.raises(TransferError, match="have not been written since the pool was made or poisoned"):
+        t.pool.read(a)
+
+
+def test_a_poisoned_destination_is_unreadable_until_the_next_send(tiny):
+    """Found in an audit: send, poison(), decode gave tokens [0, 0] from NaN without an error."""
+    _, lay, src, first = _src(tiny)
+    t = Transport(lay, "same-gpu", "cpu")
+    landing = t.send(src)
+    t.poison()
+    with pytest.raises(TransferError, match="nothing has been sent to same-device since it was poisoned"):
+        steps.decode(tiny, t.buffer, first, 2)
+    with pytest.raises(TransferError, match="not the latest"):
+        t.receive(landing)
+    t.receive(t.send(src))
+    steps.decode(tiny, t.buffer, first, 2)
+
+
+def test_receive_names_what_it_takes(tiny):
+    _, lay, src, _ = _src(tiny)
+    t = Transport(lay, "same-gpu", "cpu")
+    t.send(src)
+    with pytest.raises(TypeError, match=r"expected the Landing that send\(\) returned, got 'cpu' \(str\)"):
+        t.receive("cpu")
+
+
+def test_a_numpy_layer_index_is_a_layer_index(tiny):
+    """Found in an audit: on_layer(np.int64(0)) was refused as "out of range"."""
+    _, lay, src, _ = _src(tiny)
+    t = Transport(lay, "same-gpu", "cpu")
+    sender = t.layerwise(src).begin()
+    for i in np.arange(lay.layers):
+        sender.on_layer(i)
+    assert t.receive(sender.finish()).count_poison() == 0
+
+
+def test_signalling_before_begin_says_so(tiny):
+    ids, spec, n, pool, table = _paged(tiny)
+    _, lay, src, _ = _src(tiny)
+    for sender in (Transport(lay, "same-gpu", "cpu").layerwise(src),
+                   make_transport("torch-index", spec, "same-gpu", 2 * n, "cpu").layerwise(pool, table)):
+        with pytest.raises(RuntimeError, match=r"on_layer\(\) before begin\(\)"):
+            sender.on_layer(0)
+        with pytest.raises(RuntimeError, match=r"finish\(\) before begin\(\)"):
+            sender.finish()

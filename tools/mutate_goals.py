@@ -30,6 +30,7 @@ muts = [
  ('    if not (math.isnan(a) or math.isnan(b)):', '    if False:'),
  ('def judge(value, lo, hi, op: str, threshold) -> tuple[str, str]:', 'def judge(value, lo, hi, op: str, threshold) -> tuple[str, str]:\n    return "met", "interval"'),
  ('    if lo is not None and hi is not None and (math.isnan(a) or math.isnan(b)):', '    if False:'),
+ ('    if (lo is None) != (hi is None):', '    if (lo is None) == (hi is None):'),
  ('    return getattr(r, "layout", None) == "paged" and r.mode == "bulk" and r.context == 32768 and bool(r.same_gpu)', '    return getattr(r, "layout", None) == "paged" and r.mode == "bulk" and r.context != 32768 and bool(r.same_gpu)'),
  ('    return getattr(r, "layout", None) == "paged" and r.mode == "bulk" and r.context == 32768 and bool(r.same_gpu)', '    return getattr(r, "layout", None) == "paged" and r.mode == "bulk" and r.context == 32768'),
  ('    return getattr(r, "mode", None) == "layerwise" and 4096 <= r.context <= 32768', '    return getattr(r, "mode", None) == "layerwise" and 4096 > r.context'),
