@@ -457,18 +457,22 @@ def _link(path: str) -> str:
 # (runs whose code cannot be rebuilt keep their verdicts here: a goal's verdict is never dropped)
 VERDICT_RUNS = {
     "handoff": ["handoff/20261129-103726-h200", "handoff/20261129-115502-h200", "handoff/20261130-142532-h200",
-                "handoff/20261130-143505-h200", "handoff/20261130-150123-h200", "handoff/20261201-051641-h200"],
+                "handoff/20261130-143505-h200", "handoff/20261130-150123-h200", "handoff/20261201-051641-h200",
+                *(f"handoff/20261201-{r}-h200" for r in ("092005", "092144", "092404"))],
     "paged_transfer": ["paged_transfer/20261129-103427-h200", "paged_transfer/20261129-114123-h200",
-                       "paged_transfer/20261130-145124-h200", "paged_transfer/20261201-052414-h200"],
+                       "paged_transfer/20261130-145124-h200", "paged_transfer/20261201-052414-h200",
+                       "paged_transfer/20261201-091924-h200"],
     "overlap_timeline": ["overlap_timeline/20261129-104724-h200", "overlap_timeline/20261129-113044-h200",
                          "overlap_timeline/20261129-114951-h200", "overlap_timeline/20261130-145803-h200",
                          *(f"overlap_timeline/20261201-{r}-h200" for r in (
                              "052308", "052334", "052238", "053129", "053057", "053340", "071055", "053207",
-                             "071148", "052920"))],
+                             "071148", "052920")),
+                         "overlap_timeline/20261201-092615-h200"],
     "disagg": ["disagg/20261130-174816-h200", "disagg/20261130-175223-h200", "disagg/20261130-175620-h200",
                "disagg/20261130-175845-h200", "disagg/20261201-023701-h200", "disagg/20261201-023837-h200",
                "disagg/20261201-030308-h200", "disagg/20261201-032027-h200", "disagg/20261201-035926-h200",
-               "disagg/20261201-040057-h200"],
+               "disagg/20261201-040057-h200",
+               *(f"disagg/20261201-{r}-h200" for r in ("092931", "093212", "093344", "093517", "093649"))],
     "faults": ["disagg/20261130-190554-cpu", "disagg/20261130-190727-cpu", "disagg/20261130-190910-cpu",
                "disagg/20261130-231101-cpu", "disagg/20261130-231342-cpu", "disagg/20261130-231636-cpu",
                "disagg/20261201-003237-cpu", "disagg/20261201-003410-cpu", "disagg/20261201-003554-cpu",
@@ -493,7 +497,18 @@ NIXL_GPU_RUNS = DISAGG_RUNS[4:6] + ["disagg/20261201-035926-h200"]
 # notebook 03 on one H200 at a98a5a7, one lease (2026-12-01): 1k same GPU with seed 004's hooks (event), then
 # armed flags; 1k pinned (31 event rounds) and pageable; 4k, 16k and 32k within the GPU; 32k to pageable host;
 # and, in a later lease at f9f197f (no change to notebook 03's code), 16k and 32k to pinned host
-OVERLAP_1GPU = VERDICT_RUNS["overlap_timeline"][4:]
+OVERLAP_1GPU = VERDICT_RUNS["overlap_timeline"][4:14]
+# the six two-GPU notebook runs again, on a 2×H200 at 267ef9f (2026-12-01), with the parameters of 20261130's runs,
+# whose code cannot be rebuilt (those keep their verdicts above): ceilings; paged; handoff eager, deadline, deadline
+# at 32k; the send patterns
+TWO_GPU = dict(ceilings="link_ceilings/20261201-091906-h200", paged="paged_transfer/20261201-091924-h200",
+               eager="handoff/20261201-092005-h200", deadline="handoff/20261201-092144-h200",
+               deadline32="handoff/20261201-092404-h200", patterns="overlap_timeline/20261201-092615-h200")
+# two processes on the 2×H200 (267ef9f), Qwen2.5-7B: nccl (32k, both layouts and modes, the bench); ipc from cuda:0
+# into cuda:1 (32k, bulk, the bench); NIXL contiguous, paged with merged descriptors and packed tables, paged with a
+# descriptor a block (4k and 32k)
+DISAGG_2GPU = DISAGG_RUNS[10:12]
+NIXL_2GPU_RUNS = DISAGG_RUNS[12:15]
 
 
 def _goals_of(study: str, path: str) -> pd.DataFrame:
@@ -659,23 +674,25 @@ def goals_side_by_side(runs: dict[str, str]) -> str:
 
 BLOCKS = {
     "ceilings_1gpu": lambda: ceilings("link_ceilings/20261201-051613-h200"),
-    "ceilings_2gpu": lambda: ceilings("link_ceilings/20261130-144545-h200"),
+    "ceilings_2gpu": lambda: ceilings(TWO_GPU["ceilings"]),
     "handoff_1gpu": lambda: handoff_table("handoff/20261201-051641-h200"),
-    "handoff_2gpu": lambda: handoff_table("handoff/20261130-142532-h200", reference=True),
-    "policies_2gpu": lambda: policies("handoff/20261130-142532-h200", "handoff/20261130-143505-h200",
-                                      "handoff/20261130-150123-h200"),
-    "patterns_2gpu": lambda: patterns("overlap_timeline/20261130-145803-h200"),
+    "handoff_2gpu": lambda: handoff_table(TWO_GPU["eager"], reference=True),
+    "policies_2gpu": lambda: policies(TWO_GPU["eager"], TWO_GPU["deadline"], TWO_GPU["deadline32"]),
+    "patterns_2gpu": lambda: patterns(TWO_GPU["patterns"]),
     "paged_1gpu": lambda: paged("paged_transfer/20261201-052414-h200"),
-    "paged_2gpu": lambda: paged("paged_transfer/20261130-145124-h200"),
+    "paged_2gpu": lambda: paged(TWO_GPU["paged"]),
     "attribution_1gpu": lambda: attribution("handoff/20261201-051641-h200"),
     "access_patterns_1gpu": lambda: access_patterns("paged_transfer/20261201-052414-h200"),
     "event_overhead_1gpu": lambda: event_overhead([p for p in OVERLAP_1GPU if (_data() / p / "event_overhead.csv").is_file()]),
     "overlap_runs_1gpu": lambda: overlap_runs(OVERLAP_1GPU),
     "goals_2gpu": lambda: goals_side_by_side({
-        "eager (142532)": "handoff/20261130-142532-h200", "deadline (143505)": "handoff/20261130-143505-h200",
-        "deadline, 32k rerun (150123)": "handoff/20261130-150123-h200"}),
+        "eager (092005)": TWO_GPU["eager"], "deadline (092144)": TWO_GPU["deadline"],
+        "deadline, 32k (092404)": TWO_GPU["deadline32"]}),
+    "disagg_2gpu": lambda: disagg(DISAGG_2GPU + NIXL_2GPU_RUNS[:2]),
+    "disagg_bench_2gpu": lambda: disagg_bench(DISAGG_2GPU),
+    "disagg_nixl_2gpu": lambda: disagg_nixl(NIXL_2GPU_RUNS),
     "disagg_1gpu": lambda: disagg(DISAGG_RUNS[:2]),
-    "disagg_bench_1gpu": lambda: disagg_bench([p for p in DISAGG_RUNS if (_data() / p / "bench.csv").is_file()]),
+    "disagg_bench_1gpu": lambda: disagg_bench([p for p in DISAGG_RUNS[:10] if (_data() / p / "bench.csv").is_file()]),
     "faults_cpu": lambda: faults(FAULT_RUNS),
     "faults_kill_cpu": lambda: faults(KILL_RUNS),
     "disagg_nixl_cpu": lambda: disagg_nixl(NIXL_RUNS),
