@@ -688,7 +688,7 @@ BLOCKS = {
     "goals_2gpu": lambda: goals_side_by_side({
         "eager (092005)": TWO_GPU["eager"], "deadline (092144)": TWO_GPU["deadline"],
         "deadline, 32k (092404)": TWO_GPU["deadline32"]}),
-    "disagg_2gpu": lambda: disagg(DISAGG_2GPU + NIXL_2GPU_RUNS[:2]),
+    "disagg_2gpu": lambda: disagg(DISAGG_2GPU + NIXL_2GPU_RUNS),
     "disagg_bench_2gpu": lambda: disagg_bench(DISAGG_2GPU),
     "disagg_nixl_2gpu": lambda: disagg_nixl(NIXL_2GPU_RUNS),
     "disagg_1gpu": lambda: disagg(DISAGG_RUNS[:2]),
