@@ -272,6 +272,14 @@ def analyse(run_dir, out: str | Path | None = None, publish: bool = False, suffi
     if record.get("status") != "finished":
         raise ValueError(f"run {run.name} did not finish (status {record.get('status')!r}): its tables may be "
                          "partial; analyse a finished run")
+    if out is not None:  # before anything is written: never into another run, or over another analysis
+        target = Path(out).expanduser()
+        if str(out).strip() == "" or (target.exists() and not target.is_dir()):
+            raise ValueError(f"--out {str(out)!r}: give a new or empty folder")
+        if target.is_dir() and any(target.iterdir()):
+            raise ValueError(f"--out {str(target)!r} already holds files"
+                             f"{' (a run: it has a run.json)' if (target / 'run.json').is_file() else ''}; give a "
+                             "new or empty folder — kvlab analyse does not overwrite")
     o = _Out(run, record, Path(out) if out is not None else None)
     _DISPATCH[study](run, record, tables, o)
     where = o.done()

@@ -536,6 +536,14 @@ def run_args(args: argparse.Namespace) -> int:
         return 2
     params = {"paths": _join(args.paths), "sizes": _join(args.sizes), "repeats": args.repeats,
               "warmup": args.warmup, "copies": copies, "device": args.device}
+    if args.run_dir and not args.no_save:
+        from . import results
+
+        try:  # before anything is measured: a finished run is never overwritten
+            results.check_run_folder(args.run_dir, "--run-dir")
+        except ValueError as exc:
+            print(f"kvlab ceilings: error: {exc}", file=sys.stderr)
+            return 2
     try:
         df = measure(params["paths"], params["sizes"], n=args.repeats, warmup=args.warmup,
                      device=args.device, copies=copies)

@@ -339,24 +339,13 @@ def cell_timeout(value: str | float | None) -> float | None:
 # --------------------------------------------------------------------------- run, run-all
 
 
-def _refuse_finished(folder: Path) -> None:
-    """--run-dir naming a folder that holds a finished run (or anything that is not a run folder): refused, so a
-    result is never overwritten without a word."""
-    folder = folder.expanduser()
-    if folder.exists() and not folder.is_dir():
-        raise UsageError(f"--run-dir {str(folder)!r} is a file, not a folder")
-    record = folder / "run.json"
-    if record.is_file():
-        try:
-            status = json.loads(record.read_text(encoding="utf-8")).get("status")
-        except (OSError, json.JSONDecodeError):
-            status = "unreadable"
-        if status == "finished":
-            raise UsageError(f"--run-dir {str(folder)!r} holds a finished run; give a new folder (or delete that one "
-                             "first) — kvlab does not overwrite a result")
-    elif folder.is_dir() and any(folder.iterdir()) and not (folder / results.STOPPED).is_file():
-        raise UsageError(f"--run-dir {str(folder)!r} is a folder with other files in it and no run.json; give a new "
-                         "or empty folder")
+def _refuse_finished(folder: "str | Path", flag: str = "--run-dir") -> None:
+    """A run folder option (`flag`) naming a folder that holds a finished run (or anything that is not a run
+    folder): refused, so a result is never overwritten without a word (kvlab.results.check_run_folder)."""
+    try:
+        results.check_run_folder(folder, flag)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 @subcommand(
@@ -365,7 +354,7 @@ def _refuse_finished(folder: Path) -> None:
         help="a path, or a short name: handoff, 02_handoff and 02 all mean "
              "notebooks/02_handoff.ipynb"),
     _PARAM,
-    arg("--run-dir", default="", metavar="DIR",
+    arg("--run-dir", default=None, metavar="DIR",
         help="the run folder (default: a new data/<study>/<run_id>/)"),
     arg("--publish", action="store_true",
         help="also replace the README's figures in figures/<study>/ with this run's (only when the published "
@@ -386,8 +375,8 @@ Example: kvlab run handoff -p contexts 64,128 -p destinations same-gpu"""
     params = parse_params(args.params, declared, notebook.name)
     _preflight(notebook, params)
     timeout = cell_timeout(args.cell_timeout)
-    if args.run_dir:
-        _refuse_finished(Path(args.run_dir))
+    if args.run_dir is not None:
+        _refuse_finished(args.run_dir)
     keep_force = os.environ.get("KVLAB_PUBLISH", "").strip().lower() == "force"
     with _environment(**({"KVLAB_PUBLISH": "force" if keep_force else "1"} if args.publish else {})):
         outcome = execute(notebook, params, run_dir=args.run_dir or None,
@@ -778,7 +767,7 @@ def _cmd_trace(args) -> int:
         help="cap the decode process's allocator at this many GiB while it serves (its weights, the reference it "
              "keeps, its destination, every request); past it a real out-of-memory stops the run with one line "
              "naming the request and step (default 0: no cap; a GPU decode device only)"),
-    arg("--out", default="", help="run folder (default: a new data/disagg/<run_id>/)"),
+    arg("--out", default=None, help="run folder (default: a new data/disagg/<run_id>/)"),
     arg("--quiet", action="store_true", help="no progress bar"),
 )
 def _cmd_disagg(args) -> int:
@@ -791,8 +780,8 @@ def _cmd_disagg(args) -> int:
 Example: kvlab disagg --backend gloo --model kvlab-tiny --context 128 --decode-tokens 20 --out /tmp/kvlab-disagg"""
     from kvlab import disagg
 
-    if args.out:
-        _refuse_finished(Path(args.out))
+    if args.out is not None:
+        _refuse_finished(args.out, "--out")
     cfg = disagg.DisaggConfig(
         backend=args.backend, model=args.model, weights=args.weights, contexts=args.context, modes=args.mode,
         layouts=args.layout, block_size=args.block_size, kv_dtype=args.kv_dtype, device=args.device,
@@ -802,7 +791,7 @@ Example: kvlab disagg --backend gloo --model kvlab-tiny --context 128 --decode-t
         fault_kinds=args.fault_kinds, nixl_descs=args.nixl_descs, block_order=args.block_order,
         seed=args.seed, decode_memory_gib=args.decode_memory_gib)
     try:
-        summary = disagg.run(cfg, args.out, progress=not args.quiet)
+        summary = disagg.run(cfg, args.out or "", progress=not args.quiet)
     except (disagg.DisaggError, disagg.IncompleteCacheError, TimeoutError) as err:
         print(f"kvlab disagg: error: {err}", file=sys.stderr)
         return 1
@@ -837,7 +826,7 @@ Example: kvlab disagg --backend gloo --model kvlab-tiny --context 128 --decode-t
     arg("--device", default="auto", help="the GPU the pool is on: auto (cuda:0), cuda:N, or cpu (checks the logic)"),
     arg("--repeats", type=int, default=9, help="timed sends per method and context (default 9)"),
     arg("--seed", type=int, default=0, help="seed of the block tables and the data"),
-    arg("--out", default="", help="run folder (default: a new data/swapin/<run_id>/)"))
+    arg("--out", default=None, help="run folder (default: a new data/swapin/<run_id>/)"))
 def _swapin(args) -> int:
     """Scatter a paged cache held in pinned host memory into a GPU pool by block table (vLLM's swap-in): Triton's
     row kernel reading the host pool over PCIe (triton-uva), and a CPU gather + one copy + a GPU scatter (staged);
@@ -848,10 +837,10 @@ def _swapin(args) -> int:
 Example: kvlab swapin --model kvlab-tiny --context 256 --repeats 3"""
     from kvlab import swapin
 
-    if args.out:
-        _refuse_finished(Path(args.out))
+    if args.out is not None:
+        _refuse_finished(args.out, "--out")
     path, s = swapin.run(model=args.model, contexts=args.context, block_size=args.block_size, kv_dtype=args.kv_dtype,
-                         device=args.device, repeats=args.repeats, seed=args.seed, out=args.out)
+                         device=args.device, repeats=args.repeats, seed=args.seed, out=args.out or "")
     for r in s.itertuples():
         what = f"{r.context:>6} {r.direction:9} {r.host_layout:10} {r.method:19}"
         if r.n:

@@ -250,9 +250,11 @@ def run_args(args) -> int:
         if not f.is_file():
             raise SystemExit(f"kvlab provenance: {d} has no run.json; give a run folder such as "
                              f"data/handoff/<run_id>")
-        st, detail = status(json.loads(f.read_text(encoding="utf-8")), d)
+        record = results.read_json(f)
+        st, detail = status(record, d)
         bad += st not in PUBLISHABLE
-        print(f"{st:<11} {d}  {detail}")
+        ran = record.get("status")
+        print(f"{st:<11} {d}  {detail}" + ("" if ran == "finished" else f" (the run itself: {ran}, not a result)"))
     if args.check and bad:
         print(f"{bad} of {len(dirs)} runs cannot be reconstructed")
         return 1

@@ -47,7 +47,7 @@ def _note_read(path: str) -> None:
 def _run(path: str) -> tuple[dict, Path]:
     _note_read(path)
     d = _data() / path
-    return json.loads((d / "run.json").read_text()), d
+    return results.read_json(d / "run.json"), d
 
 
 def _table(path: str, name: str) -> pd.DataFrame:
@@ -272,7 +272,7 @@ def disagg(paths: list[str]) -> str:
     for path in paths:
         record, d = _run(path)
         t = dr.goal_table(d)
-        s = json.loads((d / "summary.json").read_text())
+        s = results.read_json(d / "summary.json")
         for r in t.itertuples():
             rows.append({"run": _link(path), "backend": f"{s['backend']} ({s['prefill_device']} → {s['decode_device']})",
                          "layout": r.layout, "mode": r.mode, "context": _ctx(r.context),
@@ -338,7 +338,7 @@ def faults(paths: list[str]) -> str:
         record, d = _run(path)
         t = dr.fault_table(pd.read_csv(d / "faults.csv"))
         t.insert(0, "run", _link(path))
-        backends.append(json.loads((d / "summary.json").read_text())["backend"])
+        backends.append(results.read_json(d / "summary.json")["backend"])
         t.insert(1, "backend", backends[-1])
         tables.append(t)
     t = pd.concat(tables, ignore_index=True)
@@ -360,7 +360,7 @@ def checksum_cost(paths: list[str]) -> str:
     rows = []
     for path in paths:
         record, d = _run(path)
-        s = json.loads((d / "summary.json").read_text())
+        s = results.read_json(d / "summary.json")
         f = pd.read_csv(d / "faults.csv")
         for r in dr.checksum_table(f).to_dict("records"):
             rows.append({"run": _link(path), "backend": f"{s['backend']} ({s['prefill_device']} → {s['decode_device']})",
@@ -399,7 +399,7 @@ def decode_memory(paths: list[str]) -> str:
                   "allocated at its end (GiB)": f"{r['allocated_bytes'] / _GiB:.2f}",
                   "peak allocated (GiB)": f"{r['peak_allocated_bytes'] / _GiB:.2f}",
                   "peak reserved (GiB)": f"{r['peak_reserved_bytes'] / _GiB:.2f}"}
-                 for r in json.loads((d / "summary.json").read_text())["decode_memory"]]
+                 for r in results.read_json(d / "summary.json")["decode_memory"]]
     return _md(pd.DataFrame(rows))
 
 
@@ -426,7 +426,7 @@ def decode_oom(paths: list[str]) -> str:
         cap = rec["parameters"].get("decode_memory_gib") or 0
         row = {"run": _link(path), "cap (GiB)": f"{cap:.2f}" if cap else "none"}
         if rec["status"] == "finished":
-            s = json.loads((d / "summary.json").read_text())
+            s = results.read_json(d / "summary.json")
             peak = max(r["peak_allocated_bytes"] for r in s["decode_memory"])
             ok = s["tokens_match"] and s["logits_equal"] and s["bytes_equal"] and s["poison_left"] == 0
             row.update({"ended": f"finished, {s['requests']} request(s) "
@@ -614,7 +614,7 @@ def provenance_table() -> str:
 
     rows = {}
     for f in _committed_runs():
-        st = provenance.status(json.loads(f.read_text(encoding="utf-8")), f.parent)[0]
+        st = provenance.status(results.read_json(f), f.parent)[0]
         rows.setdefault(st, []).append(f"{f.parent.parent.name}/{f.parent.name}")
     from . import goals
 
@@ -771,8 +771,11 @@ def add_arguments(parser) -> None:
 def run_args(args) -> int:
     path = Path(args.readme) if args.readme else results.repo_root() / "README.md"
     text = path.read_text(encoding="utf-8")
-    new, changed = update(text)
     found = [m.group(2) for m in _BLOCK_RE.finditer(text)]
+    if not found:  # nothing to compare is not a match
+        raise ValueError(f"{path} has no <!-- kvlab-report:NAME --> blocks; give the README whose tables kvlab "
+                         "report makes")
+    new, changed = update(text)
     if args.check:
         if _shallow():
             skipped = [c for c in changed if c in NEEDS_HISTORY]

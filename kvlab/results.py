@@ -228,7 +228,15 @@ def _write_json(path: Path, record: dict) -> None:
 
 def _read_json(path: Path) -> dict:
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as err:  # name the file: a run folder holds several
+            raise ValueError(f"{path}: not valid JSON ({err})") from None
+
+
+def read_json(path: str | os.PathLike) -> dict:
+    """A JSON file kvlab wrote (run.json, summary.json); ValueError naming the file when it is not valid JSON."""
+    return _read_json(Path(path))
 
 
 # ------------------------------------------------------------------------------------ git
@@ -402,6 +410,7 @@ class Run:
         from kvlab import devices
 
         self._record["status"] = "finished"
+        (self.dir / STOPPED).unlink(missing_ok=True)  # an earlier attempt into the same folder stopped
         self._record["finished_utc"] = _iso(_utc_now())
         self._record["duration_s"] = round(time.monotonic() - self._t0, 3)
         end = devices.host_state()
@@ -511,6 +520,29 @@ def amend(run_dir: str | os.PathLike, **fields) -> None:
     _write_json(path, record)
 
 
+def check_run_folder(folder: str | os.PathLike, flag: str = "--run-dir") -> None:
+    """ValueError when `folder` (given as option `flag`) may not receive a new run: an empty path, a file, a
+    folder holding a finished run, or a folder with other files and no run.json. A folder of a run that stopped
+    (STOPPED.txt, or run.json not "finished") may be written again."""
+    if str(folder).strip() == "":
+        raise ValueError(f"{flag} is empty; give a folder (or leave the option out for a new one under data/)")
+    folder = Path(folder).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{flag} {str(folder)!r} is a file, not a folder")
+    record = folder / RUN_JSON
+    if record.is_file():
+        try:
+            status = json.loads(record.read_text(encoding="utf-8")).get("status")
+        except (OSError, json.JSONDecodeError):
+            status = "unreadable"
+        if status == "finished":
+            raise ValueError(f"{flag} {str(folder)!r} holds a finished run; give a new folder (or delete that one "
+                             "first) — kvlab does not overwrite a result")
+    elif folder.is_dir() and any(folder.iterdir()) and not (folder / STOPPED).is_file():
+        raise ValueError(f"{flag} {str(folder)!r} is a folder with other files in it and no run.json; give a new "
+                         "or empty folder")
+
+
 def record_execution(run_dir: str | os.PathLike, notebook: str, ok: bool, seconds: float,
                      error: str | None = None) -> bool:
     """Note in a run's run.json how its notebook execution ended (``kvlab run`` calls this).
@@ -529,7 +561,9 @@ def record_execution(run_dir: str | os.PathLike, notebook: str, ok: bool, second
             (Path(run_dir) / STOPPED).write_text(
                 f"This run stopped before it finished ({error or 'failed'}).\n"
                 f"Its tables and figures are partial; kvlab's readers skip it (run.json status: failed).\n"
-                f"The executed notebook, {notebook}, shows where it stopped.\n", encoding="utf-8")
+                + (f"The executed notebook, {notebook}, shows where it stopped.\n" if notebook.endswith(".ipynb") else
+                   f"{notebook} printed where it stopped; its workers' logs, if any, are in this folder.\n"),
+                encoding="utf-8")
         if not path.is_file():
             return False
         record = _read_json(path)

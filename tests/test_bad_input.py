@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -155,3 +156,63 @@ def test_mla_is_found_by_its_field_or_family_not_by_a_truthy_width():
     with pytest.raises(ValueError, match="missing required field.*qk_rope_head_dim"):
         models.from_hf_config({**_BASE, "model_type": "llama", "kv_lora_rank": 0})
     assert models.from_hf_config({**_BASE, "model_type": "llama"}).attention == "gqa"
+
+
+# --------------------------------------------------------------- found in a later audit (2026-12-01, CPU)
+
+
+def test_ceilings_never_overwrite_a_finished_run(tmp_path):
+    """`kvlab ceilings --run-dir` wrote CPU numbers over a committed H200 run and kept it "finished"."""
+    folder = tmp_path / "done"
+    folder.mkdir()
+    (folder / "run.json").write_text('{"status": "finished"}')
+    done = kvlab_command(["ceilings", "--paths", "d2h_pageable", "--sizes", "1M", "--repeats", "3",
+                          "--run-dir", str(folder)], _env(tmp_path))
+    _one_line(done, "holds a finished run")
+    assert (folder / "run.json").read_text() == '{"status": "finished"}'
+
+
+def test_analyse_never_writes_into_a_folder_that_holds_files(tmp_path):
+    """`kvlab analyse RUN --out OTHER_RUN` overwrote the other run's tables."""
+    from kvlab import analyse
+
+    run = sorted((Path(__file__).resolve().parent.parent / "data" / "link_ceilings").glob("*-h200"))[-1]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "run.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"already holds files \(a run: it has a run.json\)"):
+        analyse.analyse(run, other)
+    assert sorted(p.name for p in other.iterdir()) == ["run.json"]
+
+
+def test_report_check_of_a_file_without_blocks_is_an_error(tmp_path):
+    import argparse
+
+    from kvlab import report
+
+    plain = tmp_path / "plain.md"
+    plain.write_text("# nothing to check\n")
+    with pytest.raises(ValueError, match="has no <!-- kvlab-report:NAME --> blocks"):
+        report.run_args(argparse.Namespace(readme=str(plain), check=True))
+
+
+def test_a_corrupt_run_json_is_named(tmp_path):
+    from kvlab import results
+
+    bad = tmp_path / "run.json"
+    bad.write_text('{"status": "finished",\n')
+    with pytest.raises(ValueError, match=rf"{re.escape(str(bad))}: not valid JSON"):
+        results.read_json(bad)
+
+
+def test_a_run_that_finishes_in_a_stopped_folder_clears_its_stopped_note(tmp_path):
+    """A disagg run into the folder of one that had stopped said "finished" beside the old STOPPED.txt."""
+    from kvlab import results
+
+    folder = tmp_path / "again"
+    folder.mkdir()
+    (folder / results.STOPPED).write_text("This run stopped before it finished (Ctrl-C).\n")
+    run = results.start("calculator", {}, folder)
+    assert (folder / results.STOPPED).is_file()  # still stopped while it runs
+    run.finish()
+    assert not (folder / results.STOPPED).exists()

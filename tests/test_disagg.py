@@ -119,12 +119,26 @@ def test_a_layer_that_never_arrives_is_refused_by_name(tmp_path):
     (["--decode-memory-gib", "nan"], "decode-memory-gib = nan"),
     (["--decode-memory-gib", "0.0001"], "give at least 1 MiB"),
     (["--decode-memory-gib", "2", "--decode-device", "cpu"], "caps a GPU's allocator; the decode device is cpu"),
+    # found in a later audit: each of these started, ran or hung before
+    (["--timeout", "inf"], "timeout = inf: give seconds > 0 and at most 86400"),
+    (["--timeout", "1e12"], "timeout = 1000000000000.0"),
+    (["--context", "8k"], "context = 8192: longer than kvlab-tiny's 4096 positions"),
+    (["--layout", "paged", "--block-size", "1000000"], "a block longer than the longest context (128 tokens)"),
+    (["--policy", "retry"], "--policy set(s) up a fault campaign; add --faults N"),
+    (["--fault-kinds", "drop"], "--fault-kinds set(s) up a fault campaign"),
 ])
 def test_bad_input_is_one_line_before_anything_is_written(argv, says, tmp_path):
     done = kvlab_command(["disagg", *argv, "--out", str(tmp_path / "run")], _env(tmp_path))
     lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
     assert done.returncode == 2 and len(lines) == 1 and says in lines[0], done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_an_empty_out_is_refused_not_taken_for_the_default(tmp_path):
+    done = kvlab_command(["disagg", "--out", ""], _env(tmp_path))
+    lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+    assert done.returncode == 2 and len(lines) == 1 and "--out is empty" in lines[0], done.stderr
+    assert not (tmp_path / "data").exists()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() > 0, reason="this checks the refusals of a machine without GPUs")

@@ -134,6 +134,21 @@ def _device_ok(name: str, what: str) -> None:
                          + (f" (cuda:0 … cuda:{n - 1})" if n else ""))
 
 
+_MAX_WAIT_S = 86400.0  # a deadline longer than a day is a typo (and past what the control store's timer takes)
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DisaggConfig)}
+
+
+def _differs(value, default) -> bool:
+    if isinstance(default, tuple):
+        from .. import preflight
+
+        try:
+            return tuple(preflight.name_list(value, "value")) != default
+        except ValueError:
+            return True
+    return value != default
+
+
 def check(cfg: DisaggConfig) -> DisaggConfig:
     """Every value of `cfg` checked and normalised (lists from text, dtype aliases); ValueError naming the bad
     value and what would be valid. Nothing is started or written."""
@@ -167,8 +182,17 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
             raise ValueError(f"{name.replace('_', '-')} = {v!r}: give an int ≥ {low}")
     if not isinstance(cfg.port, int) or not 0 <= cfg.port <= 65535:
         raise ValueError(f"port = {cfg.port!r}: give 0 (a free port) or 1 … 65535")
-    if not (isinstance(cfg.timeout_s, (int, float)) and cfg.timeout_s > 0):
-        raise ValueError(f"timeout = {cfg.timeout_s!r}: give seconds > 0")
+    for what, v in (("timeout", cfg.timeout_s), ("fault-timeout", cfg.fault_timeout_s)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= _MAX_WAIT_S:
+            raise ValueError(f"{what} = {v!r}: give seconds > 0 and at most {_MAX_WAIT_S:g} (a day)")
+    longest = max(cfg.contexts)
+    spec = cfg.spec()
+    if spec.max_positions and longest > spec.max_positions:
+        raise ValueError(f"context = {longest}: longer than {cfg.model}'s {spec.max_positions} positions "
+                         "(max_position_embeddings); give at most that")
+    if "paged" in cfg.layouts and cfg.block_size > longest:
+        raise ValueError(f"block-size = {cfg.block_size}: a block longer than the longest context ({longest} tokens); "
+                         f"give at most {longest}")
     for what, d in (("device", cfg.device), ("decode-device", cfg.decode_device)):
         if d != "auto":
             _device_ok(_norm_device(str(d)), what)
@@ -185,8 +209,6 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"{name} = {v!r}: give an int ≥ 0")
-    if not (isinstance(cfg.fault_timeout_s, (int, float)) and cfg.fault_timeout_s > 0):
-        raise ValueError(f"fault-timeout = {cfg.fault_timeout_s!r}: give seconds > 0")
     if cfg.faults and cfg.backend not in ("gloo", "ipc", "nixl"):
         raise ValueError(f"faults: the campaign runs on gloo, ipc or nixl; {cfg.backend!r} matches sends in order "
                          "and has no fault path yet")
@@ -209,6 +231,13 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
     if bad or not kinds:
         raise ValueError(f"fault-kinds = {','.join(kinds) or '(none)'}: valid kinds are {', '.join(KINDS)}"
                          f"{preflight._suggest(bad[0], KINDS) if bad else ''}")
+    if not cfg.faults:  # the campaign's options, given without a campaign, would be ignored without a word
+        given = [flag for flag, name in (("--policy", "policy"), ("--retries", "retries"),
+                                         ("--fault-timeout", "fault_timeout_s"), ("--fault-kinds", "fault_kinds"))
+                 if _differs(getattr(cfg, name), _DEFAULTS[name])]
+        if given:
+            raise ValueError(f"{', '.join(given)} set(s) up a fault campaign; add --faults N (N ≥ 1) or leave "
+                             f"{'it' if len(given) == 1 else 'them'} out")
     if cfg.faults and "kill" in kinds and cfg.backend != "gloo":
         raise ValueError(f"fault-kinds: kill needs backend gloo (a new prefill process rejoins a new gloo group); "
                          f"got {cfg.backend!r}")
