@@ -239,8 +239,6 @@ def add_arguments(parser) -> None:
 
 
 def run_args(args) -> int:
-    import json
-
     from . import results
 
     dirs = [Path(r) for r in args.runs] or sorted(p.parent for p in results.data_root().glob("*/*/run.json"))

@@ -472,7 +472,7 @@ VERDICT_RUNS = {
                "disagg/20261130-175845-h200", "disagg/20261201-023701-h200", "disagg/20261201-023837-h200",
                "disagg/20261201-030308-h200", "disagg/20261201-032027-h200", "disagg/20261201-035926-h200",
                "disagg/20261201-040057-h200",
-               *(f"disagg/20261201-{r}-h200" for r in ("092931", "093212", "093344", "093517", "093649"))],
+               *(f"disagg/20261201-{r}-h200" for r in ("092931", "093212", "093344", "093517", "093649", "095437"))],
     "faults": ["disagg/20261130-190554-cpu", "disagg/20261130-190727-cpu", "disagg/20261130-190910-cpu",
                "disagg/20261130-231101-cpu", "disagg/20261130-231342-cpu", "disagg/20261130-231636-cpu",
                "disagg/20261201-003237-cpu", "disagg/20261201-003410-cpu", "disagg/20261201-003554-cpu",
@@ -506,7 +506,7 @@ TWO_GPU = dict(ceilings="link_ceilings/20261201-091906-h200", paged="paged_trans
                deadline32="handoff/20261201-092404-h200", patterns="overlap_timeline/20261201-092615-h200")
 # two processes on the 2×H200 (267ef9f), Qwen2.5-7B: nccl (32k, both layouts and modes, the bench); ipc from cuda:0
 # into cuda:1 (32k, bulk, the bench); NIXL contiguous, paged with merged descriptors and packed tables, paged with a
-# descriptor a block (4k and 32k)
+# descriptor a block (4k and 32k); then nccl's bench again, its copy made after the decode side landed each round
 DISAGG_2GPU = DISAGG_RUNS[10:12]
 NIXL_2GPU_RUNS = DISAGG_RUNS[12:15]
 
@@ -689,7 +689,7 @@ BLOCKS = {
         "eager (092005)": TWO_GPU["eager"], "deadline (092144)": TWO_GPU["deadline"],
         "deadline, 32k (092404)": TWO_GPU["deadline32"]}),
     "disagg_2gpu": lambda: disagg(DISAGG_2GPU + NIXL_2GPU_RUNS),
-    "disagg_bench_2gpu": lambda: disagg_bench(DISAGG_2GPU),
+    "disagg_bench_2gpu": lambda: disagg_bench(DISAGG_2GPU + DISAGG_RUNS[15:16]),
     "disagg_nixl_2gpu": lambda: disagg_nixl(NIXL_2GPU_RUNS),
     "disagg_1gpu": lambda: disagg(DISAGG_RUNS[:2]),
     "disagg_bench_1gpu": lambda: disagg_bench([p for p in DISAGG_RUNS[:10] if (_data() / p / "bench.csv").is_file()]),
