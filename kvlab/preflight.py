@@ -122,6 +122,13 @@ def _choice(*valid: str) -> Callable:
     return check
 
 
+def _positive_number(value, what):
+    import math
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{what} = {value!r}: give a finite number > 0")
+
+
 def _int_at_least(n: int) -> Callable:
     def check(value, what):
         if isinstance(value, bool) or not isinstance(value, int) or value < n:
@@ -219,7 +226,8 @@ CHECKS: dict[str, dict[str, Callable]] = {
     "calculator": {"models": _model_names, "ratio_models": _model_names, "tp_models": _model_names,
                    "links": _links, "ratio_links": _links, "tp_link": _links, "kv_dtype": _kv_dtype,
                    "exposure_cases": _exposure_cases, "prompt_tokens": _int_at_least(1),
-                   "tp_max": _int_at_least(1)},
+                   "tp_max": _int_at_least(1), "tflops": _positive_number, "ratio_min_tokens": _int_at_least(1),
+                   "ratio_max_tokens": _int_at_least(1)},
 }
 
 
@@ -240,8 +248,16 @@ def _disagg_together(params: Mapping) -> None:
     from_params(params)  # the whole configuration: backend on this machine, devices, lists, dtype
 
 
+def _calculator_together(params: Mapping) -> None:
+    lo, hi = params.get("ratio_min_tokens", 128), params.get("ratio_max_tokens", 131072)
+    if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
+        raise ValueError(f"ratio_min_tokens = {lo} > ratio_max_tokens = {hi}: the sweep runs from the first up to the "
+                         "second")
+
+
 # checks of several parameters together, after each has passed alone
-TOGETHER: dict[str, Callable] = {"handoff": _handoff_together, "disagg": _disagg_together}
+TOGETHER: dict[str, Callable] = {"handoff": _handoff_together, "disagg": _disagg_together,
+                                 "calculator": _calculator_together}
 
 
 def check(study: str, params: Mapping) -> None:

@@ -216,3 +216,17 @@ def test_a_run_that_finishes_in_a_stopped_folder_clears_its_stopped_note(tmp_pat
     assert (folder / results.STOPPED).is_file()  # still stopped while it runs
     run.finish()
     assert not (folder / results.STOPPED).exists()
+
+
+@pytest.mark.parametrize("params, says", [
+    ({"tflops": float("nan")}, "tflops = nan: give a finite number > 0"),
+    ({"tflops": -3}, "tflops = -3"),
+    ({"ratio_min_tokens": 4096, "ratio_max_tokens": 128}, "ratio_min_tokens = 4096 > ratio_max_tokens = 128"),
+])
+def test_calculator_values_its_notebook_would_fail_on_are_refused_first(params, says):
+    """Found in an audit: `kvlab run calculator -p tflops nan` made a run folder, then failed in cell 3."""
+    from kvlab import preflight
+
+    with pytest.raises(ValueError, match=re.escape(says)):
+        preflight.check("calculator", params)
+    preflight.check("calculator", {"tflops": 400, "ratio_min_tokens": 128, "ratio_max_tokens": 4096})
