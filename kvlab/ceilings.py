@@ -536,7 +536,7 @@ def run_args(args: argparse.Namespace) -> int:
         return 2
     params = {"paths": _join(args.paths), "sizes": _join(args.sizes), "repeats": args.repeats,
               "warmup": args.warmup, "copies": copies, "device": args.device}
-    if args.run_dir and not args.no_save:
+    if args.run_dir is not None and not args.no_save:
         from . import results
 
         try:  # before anything is measured: a finished run is never overwritten
@@ -560,7 +560,7 @@ def run_args(args: argparse.Namespace) -> int:
     if not args.no_save:
         from . import results
 
-        run = results.start(STUDY, params, args.run_dir)
+        run = results.start(STUDY, params, args.run_dir or "")
         run.save_table(df, "results")
         run.save_table(table, "fit")
         run.update(ceilings=ceil.to_dict())

@@ -16,6 +16,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=3, help="untimed samples first (default 3)")
     parser.add_argument("--copies", default="auto", help="copies per sample: auto or an int")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: current GPU, else cpu)")
-    parser.add_argument("--run-dir", default="", help="write into this run directory (default: a new one)")
+    parser.add_argument("--run-dir", default=None, help="write into this run directory (default: a new one)")
     parser.add_argument("--no-save", action="store_true", help="print only; write no run")
     return parser

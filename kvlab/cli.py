@@ -242,6 +242,7 @@ def execute(notebook: Path, params: Mapping, run_dir: str | os.PathLike | None =
     study = results.check_study(results.study_of(notebook))
     folder = Path(run_dir).expanduser().resolve() if run_dir else results.new_run_dir(study)
     folder.mkdir(parents=True, exist_ok=True)
+    results.set_aside_stopped(folder)  # an earlier attempt that stopped here: its files kept apart, not mixed in
     output = folder / notebook.name
     invocation = dict(invocation or {"argv": sys.argv})
     invocation.setdefault("notebook", notebook.name)

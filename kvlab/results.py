@@ -457,6 +457,7 @@ def start(study: str, params: Mapping, run_dir: str | os.PathLike = "") -> Run:
     else:
         path = Path(run_dir).expanduser().resolve()
         path.mkdir(parents=True, exist_ok=True)
+        set_aside_stopped(path)
 
     argv, invocation = _invocation()
     git = git_state()
@@ -541,6 +542,21 @@ def check_run_folder(folder: str | os.PathLike, flag: str = "--run-dir") -> None
     elif folder.is_dir() and any(folder.iterdir()) and not (folder / STOPPED).is_file():
         raise ValueError(f"{flag} {str(folder)!r} is a folder with other files in it and no run.json; give a new "
                          "or empty folder")
+
+
+def set_aside_stopped(folder: str | os.PathLike) -> Path | None:
+    """A folder whose earlier run stopped (STOPPED.txt) is about to hold a new run: the earlier attempt's files move
+    into `stopped-<UTC time>/` inside it, so the new run's tables never mix with a partial run's and nothing is
+    deleted. Returns that subfolder (None when there was nothing to set aside)."""
+    folder = Path(folder)
+    if not (folder / STOPPED).is_file():
+        return None
+    aside = folder / f"stopped-{_utc_now().strftime('%Y%m%d-%H%M%S')}"
+    aside.mkdir(exist_ok=True)
+    for p in list(folder.iterdir()):
+        if p != aside and not p.name.startswith("stopped-"):
+            p.rename(aside / p.name)
+    return aside
 
 
 def record_execution(run_dir: str | os.PathLike, notebook: str, ok: bool, seconds: float,

@@ -212,10 +212,13 @@ def test_a_run_that_finishes_in_a_stopped_folder_clears_its_stopped_note(tmp_pat
     folder = tmp_path / "again"
     folder.mkdir()
     (folder / results.STOPPED).write_text("This run stopped before it finished (Ctrl-C).\n")
+    (folder / "bench.csv").write_text("a table of the attempt that stopped\n")
     run = results.start("calculator", {}, folder)
-    assert (folder / results.STOPPED).is_file()  # still stopped while it runs
+    aside = [p for p in folder.iterdir() if p.name.startswith("stopped-")]
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == [results.STOPPED, "bench.csv"]
+    assert not (folder / "bench.csv").exists()  # the new run's tables cannot mix with the old attempt's
     run.finish()
-    assert not (folder / results.STOPPED).exists()
+    assert not (folder / results.STOPPED).exists() and (folder / "run.json").is_file()
 
 
 @pytest.mark.parametrize("params, says", [

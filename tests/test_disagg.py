@@ -123,7 +123,7 @@ def test_a_layer_that_never_arrives_is_refused_by_name(tmp_path):
     (["--timeout", "inf"], "timeout = inf: give seconds > 0 and at most 86400"),
     (["--timeout", "1e12"], "timeout = 1000000000000.0"),
     (["--context", "8k"], "context = 8192: longer than kvlab-tiny's 4096 positions"),
-    (["--layout", "paged", "--block-size", "1000000"], "a block longer than the longest context (128 tokens)"),
+    (["--layout", "paged", "--block-size", "1000000"], "block-size = 1000000: give at most 4096 tokens a block"),
     (["--policy", "retry"], "--policy set(s) up a fault campaign; add --faults N"),
     (["--fault-kinds", "drop"], "--fault-kinds set(s) up a fault campaign"),
 ])

@@ -303,8 +303,8 @@ class PrefillWorker:
                 self.link.finish_sends(n)
             if not k % 2:
                 # after the decode side has its bytes (scattered into its pool, when paged) and its GPU is idle. In
-                # run 092931 the copies after a send took ~0.3 ms longer than those before; waiting removed most of
-                # that (095437), but not why the paged rounds' copy takes 6.6 ms against 5.0 in the contiguous ones
+                # run 092931 the copies after a send took 0.31 ms longer than those before; waiting halved that
+                # (095437), and did not explain why the paged rounds' copy takes 6.6 ms against 5.0 in contiguous
                 self.control.wait(f"req{n}/bench/landed{k}", f"the decode side's landing of bench round {k}")
                 ceiling.append(plain())
         w = msg["warmup"]
