@@ -322,3 +322,30 @@ def test_signalling_before_begin_says_so(tiny):
             sender.on_layer(0)
         with pytest.raises(RuntimeError, match=r"finish\(\) before begin\(\)"):
             sender.finish()
+
+
+@pytest.mark.gpu
+def test_a_reused_event_of_an_earlier_send_does_not_make_a_layer_landed():
+    """On a GPU a layer-wise send reuses its per-layer events: while the next send is being issued, layer 1's event
+    still holds the earlier send's (completed) record. That layer is not landed until it is signalled again."""
+    from kvlab.kvcache import KVLayout
+
+    lay = KVLayout(layers=3, batch=1, kv_heads=2, tokens=64, head_dim=64, dtype=torch.bfloat16)
+    src = KVBuffer(lay, device="cuda")
+    src.data.normal_()
+    t = Transport(lay, "same-gpu", "cuda")
+    sender = t.layerwise(src, mode="event")
+    sender.begin()
+    for i in range(lay.layers):
+        sender.on_layer(i)
+    sender.finish().wait()
+    sender.begin()
+    sender.on_layer(0)
+    torch.cuda.synchronize()
+    landing = t.latest
+    assert landing.landed(0) and not landing.landed(1) and landing.state == "in-flight"
+    with pytest.raises(TransferError, match=r"still being sent: layers \[1, 2\] of 3"):
+        landing.wait()
+    for i in (1, 2):
+        sender.on_layer(i)
+    assert torch.equal(t.receive(sender.finish()).data, src.data)
