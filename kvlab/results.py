@@ -52,7 +52,7 @@ _PROTECTED = frozenset(
         "schema", "run_id", "study", "status", "started_utc", "finished_utc", "duration_s", "git",
         "kvlab_version", "device_kind", "device_tag", "host", "devices", "p2p", "topology", "driver_version",
         "cuda_runtime", "versions", "parameters", "argv", "invocation", "tables", "host_state_start",
-        "host_state_end", "host_usage",
+        "host_state_end", "host_usage", "pid",
     }
 )
 
@@ -467,6 +467,7 @@ def start(study: str, params: Mapping, run_dir: str | os.PathLike = "") -> Run:
         "run_id": path.name,
         "study": study,
         "status": "running",
+        "pid": os.getpid(),  # while "running": which process writes the folder (check_run_folder)
         "started_utc": _iso(_utc_now()),
         "finished_utc": None,
         "duration_s": None,
@@ -539,9 +540,35 @@ def check_run_folder(folder: str | os.PathLike, flag: str = "--run-dir") -> None
         if status == "finished":
             raise ValueError(f"{flag} {str(folder)!r} holds a finished run; give a new folder (or delete that one "
                              "first) — kvlab does not overwrite a result")
+        if status == "running" and (pid := _live_writer(record)) is not None:
+            raise ValueError(f"{flag} {str(folder)!r} holds a run still in progress (process {pid} on this host); "
+                             "give another folder — two runs in one folder overwrite each other's tables")
     elif folder.is_dir() and any(folder.iterdir()) and not (folder / STOPPED).is_file():
         raise ValueError(f"{flag} {str(folder)!r} is a folder with other files in it and no run.json; give a new "
                          "or empty folder")
+
+
+def _live_writer(record_path: Path) -> int | None:
+    """The pid of the process on this host that started the run in `record_path` (run.json), if it is still
+    alive; None otherwise (another host, no pid recorded, or the process is gone: a run killed without a word)."""
+    import socket
+
+    try:
+        record = json.loads(record_path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    pid = record.get("pid")
+    if not isinstance(pid, int) or pid <= 0 or pid == os.getpid():
+        return None
+    if (record.get("host") or {}).get("hostname") != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:  # alive, another user's
+        return pid
+    return pid
 
 
 def set_aside_stopped(folder: str | os.PathLike) -> Path | None:

@@ -233,3 +233,29 @@ def test_calculator_values_its_notebook_would_fail_on_are_refused_first(params, 
     with pytest.raises(ValueError, match=re.escape(says)):
         preflight.check("calculator", params)
     preflight.check("calculator", {"tflops": 400, "ratio_min_tokens": 128, "ratio_max_tokens": 4096})
+
+
+def test_a_folder_a_live_run_is_writing_is_refused(tmp_path):
+    """Found in an audit: two `kvlab disagg --out SAME` runs at once both exited 0, the folder holding only the
+    second's run.json and a mix of their worker logs."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from kvlab import results
+
+    folder = tmp_path / "busy"
+    folder.mkdir()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        record = {"status": "running", "pid": live.pid, "host": {"hostname": socket.gethostname()}}
+        (folder / "run.json").write_text(json.dumps(record))
+        with pytest.raises(ValueError, match=rf"still in progress \(process {live.pid} on this host\)"):
+            results.check_run_folder(folder, "--out")
+    finally:
+        live.kill()
+        live.wait()
+    results.check_run_folder(folder, "--out")  # its process is gone (killed without a word): the folder may be reused
+    run = results.start("calculator", {}, tmp_path / "mine")
+    assert json.loads((tmp_path / "mine" / "run.json").read_text())["pid"] == run._record["pid"]
