@@ -410,7 +410,6 @@ class Run:
         from kvlab import devices
 
         self._record["status"] = "finished"
-        (self.dir / STOPPED).unlink(missing_ok=True)  # an earlier attempt into the same folder stopped
         self._record["finished_utc"] = _iso(_utc_now())
         self._record["duration_s"] = round(time.monotonic() - self._t0, 3)
         end = devices.host_state()
@@ -534,13 +533,14 @@ def check_run_folder(folder: str | os.PathLike, flag: str = "--run-dir") -> None
     record = folder / RUN_JSON
     if record.is_file():
         try:
-            status = json.loads(record.read_text(encoding="utf-8")).get("status")
+            earlier = json.loads(record.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError):
-            status = "unreadable"
+            earlier = {"status": "unreadable"}
+        status = earlier.get("status")
         if status == "finished":
             raise ValueError(f"{flag} {str(folder)!r} holds a finished run; give a new folder (or delete that one "
                              "first) — kvlab does not overwrite a result")
-        if status == "running" and (pid := _live_writer(record)) is not None:
+        if status == "running" and (pid := _live_writer(earlier)) is not None:
             raise ValueError(f"{flag} {str(folder)!r} holds a run still in progress (process {pid} on this host); "
                              "give another folder — two runs in one folder overwrite each other's tables")
     elif folder.is_dir() and any(folder.iterdir()) and not (folder / STOPPED).is_file():
@@ -548,15 +548,11 @@ def check_run_folder(folder: str | os.PathLike, flag: str = "--run-dir") -> None
                          "or empty folder")
 
 
-def _live_writer(record_path: Path) -> int | None:
-    """The pid of the process on this host that started the run in `record_path` (run.json), if it is still
-    alive; None otherwise (another host, no pid recorded, or the process is gone: a run killed without a word)."""
+def _live_writer(record: dict) -> int | None:
+    """The pid of the process on this host that started the run whose run.json is `record`, if it is still alive;
+    None otherwise (another host, no pid recorded, or the process is gone: a run killed without a word)."""
     import socket
 
-    try:
-        record = json.loads(record_path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None
     pid = record.get("pid")
     if not isinstance(pid, int) or pid <= 0 or pid == os.getpid():
         return None

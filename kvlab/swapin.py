@@ -256,25 +256,13 @@ def plot(summary: pd.DataFrame, title: str = ""):
     return fig
 
 
-def _available_ram() -> int | None:
-    """Bytes of memory free for a new allocation on this host (Linux: MemAvailable), None where unknown."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def run(model: str = "qwen2.5-7b", contexts=("4k", "32k"), block_size: int = 16, kv_dtype: str = "bf16",
         device: str = "auto", repeats: int = 9, seed: int = 0, out: str = "", argv=None) -> tuple[str, pd.DataFrame]:
     """Check every value, then measure into a run folder (data/swapin/<run_id>/ unless `out`): results.csv,
     summary.csv, run.json. Returns (run folder, summary)."""
     import os
 
-    from . import models, preflight, results
+    from . import devices, models, preflight, results
     from .disagg.config import _DTYPE_ALIASES, KV_DTYPES, _norm_device
 
     ctx = preflight.token_list(contexts, "context", 1)
@@ -295,7 +283,7 @@ def run(model: str = "qwen2.5-7b", contexts=("4k", "32k"), block_size: int = 16,
     spec = PoolSpec(spec_m.layers, block_size, spec_m.kv_heads, spec_m.head_dim, dt)
     if dev.type == "cpu":  # host and "device" pools, staging and copies all live in this machine's memory
         need = 13 * spec.pool_bytes(spec.blocks_for(max(ctx)))  # 22.8 GB resident seen for a 1.75 GiB cache
-        free = _available_ram()
+        free = devices.host_available_bytes()
         if free is not None and need > 0.8 * free:
             raise ValueError(f"{spec_m.name} at {max(ctx)} tokens needs about {need / 2**30:.1f} GiB on a CPU (pools, "
                              f"staging, copies) and {free / 2**30:.1f} GiB is free; give a smaller --model or "

@@ -248,7 +248,6 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
     if cfg.bench and cfg.backend not in ("ipc", "nccl", "gloo"):
         raise ValueError(f"bench times the send alone with backend ipc, nccl or gloo; got {cfg.backend!r}")
     _memory_cap_ok(cfg.decode_memory_gib, dec)
-    spec = cfg.spec()
     if cfg.drop_layer >= spec.layers:
         raise ValueError(f"drop_layer = {cfg.drop_layer}: {spec.name} has layers 0 … {spec.layers - 1}")
     return cfg
