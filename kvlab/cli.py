@@ -750,6 +750,8 @@ def _cmd_trace(args) -> int:
                                               "adjacent in both pools (merged) (default block)"),
     arg("--block-order", default="random", help="paged: both sides' allocators hand out blocks at random (a busy "
                                                 "server) or packed, lowest ids first (a fresh one) (default random)"),
+    arg("--in-order", action="store_true", help="gloo: match sends to receives in order, as nccl does (every "
+                                                "unit tag 0), to run nccl's fault protocol on a CPU"),
     arg("--port", type=int, default=0, help="port of the control store (default 0: a free one)"),
     arg("--seed", type=int, default=0, help="seed of the weights, the prompt, the block tables and the fault plan"),
     arg("--faults", type=int, default=0, help="a fault-injection campaign of N layer-wise requests (drop, delay, "
@@ -790,7 +792,7 @@ Example: kvlab disagg --backend gloo --model kvlab-tiny --context 128 --decode-t
         decode_tokens=args.decode_tokens, timeout_s=args.timeout, bench=args.bench, port=args.port,
         faults=args.faults, policy=args.policy, retries=args.retries, fault_timeout_s=args.fault_timeout,
         fault_kinds=args.fault_kinds, nixl_descs=args.nixl_descs, block_order=args.block_order,
-        seed=args.seed, decode_memory_gib=args.decode_memory_gib)
+        seed=args.seed, decode_memory_gib=args.decode_memory_gib, in_order=args.in_order)
     try:
         summary = disagg.run(cfg, args.out or "", progress=not args.quiet)
     except (disagg.DisaggError, disagg.IncompleteCacheError, TimeoutError) as err:

@@ -126,12 +126,24 @@ def test_a_layer_that_never_arrives_is_refused_by_name(tmp_path):
     (["--layout", "paged", "--block-size", "1000000"], "block-size = 1000000: give at most 4096 tokens a block"),
     (["--policy", "retry"], "--policy set(s) up a fault campaign; add --faults N"),
     (["--fault-kinds", "drop"], "--fault-kinds set(s) up a fault campaign"),
+    (["--in-order", "--backend", "ipc"], "in-order makes gloo match sends in order as nccl does; got backend 'ipc'"),
+    (["--in-order", "--backend", "nccl"], "(nccl is in order already)"),
 ])
 def test_bad_input_is_one_line_before_anything_is_written(argv, says, tmp_path):
     done = kvlab_command(["disagg", *argv, "--out", str(tmp_path / "run")], _env(tmp_path))
     lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
     assert done.returncode == 2 and len(lines) == 1 and says in lines[0], done.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("kw", [dict(in_order=True), dict(in_order=True, faults=2)])
+def test_a_test_drop_on_an_in_order_link_is_refused(kw):
+    """drop_layer skips one layer outside the campaign's fence: on an in-order link the receive posted for it
+    would take a later unit's bytes."""
+    with pytest.raises(ValueError, match="drop_layer = 1 on an in-order link .* run a fault campaign"):
+        disagg.check(disagg.DisaggConfig(drop_layer=1, **kw))
+    with pytest.raises(ValueError, match="in_order = 'yes': give True or False"):
+        disagg.check(disagg.DisaggConfig(in_order="yes"))
 
 
 def test_an_empty_out_is_refused_not_taken_for_the_default(tmp_path):
@@ -384,6 +396,28 @@ def test_disagg_gpu_nccl(tmp_path):
                                        repeats=2, bench=True, bench_repeats=3), tmp_path / "run", progress=False)
     assert s["tokens_match"] and s["logits_equal"] and s["bytes_equal"] and s["poison_left"] == 0
     assert len(s["bench"]) == 4
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
+@pytest.mark.parametrize("policy, layout", [("fail", "contiguous"), ("retry", "paged"), ("recompute", "paged")])
+def test_disagg_gpu_nccl_fault_campaign(policy, layout, tmp_path):
+    """NCCL matches in order: a dropped layer holds back those behind it until the fence, and the decode side
+    polls each receive against the deadline (seed 9 draws layers 1, 1, 1, 0, 0, 0, 1, 1 of the tiny model).
+    Nothing decodes from a partial or corrupt cache; fail refuses all, retry and recompute recover all."""
+    cfg = disagg.DisaggConfig(backend="nccl", repeats=1, warmup=0, modes=("layerwise",), faults=8, policy=policy,
+                              seed=9, fault_timeout_s=1.0, layouts=(layout,),
+                              fault_kinds=("drop", "delay", "corrupt", "oom"))
+    s = disagg.run(cfg, tmp_path / "run", progress=False)
+    df = pd.read_csv(tmp_path / "run" / "faults.csv")
+    assert s["faults_injected"] == 8 and s["decoded_from_partial"] == 0 and s["undetected"] == 0
+    assert df["detected_by"].tolist() == ["deadline", "deadline", "checksum", "decode out of memory"] * 2
+    if policy == "fail":
+        assert s["refused"] == 8 and not df["decoded"].any()
+        assert "missing or corrupt [0, 1]" in df[(df.kind == "drop") & (df.layer == 0)]["error"].iloc[0]
+    else:
+        assert s["recovered"] == 8 and df["tokens_match"].all() and df["logits_equal"].all() and df["bytes_equal"].all()
+    assert s["tokens_match"] and s["logits_equal"] and s["poison_left"] == 0  # the measured rounds around it
+    assert df["recover_ms"].max() <= (cfg.fault_timeout_s + 1.0) * 1e3 * (cfg.retries + 1)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a paged send between two GPUs needs two GPUs")
@@ -675,6 +709,69 @@ def test_a_decode_side_out_of_memory_is_refused_or_recovered_never_decoded_half(
     kv = calculator.kv_cache_bytes(models.get("kvlab-tiny"), 128, "bf16")
     assert (df["checksum_send_bytes"] == kv).all() and (df["checksum_recv_bytes"] == kv // 2).all()
     assert (df["checksum_send_ms"] > 0).all() and (df["checksum_recv_ms"] > 0).all()
+
+
+@pytest.mark.parametrize("policy, layout", [("fail", "contiguous"), ("retry", "paged")])
+def test_an_in_order_link_holds_back_the_layers_behind_a_drop_and_nothing_decodes_from_them(policy, layout, tmp_path):
+    """gloo matching in order, as NCCL does (in_order): a receive takes whatever is sent next, so a dropped layer
+    holds back the layers behind it until the fence. Seed 9 draws layers 1, 1, 1, 0, 0, 0, 1, 1: the drop at
+    layer 0 leaves both layers missing (on a tagged link only layer 0). Without the holding back, layer 1's bytes
+    took layer 0's receive and the fence waited for ever (the channel left unusable)."""
+    cfg = disagg.DisaggConfig(repeats=1, warmup=0, modes=("layerwise",), faults=8, policy=policy, seed=9,
+                              fault_timeout_s=0.5, layouts=(layout,), in_order=True,
+                              fault_kinds=("drop", "delay", "corrupt", "oom"))
+    s = disagg.run(cfg, tmp_path / "run", progress=False)
+    df = pd.read_csv(tmp_path / "run" / "faults.csv")
+    assert df["layer"].tolist() == [1, 1, 1, 0, 0, 0, 1, 1]
+    assert s["faults_injected"] == 8 and s["decoded_from_partial"] == 0 and s["undetected"] == 0
+    assert df["detected_by"].tolist() == ["deadline", "deadline", "checksum", "decode out of memory",
+                                          "deadline", "deadline", "checksum", "decode out of memory"]
+    if policy == "fail":
+        assert s["refused"] == 8 and not df["decoded"].any()
+        drop0 = df[(df.kind == "drop") & (df.layer == 0)]["error"].iloc[0]
+        assert "2 of 2 layers did not land intact" in drop0 and "missing or corrupt [0, 1]" in drop0
+    else:
+        assert s["recovered"] == 8 and df["tokens_match"].all() and df["logits_equal"].all() and df["bytes_equal"].all()
+        assert (df["outcome"] == "recovered (retry)").all()
+    assert df["recover_ms"].max() <= (cfg.fault_timeout_s + 1.0) * 1e3 * (cfg.retries + 1)
+
+
+class _FakeWork:
+    """A receive that completes after `after` polls (None: never)."""
+
+    def __init__(self, after):
+        self.after, self.polls, self.waited = after, 0, False
+
+    def is_completed(self):
+        self.polls += 1
+        return self.after is not None and self.polls > self.after
+
+    def wait(self):
+        self.waited = True
+
+
+def test_a_polled_nccl_receive_is_waited_for_until_the_host_deadline_then_refused():
+    """DistLink.poll (the fault campaign on nccl): a receive that completes is returned once it has, the stream
+    made to wait for it; one that never completes is a TimeoutError at the deadline, and stays posted (drain)."""
+    import time
+
+    from kvlab.disagg.links import DistLink
+
+    link = DistLink("nccl", peer=1, device=torch.device("cpu"), timeout_s=5.0)
+    assert link.in_order and not link.poll
+    link.poll = True
+    late, never = _FakeWork(after=3), _FakeWork(after=None)
+    link._arrived = None
+    link._recvs = [((0,), late, None), ((1,), never, None)]
+    unit, work, _ = link._next(7, time.monotonic() + 5.0, "did not arrive")
+    assert unit == (0,) and work is late and late.polls == 4 and late.waited
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"request 7: layer\(s\) \[1\] did not arrive"):
+        link._next(7, time.monotonic() + 0.2, "did not arrive")
+    assert 0.2 <= time.monotonic() - t0 < 1.0 and never.polls > 1 and not never.waited
+    assert link.pending == [(1,)]
+    assert DistLink("gloo", 1, torch.device("cpu"), 5.0).tag(3, (1,)) != 0  # tagged: its own tag a unit
+    assert DistLink("gloo", 1, torch.device("cpu"), 5.0, in_order=True).tag(3, (1,)) == 0
 
 
 def test_checksum_table_reports_each_side_and_skips_what_was_not_checked():

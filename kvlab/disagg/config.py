@@ -63,6 +63,8 @@ class DisaggConfig:
     block_order: str = "random"  # paged: how both sides' allocators hand out blocks, "random" (a busy server's
     # scattered free list) or "packed" (the lowest free ids in order: a fresh server, blocks adjacent)
     decode_memory_gib: float = 0.0  # cap on the decode process's allocator while it serves (0: none)
+    in_order: bool = False  # gloo: match sends to receives in order, as NCCL does (every unit tag 0), so NCCL's
+    # fault protocol (a dropped layer holds back the layers behind it) runs on a CPU
 
     def spec(self):
         """The model's ModelSpec: a registry name's, or read from the config.json / model folder `model` names."""
@@ -197,6 +199,15 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
     for what, d in (("device", cfg.device), ("decode-device", cfg.decode_device)):
         if d != "auto":
             _device_ok(_norm_device(str(d)), what)
+    if not isinstance(cfg.in_order, bool):
+        raise ValueError(f"in_order = {cfg.in_order!r}: give True or False")
+    if cfg.in_order and cfg.backend != "gloo":
+        raise ValueError(f"in-order makes gloo match sends in order as nccl does; got backend {cfg.backend!r} "
+                         + ("(nccl is in order already)" if cfg.backend == "nccl" else "(it has no sends to match)"))
+    if cfg.drop_layer >= 0 and (cfg.backend == "nccl" or cfg.in_order):
+        raise ValueError(f"drop_layer = {cfg.drop_layer} on an in-order link ({cfg.backend}"
+                         f"{', in order' if cfg.in_order else ''}) would leave receives posted that no later request "
+                         "may match: run a fault campaign (--faults N --fault-kinds drop) instead")
     pre, dec = cfg.devices()
     why = backend_unavailable(cfg.backend, pre, dec, "paged" in cfg.layouts)
     if why:
@@ -210,9 +221,6 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"{name} = {v!r}: give an int ≥ 0")
-    if cfg.faults and cfg.backend not in ("gloo", "ipc", "nixl"):
-        raise ValueError(f"faults: the campaign runs on gloo, ipc or nixl; {cfg.backend!r} matches sends in order "
-                         "and has no fault path yet")
     from .nixl_link import DESCS
 
     if cfg.nixl_descs not in DESCS:

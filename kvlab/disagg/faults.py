@@ -3,7 +3,8 @@
 A campaign (`kvlab disagg --faults N --policy P`) sends N layer-wise requests, each with one fault the prefill
 side injects, drawn (seeded) from:
 
-    drop      layer k is never sent
+    drop      layer k is never sent; on an in-order link (nccl, or gloo with in_order) the layers behind it are
+              held back too, as a stalled sender's would be, since a receive takes whatever is sent next
     delay     layer k leaves after the decode side's deadline (fault_timeout_s + 0.5 s)
     corrupt   layer k's first byte arrives with its bits flipped
     kill      the prefill process sends the layers before k, then kills itself (SIGKILL: no goodbye); the launcher
@@ -17,8 +18,9 @@ side injects, drawn (seeded) from:
 The decode side detects a fault by its deadline (a layer that has not landed), by a per-layer checksum
 computed on both sides, by its own allocation failing (oom), or by the launcher's record that the prefill process died (`dead/prefill/<generation>`),
 and after a death it trusts no layer of that request (none was checksummed by a sender that is gone).
-Otherwise it fences the channel (late layers are waited for, dropped ones are filled by the sender, so no byte
-of this request can land in a later request's destination). Then it follows the policy, named as
+Otherwise it fences the channel (late layers are waited for, dropped or held-back ones are filled by the sender,
+in the order their receives were posted, so no byte of this request can land in a later request's destination).
+On nccl every wait of the campaign polls the receive against a host deadline (DistLink.poll). Then it follows the policy, named as
 vLLM's kv_load_failure_policy names them:
 
     fail       refuse: the request is not decoded (an IncompleteCacheError naming it and its layers)
@@ -179,45 +181,62 @@ def _attempt(w, base, sink, layers: list[int], fault, good: set[int]):
     oom = fault is not None and fault["kind"] == "oom"
     tracker = (_OutOfMemoryAt(sink.layers, str(w.dev), fault["layer"]) if oom else LandedLayers(sink.layers, str(w.dev)))
     tracker.begin(n)
-    w.link.post_receive(n, plan_units, sink)
-    # the first attempt prefills and sends every layer (with the fault); a retry asks for the bad layers only
-    mode = "layerwise" if fault is not None else "resend"
-    msg = dict(base, mode=mode, layers=layers, checksum=True, fenced=True)
-    if fault is not None:
-        msg["fault"] = fault
-    w._go(msg)
-    how = ""
-    try:
-        w.link.wait_landed(n, sink, tracker, w.control, cfg.fault_timeout_s)
-    except TimeoutError as err:
-        how = "receive failed" if "failed" in str(err) else "deadline"
-    except torch.OutOfMemoryError:
-        if not oom:  # a real one: not this campaign's to handle
-            raise
-        how = "decode out of memory"
-    landed_in_time = {i for i in layers if i not in tracker.missing(n)}
-    done = _done_or_dead(w, n)
-    if done is None:  # the prefill process died: no layer of this request was checksummed by a live sender
-        w.peer_dead = True  # its successor is joined when the peer is next needed (take_over)
-        return set(layers), how or "peer died", None
-    sent = set(done["sent"])
-    drain = [u[0] for u in w.link.pending if u[0] not in sent]
-    w.control.post(f"req{n}/ack", {"drain": drain})
-    w.link.drain(n, cfg.timeout_s)  # late layers and filler: the channel is clean before the next request
-    from ..timing import sync_device
+    with _polling(w.link):  # nccl: every wait below against a host deadline
+        w.link.post_receive(n, plan_units, sink)
+        # the first attempt prefills and sends every layer (with the fault); a retry asks for the bad layers only
+        mode = "layerwise" if fault is not None else "resend"
+        msg = dict(base, mode=mode, layers=layers, checksum=True, fenced=True)
+        if fault is not None:
+            msg["fault"] = fault
+        w._go(msg)
+        how = ""
+        try:
+            w.link.wait_landed(n, sink, tracker, w.control, cfg.fault_timeout_s)
+        except TimeoutError as err:
+            how = "receive failed" if "failed" in str(err) else "deadline"
+        except torch.OutOfMemoryError:
+            if not oom:  # a real one: not this campaign's to handle
+                raise
+            how = "decode out of memory"
+        landed_in_time = {i for i in layers if i not in tracker.missing(n)}
+        done = _done_or_dead(w, n)
+        if done is None:  # the prefill process died: no layer of this request was checksummed by a live sender
+            w.peer_dead = True  # its successor is joined when the peer is next needed (take_over)
+            return set(layers), how or "peer died", None
+        sent = set(done["sent"])
+        drain = [u[0] for u in w.link.pending if u[0] not in sent]
+        w.control.post(f"req{n}/ack", {"drain": drain})
+        w.link.drain(n, cfg.timeout_s)  # late layers and filler: the channel is clean before the next request
+        from ..timing import sync_device
 
-    sync_device(w.dev)
-    t0 = time.perf_counter()
-    sums = _sink_checksums(sink, sorted(landed_in_time))  # ends in tolist(): the device is done
-    done["checksum_recv_ms"] = (time.perf_counter() - t0) * 1e3
-    done["checksum_recv_bytes"] = len(landed_in_time) * done["checksum_bytes"] // sink.layers
-    corrupt = {i for i, c in sums.items() if c != done["checksums"][i]}
-    if corrupt and not how:
-        how = "checksum"
-    ok = landed_in_time - corrupt
-    good |= ok
-    bad = set(layers) - ok
-    return bad, how, done
+        sync_device(w.dev)
+        t0 = time.perf_counter()
+        sums = _sink_checksums(sink, sorted(landed_in_time))  # ends in tolist(): the device is done
+        done["checksum_recv_ms"] = (time.perf_counter() - t0) * 1e3
+        done["checksum_recv_bytes"] = len(landed_in_time) * done["checksum_bytes"] // sink.layers
+        corrupt = {i for i, c in sums.items() if c != done["checksums"][i]}
+        if corrupt and not how:
+            how = "checksum"
+        ok = landed_in_time - corrupt
+        good |= ok
+        bad = set(layers) - ok
+        return bad, how, done
+
+
+class _polling:
+    """Within it, a DistLink on nccl waits for each receive against the host deadline (DistLink.poll); other
+    links are left as they are."""
+
+    def __init__(self, link):
+        self.link = link if hasattr(link, "poll") else None
+
+    def __enter__(self):
+        if self.link is not None:
+            self.link.poll = True
+
+    def __exit__(self, *exc):
+        if self.link is not None:
+            self.link.poll = False
 
 
 class _OutOfMemoryAt(LandedLayers):

@@ -16,6 +16,10 @@ A request's cache crosses in *units*: one unit of every layer (bulk) or one unit
     gloo   torch.distributed isend/irecv on gloo over TCP: the CPU path CI runs, and a stand-in for a network
            link. GPU tensors are staged through host memory on both sides.
 
+nccl matches a send to a receive in the order both were posted (it ignores tags); gloo matches by tag, one per
+unit, unless it is asked to match in order as NCCL does (`in_order`, so NCCL's fault protocol runs on a CPU).
+On an in-order link a unit can never be skipped: the receive posted for it would take the next unit's bytes.
+
 Paged caches travel as rows (one row = one block of one layer's K or V): gathered on the prefill side into a
 staging tensor (nccl, gloo) and scattered into the decode pool's own blocks, or moved row to row (ipc).
 """
@@ -185,13 +189,20 @@ def _sync(device: torch.device) -> None:
 
 
 class DistLink:
-    """nccl and gloo: torch.distributed point-to-point between rank `peer` and this rank."""
+    """nccl and gloo: torch.distributed point-to-point between rank `peer` and this rank.
 
-    def __init__(self, backend: str, peer: int, device: torch.device, timeout_s: float):
+    in_order: sends match receives in posting order, every unit with tag 0 (nccl always; gloo when asked, to run
+    NCCL's protocol on a CPU). poll (nccl): wait for a receive by asking whether it has completed, against a
+    host deadline, instead of blocking the host on the stream until it has (the fault campaign sets it: a layer
+    that never comes must become a TimeoutError at the deadline, not a wait until NCCL's watchdog fires)."""
+
+    def __init__(self, backend: str, peer: int, device: torch.device, timeout_s: float, in_order: bool = False):
         self.name = backend
         self.peer = peer
         self.device = device
         self.timeout_s = timeout_s
+        self.in_order = backend == "nccl" or in_order
+        self.poll = False
         self.host_staged = backend == "gloo" and device.type == "cuda"
         self._works: list = []
         self._recvs: list = []
@@ -206,7 +217,11 @@ class DistLink:
             t = t.to("cpu")  # gloo moves host memory only: the copy to the host is part of this link's cost
         if corrupt:
             t = flip_first_byte(t.clone())
-        self._works.append((dist.isend(t.contiguous(), dst=self.peer, tag=unit_tag(request, unit)), t))
+        self._works.append((dist.isend(t.contiguous(), dst=self.peer, tag=self.tag(request, unit)), t))
+
+    def tag(self, request: int, unit) -> int:
+        """The unit's point-to-point tag: its own (unit_tag), or 0 on an in-order link."""
+        return 0 if self.in_order else unit_tag(request, unit)
 
     def finish_sends(self, request: int) -> None:
         from datetime import timedelta
@@ -234,7 +249,7 @@ class DistLink:
         self._recvs = []
         for unit in plan:
             view = sink.landing_view(unit, host=self.host_staged)
-            self._recvs.append((unit, dist.irecv(view, src=self.peer, tag=unit_tag(request, unit)), view))
+            self._recvs.append((unit, dist.irecv(view, src=self.peer, tag=self.tag(request, unit)), view))
         self._arrived: queue.SimpleQueue | None = None
         if self.name == "gloo":
             self._arrived = queue.SimpleQueue()
@@ -266,7 +281,12 @@ class DistLink:
                 raise TimeoutError(f"request {request}: the receive of layer(s) {list(unit)} failed "
                                    f"({type(err).__name__}: {str(err).splitlines()[0][:160]})")
         else:
-            work.wait()  # NCCL: the current stream waits; the process group's timeout bounds it
+            if self.poll:  # NCCL's is_completed() asks the receive's CUDA event: it does not block
+                while not work.is_completed():
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(f"request {request}: layer(s) {list(unit)} {what}")
+                    time.sleep(5e-5)
+            work.wait()  # NCCL: the current stream waits; without poll, the process group's timeout bounds it
         return self._recvs.pop(0)
 
     def wait_landed(self, request: int, sink: Sink, tracker, control=None, timeout_s: float | None = None) -> None:
@@ -609,8 +629,8 @@ def event_ms(stream, fn) -> float:
 def unit_tag(request: int, unit: tuple[int, ...]) -> int:
     """The point-to-point tag of one unit of one request. gloo matches a receive to a send by peer and tag, so
     with tags a layer that is never sent cannot let the next layer's bytes into its slot (without them, layer 1
-    sent after a dropped layer 0 landed in layer 0's receive). NCCL ignores tags and matches in order: it must
-    never skip a unit (its fault path is not built)."""
+    sent after a dropped layer 0 landed in layer 0's receive). NCCL ignores tags and matches in order: an
+    in-order link never skips a unit (DistLink.in_order; a dropped layer holds back those behind it)."""
     layer = 4095 if len(unit) > 1 else unit[0]
     return (request % 500_000) * 4096 + layer
 
@@ -623,11 +643,11 @@ def flip_first_byte(t: torch.Tensor) -> torch.Tensor:
 
 
 def make_link(backend: str, role: str, device: torch.device, control, timeout_s: float, peer: int,
-              nixl_descs: str = "block"):
+              nixl_descs: str = "block", in_order: bool = False):
     if backend == "ipc":
         return IpcLink(device, control, timeout_s)
     if backend == "nixl":
         from .nixl_link import NixlLink
 
         return NixlLink(role, device, control, timeout_s, descs=nixl_descs)
-    return DistLink(backend, peer, device, timeout_s)
+    return DistLink(backend, peer, device, timeout_s, in_order)

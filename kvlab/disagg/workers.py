@@ -151,12 +151,15 @@ class PrefillWorker:
             return self.resend(n, msg, src)
         fault = msg.get("fault") or {}
         drop = fault["layer"] if fault.get("kind") == "drop" else self.cfg.drop_layer
+        # on an in-order link (nccl) a layer that is not sent holds back every layer behind it: the decode side's
+        # receive for it would take the next layer's bytes. They leave at the fence (serve), in order.
+        held = drop >= 0 and getattr(self.link, "in_order", False)
         sent: list[int] = []
         sync_device(self.dev)
         t0 = _ns()
         if mode == "layerwise":
             def on_layer(i):
-                if i == drop:
+                if i == drop or (held and i > drop):
                     return
                 if fault.get("kind") == "delay" and i == fault["layer"]:
                     time.sleep(fault["seconds"])  # past the decode side's deadline
@@ -396,7 +399,7 @@ class DecodeWorker:
         self.control.post(f"gen{g}/from", self.n)
         init_group(self.cfg, self.dev, self.control.store, DECODE, g)
         self.link = make_link(self.cfg.backend, "decode", self.dev, self.control, self.cfg.timeout_s, peer=PREFILL,
-                              nixl_descs=self.cfg.nixl_descs)
+                              nixl_descs=self.cfg.nixl_descs, in_order=self.cfg.in_order)
         self.generation, self.peer_dead = g, False
 
     def _go(self, msg: dict) -> int:
@@ -676,7 +679,7 @@ def entry(rank: int, cfg_dict: dict, host: str, port: int, prefix: str, run_dir:
         if not generation:
             model = _build(cfg, dev)
         link = make_link(cfg.backend, role, dev, control, cfg.timeout_s, peer=PREFILL if rank == DECODE else DECODE,
-                         nixl_descs=cfg.nixl_descs)
+                         nixl_descs=cfg.nixl_descs, in_order=cfg.in_order)
         w = None
         ok = False
         try:
