@@ -479,7 +479,8 @@ VERDICT_RUNS = {
                "disagg/20261201-003237-cpu", "disagg/20261201-003410-cpu", "disagg/20261201-003554-cpu",
                "disagg/20261201-005329-cpu", "disagg/20261201-005442-cpu", "disagg/20261201-005602-cpu",
                "disagg/20261201-005719-cpu",
-               "disagg/20261201-024052-h200", "disagg/20261201-025205-h200", "disagg/20261201-024517-h200"],
+               "disagg/20261201-024052-h200", "disagg/20261201-025205-h200", "disagg/20261201-024517-h200",
+               "disagg/20261201-113139-cpu", "disagg/20261201-113251-cpu", "disagg/20261201-113412-cpu"],
 }
 DISAGG_RUNS = VERDICT_RUNS["disagg"]
 FAULT_RUNS = VERDICT_RUNS["faults"][:3]  # drop, delay, corrupt
@@ -487,6 +488,7 @@ KILL_RUNS = VERDICT_RUNS["faults"][3:6]  # the same kinds and kill
 NIXL_FAULT_RUNS = VERDICT_RUNS["faults"][6:9]  # drop, delay, corrupt over two NIXL agents, paged
 OOM_RUNS = VERDICT_RUNS["faults"][9:13]  # drop, delay, corrupt, oom at 1k: gloo (fail, retry, recompute), nixl (retry)
 GPU_FAULT_RUNS = VERDICT_RUNS["faults"][13:16]  # the same kinds over ipc on one H200, Qwen2.5-7B at 1k, paged
+IN_ORDER_FAULT_RUNS = VERDICT_RUNS["faults"][16:19]  # the same kinds over gloo matching in order (nccl's protocol), 1k
 # a real out-of-memory on the decode side (--decode-memory-gib), ipc on one H200, Qwen2.5-7B at 32k, paged, at 75f2289:
 # no cap; 10 GiB; between reference and destination; half a cache, 1.5 caches past the destination; the peak + 1 GiB;
 # and, at df6d814 (the refusal counts what the allocator has reserved), 16.1 GiB: between allocated and reserved
@@ -703,6 +705,7 @@ BLOCKS = {
     "disagg_nixl_gpu": lambda: disagg_nixl(NIXL_GPU_RUNS),
     "disagg_nixl_ttft_gpu": lambda: disagg(NIXL_GPU_RUNS),
     "faults_gpu": lambda: faults(GPU_FAULT_RUNS),
+    "faults_in_order_cpu": lambda: faults(IN_ORDER_FAULT_RUNS),
     "checksum_cost_gpu": lambda: checksum_cost(GPU_FAULT_RUNS + ["disagg/20261201-030404-h200"]),
     "swapin_1gpu": lambda: swapin(["swapin/20261201-030638-h200"]),
     "decode_memory_gpu": lambda: decode_memory(DECODE_OOM_RUNS[:1]),

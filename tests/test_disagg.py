@@ -714,9 +714,10 @@ def test_a_decode_side_out_of_memory_is_refused_or_recovered_never_decoded_half(
 @pytest.mark.parametrize("policy, layout", [("fail", "contiguous"), ("retry", "paged")])
 def test_an_in_order_link_holds_back_the_layers_behind_a_drop_and_nothing_decodes_from_them(policy, layout, tmp_path):
     """gloo matching in order, as NCCL does (in_order): a receive takes whatever is sent next, so a dropped layer
-    holds back the layers behind it until the fence. Seed 9 draws layers 1, 1, 1, 0, 0, 0, 1, 1: the drop at
-    layer 0 leaves both layers missing (on a tagged link only layer 0). Without the holding back, layer 1's bytes
-    took layer 0's receive and the fence waited for ever (the channel left unusable)."""
+    holds back the layers behind it until the fence, where they leave in the order their receives were posted.
+    Seed 9 draws layers 1, 1, 1, 0, 0, 0, 1, 1: the drop at layer 0 leaves both layers missing. Without the holding
+    back, layer 1's bytes took layer 0's receive and the fence waited until the run's timeout for a receive no
+    send would match (tried once on this CPU: the run stopped with that TimeoutError)."""
     cfg = disagg.DisaggConfig(repeats=1, warmup=0, modes=("layerwise",), faults=8, policy=policy, seed=9,
                               fault_timeout_s=0.5, layouts=(layout,), in_order=True,
                               fault_kinds=("drop", "delay", "corrupt", "oom"))
