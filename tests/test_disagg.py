@@ -737,6 +737,41 @@ def test_an_in_order_link_holds_back_the_layers_behind_a_drop_and_nothing_decode
     assert df["recover_ms"].max() <= (cfg.fault_timeout_s + 1.0) * 1e3 * (cfg.retries + 1)
 
 
+@pytest.mark.parametrize("in_order", [True, False])
+def test_what_the_prefill_side_sends_before_the_fence_after_a_drop(in_order, tmp_path):
+    """A 4-layer model, three drops (seed 1 draws layers 1, 0, 2). In order, the prefill side sends only the
+    layers before the dropped one (faults.csv's `sent`), and the rest at the fence; by tag, every layer but the
+    dropped one. Both recover every drop identically, and summary.json says how the run's receives matched."""
+    from kvlab.model_registry import REGISTRY
+
+    config = tmp_path / "four.json"
+    config.write_text(json.dumps({**REGISTRY["kvlab-tiny"]["config"], "num_hidden_layers": 4}))
+    cfg = disagg.DisaggConfig(model=str(config), repeats=1, warmup=0, modes=("layerwise",), faults=3, seed=1,
+                              policy="retry", fault_timeout_s=0.5, fault_kinds=("drop",), in_order=in_order)
+    s = disagg.run(cfg, tmp_path / "run", progress=False)
+    df = pd.read_csv(tmp_path / "run" / "faults.csv")
+    assert df["layer"].tolist() == [1, 0, 2] and s["in_order"] is in_order
+    sent = [json.loads(x) for x in df["sent"]]
+    if in_order:
+        assert sent == [[0], [], [0, 1]]
+    else:
+        assert sent == [[0, 2, 3], [1, 2, 3], [0, 1, 3]]
+    assert s["recovered"] == 3 and s["decoded_from_partial"] == 0 and df["tokens_match"].all()
+    assert df["bytes_equal"].all() and df["logits_equal"].all()
+
+
+def test_the_poll_flag_is_put_back_when_an_attempt_raises():
+    from kvlab.disagg.faults import _polling
+    from kvlab.disagg.links import DistLink
+
+    nccl, gloo = DistLink("nccl", 1, torch.device("cpu"), 5.0), DistLink("gloo", 1, torch.device("cpu"), 5.0)
+    with pytest.raises(KeyError):
+        with _polling(nccl), _polling(gloo):
+            assert nccl.poll and not gloo.poll  # gloo waits on its own thread: nothing to poll
+            raise KeyError("an attempt that failed")
+    assert not nccl.poll and not gloo.poll
+
+
 class _FakeWork:
     """A receive that completes after `after` polls (None: never)."""
 

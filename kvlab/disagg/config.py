@@ -203,11 +203,14 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
         raise ValueError(f"in_order = {cfg.in_order!r}: give True or False")
     if cfg.in_order and cfg.backend != "gloo":
         raise ValueError(f"in-order makes gloo match sends in order as nccl does; got backend {cfg.backend!r} "
-                         + ("(nccl is in order already)" if cfg.backend == "nccl" else "(it has no sends to match)"))
+                         + ("(nccl is in order already)" if cfg.backend == "nccl"
+                            else "(it has no receives to match: ipc and nixl write into the destination)")
+                         + ": leave --in-order out")
     if cfg.drop_layer >= 0 and (cfg.backend == "nccl" or cfg.in_order):
         raise ValueError(f"drop_layer = {cfg.drop_layer} on an in-order link ({cfg.backend}"
-                         f"{', in order' if cfg.in_order else ''}) would leave receives posted that no later request "
-                         "may match: run a fault campaign (--faults N --fault-kinds drop) instead")
+                         f"{', in order' if cfg.in_order else ''}): the next layer's bytes would land in the skipped "
+                         "layer's receive, and the last receive would take the next request's first send; run a "
+                         "fault campaign (--faults N --fault-kinds drop), which holds the later layers back")
     pre, dec = cfg.devices()
     why = backend_unavailable(cfg.backend, pre, dec, "paged" in cfg.layouts)
     if why:

@@ -13,14 +13,15 @@ side injects, drawn (seeded) from:
     oom       the decode side runs out of memory as layer k arrives: torch.OutOfMemoryError where the layer
               would be marked landed (injected; memory is not really exhausted, and it is there again for a
               retry or a recompute). Layer k and the layers not yet recorded as landed are not trusted; receives
-              still posted (gloo) are drained (only when asked for with --fault-kinds)
+              still posted (gloo, nccl) are drained (only when asked for with --fault-kinds)
 
 The decode side detects a fault by its deadline (a layer that has not landed), by a per-layer checksum
 computed on both sides, by its own allocation failing (oom), or by the launcher's record that the prefill process died (`dead/prefill/<generation>`),
 and after a death it trusts no layer of that request (none was checksummed by a sender that is gone).
 Otherwise it fences the channel (late layers are waited for, dropped or held-back ones are filled by the sender,
 in the order their receives were posted, so no byte of this request can land in a later request's destination).
-On nccl every wait of the campaign polls the receive against a host deadline (DistLink.poll). Then it follows the policy, named as
+On nccl every wait of the campaign polls the receive against a host deadline (DistLink.poll), and one fenced
+request without a fault comes first (_warm_up). Then it follows the policy, named as
 vLLM's kv_load_failure_policy names them:
 
     fail       refuse: the request is not decoded (an IncompleteCacheError naming it and its layers)
@@ -34,6 +35,7 @@ that differed from the reference's bytes — the number that must be 0.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 
@@ -106,6 +108,8 @@ def run_campaign(w, base: dict, sink, table, ref) -> list[dict]:
     ref_buf, ref_first, ref_toks, ref_logits = ref
     L = sink.layers
     rows = []
+    if getattr(w.link, "name", None) == "nccl":
+        _warm_up(w, base, sink)
     for k, fault in enumerate(plan(cfg.faults, L, cfg.seed, tuple(cfg.fault_kinds))):
         fault = dict(fault, seconds=cfg.fault_timeout_s + 0.5)
         t0 = time.monotonic()
@@ -121,6 +125,8 @@ def run_campaign(w, base: dict, sink, table, ref) -> list[dict]:
             bad, how, done = _attempt(w, base, sink, want, fault if first_try else None, good)
             if first_try:
                 detected = how or "not detected"
+                if done is not None:  # the layers the prefill side sent before the fence (a drop: not those held)
+                    row["sent"] = json.dumps(done["sent"])
                 if done is not None:  # what the per-layer checksums cost on each side (all layers; those landed)
                     row.update(checksum_send_ms=done["checksum_ms"], checksum_send_bytes=done["checksum_bytes"],
                                checksum_recv_ms=done["checksum_recv_ms"],
@@ -203,6 +209,10 @@ def _attempt(w, base, sink, layers: list[int], fault, good: set[int]):
         if done is None:  # the prefill process died: no layer of this request was checksummed by a live sender
             w.peer_dead = True  # its successor is joined when the peer is next needed (take_over)
             return set(layers), how or "peer died", None
+        if bool(done.get("in_order")) != bool(getattr(w.link, "in_order", False)):
+            raise RuntimeError(f"request {n}: the prefill side's link matches "
+                               f"{'in order' if done.get('in_order') else 'by tag'} and this side's does not: "
+                               "both processes must be started with the same backend and --in-order")
         sent = set(done["sent"])
         drain = [u[0] for u in w.link.pending if u[0] not in sent]
         w.control.post(f"req{n}/ack", {"drain": drain})
@@ -223,20 +233,33 @@ def _attempt(w, base, sink, layers: list[int], fault, good: set[int]):
         return bad, how, done
 
 
+def _warm_up(w, base, sink) -> None:
+    """nccl: one fenced request without a fault before the campaign, not counted. Within an attempt a receive may
+    spin on the decode GPU while its send waits for this process's acknowledgement; a kernel launched then for
+    the first time (CUDA loads modules lazily, and a load may synchronize the whole context) would wait for that
+    receive, and the acknowledgement would never be posted. This request launches the attempt's kernels once
+    (the per-layer landing and scatter, the checksums) while nothing is held back."""
+    bad, how, done = _attempt(w, base, sink, list(range(sink.layers)), None, set())
+    if bad or done is None:
+        raise RuntimeError(f"the campaign's warm-up request (no fault) did not land intact: layers {sorted(bad)} "
+                           f"({how or 'checksum'}); the link is not usable for a campaign")
+
+
 class _polling:
-    """Within it, a DistLink on nccl waits for each receive against the host deadline (DistLink.poll); other
-    links are left as they are."""
+    """Within it, a DistLink on nccl waits for each receive against the host deadline (DistLink.poll), and the
+    flag is put back as it was on the way out (an exception too); other links are left as they are."""
 
     def __init__(self, link):
-        self.link = link if hasattr(link, "poll") else None
+        self.link = link if getattr(link, "name", None) == "nccl" and hasattr(link, "poll") else None
+        self.was = None
 
     def __enter__(self):
         if self.link is not None:
-            self.link.poll = True
+            self.was, self.link.poll = self.link.poll, True
 
     def __exit__(self, *exc):
         if self.link is not None:
-            self.link.poll = False
+            self.link.poll = self.was
 
 
 class _OutOfMemoryAt(LandedLayers):

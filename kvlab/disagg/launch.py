@@ -421,7 +421,7 @@ def _write(run_, cfg: DisaggConfig, seconds: float, launcher: dict | None = None
     pre, dec = cfg.devices()
     summary = {
         "backend": cfg.backend,
-        "in_order": cfg.backend == "nccl" or cfg.in_order,  # sends match receives in posting order (DistLink)
+        "in_order": bool(got.get("in_order")),  # the decode side's link matched receives in posting order
         "processes": 2,
         "launcher": launcher or {"kind": "subprocess"},
         "prefill_kills": deaths or [],  # kill faults: each dead prefill process (generation, pid, request, layer)

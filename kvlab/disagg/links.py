@@ -286,7 +286,13 @@ class DistLink:
                     if time.monotonic() >= deadline:
                         raise TimeoutError(f"request {request}: layer(s) {list(unit)} {what}")
                     time.sleep(5e-5)
-            work.wait()  # NCCL: the current stream waits; without poll, the process group's timeout bounds it
+                try:
+                    work.wait()  # completed: the current stream is ordered after it (a failed one raises here)
+                except Exception as err:
+                    raise TimeoutError(f"request {request}: the receive of layer(s) {list(unit)} failed "
+                                       f"({type(err).__name__}: {str(err).splitlines()[0][:160]})") from None
+            else:
+                work.wait()  # NCCL: the current stream waits; the process group's timeout bounds it
         return self._recvs.pop(0)
 
     def wait_landed(self, request: int, sink: Sink, tracker, control=None, timeout_s: float | None = None) -> None:

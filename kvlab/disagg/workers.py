@@ -193,7 +193,7 @@ class PrefillWorker:
         out = {"first_token": first, "t_prefill_start_ns": t0, "t_prefill_end_ns": t1, "t_sent_ns": t2,
                "prefill_ms": (t1 - t0) / 1e6, "send_host_ms": (t2 - t1) / 1e6, "host": host_id(),
                "bytes_moved": sum(src.nbytes(u) for u in units(mode if mode != "colocated" else "bulk", src.layers)),
-               "sent": sent}
+               "sent": sent, "in_order": getattr(self.link, "in_order", False)}
         if hasattr(self.link, "take_stats"):  # nixl: descriptors, transfers and posting time of this request
             out["link"] = self.link.take_stats()
         if msg.get("checksum"):
@@ -218,7 +218,8 @@ class PrefillWorker:
         self.link.finish_sends(n)
         out = {"first_token": self._first, "t_prefill_start_ns": t0, "t_prefill_end_ns": t0, "t_sent_ns": _ns(),
                "prefill_ms": 0.0, "send_host_ms": (_ns() - t0) / 1e6, "host": host_id(),
-               "bytes_moved": sum(src.nbytes((i,)) for i in msg["layers"]), "sent": list(msg["layers"])}
+               "bytes_moved": sum(src.nbytes((i,)) for i in msg["layers"]), "sent": list(msg["layers"]),
+               "in_order": getattr(self.link, "in_order", False)}
         if hasattr(self.link, "take_stats"):
             out["link"] = self.link.take_stats()
         if msg.get("checksum"):
@@ -641,8 +642,14 @@ def init_group(cfg: DisaggConfig, dev: torch.device, store, rank: int, generatio
 
     pg = "nccl" if cfg.backend == "nccl" else "gloo"
     kw = {"device_id": dev} if pg == "nccl" else {}
+    timeout = cfg.timeout_s
+    if pg == "nccl" and cfg.faults:
+        # NCCL's watchdog counts from each receive's posting; a campaign attempt may wait up to its deadline, the
+        # prefill's answer (timeout_s) and the drain (timeout_s) before a receive completes, and its own
+        # TimeoutError must come first (the watchdog aborts the process without a word)
+        timeout = 2 * cfg.timeout_s + cfg.fault_timeout_s + 10.0
     dist.init_process_group(pg, store=dist.PrefixStore("pg" if not generation else f"pg{generation}", store),
-                            rank=rank, world_size=2, timeout=timedelta(seconds=cfg.timeout_s), **kw)
+                            rank=rank, world_size=2, timeout=timedelta(seconds=timeout), **kw)
 
 
 def entry(rank: int, cfg_dict: dict, host: str, port: int, prefix: str, run_dir: str, progress: bool = True,
@@ -687,6 +694,7 @@ def entry(rank: int, cfg_dict: dict, host: str, port: int, prefix: str, run_dir:
                 w = DecodeWorker(cfg, model, dev, control, link, progress)
                 w.run()
                 out = {"rows": w.rows, "bench": w.bench_rows, "tuned": w.tuned, "faults": w.fault_rows,
+                       "in_order": getattr(w.link, "in_order", False),
                        "memory": w.mem.rows, "pid": os.getpid(),
                        "peer_pid": control.wait("pid/prefill", "the prefill process's pid"),
                        "host": socket.gethostname()}
