@@ -103,11 +103,33 @@ def command_names() -> list[str]:
     return [c.name for c in _COMMANDS]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser with its errors on one line: the message, a close match for a mistyped option or command,
+    and where the valid ones are listed — instead of the usage block above the message."""
+
+    def error(self, message: str):
+        import difflib
+
+        hint = ""
+        words = message.split(": ", 1)[1].split() if message.startswith("unrecognized arguments: ") else []
+        options = [o for o in self._option_string_actions if o.startswith("--")]
+        for w in (w.split("=", 1)[0] for w in words if w.startswith("-")):
+            near = difflib.get_close_matches(w, options, n=1, cutoff=0.6)
+            if near:
+                hint = f"; did you mean {near[0]}?"
+                break
+        if not hint and "invalid choice: '" in message:
+            bad = message.split("invalid choice: '", 1)[1].split("'", 1)[0]
+            near = difflib.get_close_matches(bad, [c.name for c in _COMMANDS], n=1, cutoff=0.6)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+        self.exit(2, f"{self.prog}: error: {message}{hint} ({self.prog} -h lists what is valid)\n")
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The argparse parser of every registered subcommand. With ``only``, the options of that
     subcommand alone are added (the others are listed, with no options), which keeps a module's
     heavy imports out of every other command."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvlab",
         description="kvlab: the KV-cache bill of disaggregated LLM inference, as a workbook.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -121,7 +143,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         # subcommand; the top-level --help lists names and one-line helps and needs none of them
         if only == cmd.name or (only is None and not isinstance(cmd.configure, str)):
             _configure(cmd, p)
-        p.set_defaults(_func=cmd.func)
+        p.set_defaults(_func=cmd.func, _parser=p)
     return parser
 
 
@@ -130,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # The subcommand is the first word that is not an option (kvlab has no option with a value).
     only = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(only if only in command_names() else None).parse_args(argv)
+    args, extra = build_parser(only if only in command_names() else None).parse_known_args(argv)
+    if extra:  # named by the subcommand's own parser, which knows the options a typo was meant to be
+        args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
     # What run.json records as the command line (the kernel's own sys.argv names only itself).
     args.argv = ["kvlab", *argv]
     # SIGTERM (`timeout`, a batch system) ends a command the way Ctrl-C does, so a run folder it had started says

@@ -51,6 +51,22 @@ def test_top_level_help_lists_every_subcommand(capsys):
         assert f"    {command} " in out
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["disagg", "--contxt", "1k"], "kvlab disagg: error: unrecognized arguments: --contxt 1k; did you mean --context?"),
+    (["disag"], "invalid choice: 'disag'"),
+    (["disag"], "did you mean 'disagg'?"),
+    (["disagg", "--repeats", "x"], "kvlab disagg: error: argument --repeats: invalid int value: 'x'"),
+    (["calc", "qwen2.5-7b", "--tokens", "1k", "--zzz"], "unrecognized arguments: --zzz (kvlab calc -h"),
+])
+def test_a_mistyped_command_line_is_one_line_with_a_suggestion_not_the_usage_block(argv, says, capsys):
+    with pytest.raises(SystemExit) as done:
+        kvlab(*argv)
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert done.value.code == 2 and len(lines) == 1 and says in lines[0], err
+    assert "usage:" not in err
+
+
 def test_python_dash_m_and_the_console_script_reach_main():
     done = subprocess.run([sys.executable, "-m", "kvlab", "--help"], capture_output=True,
                           text=True, check=False, cwd=REPO)
