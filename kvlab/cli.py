@@ -112,13 +112,14 @@ class _Parser(argparse.ArgumentParser):
 
         hint = ""
         words = message.split(": ", 1)[1].split() if message.startswith("unrecognized arguments: ") else []
+        words = words[:words.index("--")] if "--" in words else words  # nothing after "--" is an option
         options = [o for o in self._option_string_actions if o.startswith("--")]
         for w in (w.split("=", 1)[0] for w in words if w.startswith("-")):
-            near = difflib.get_close_matches(w, options, n=1, cutoff=0.6)
+            near = [o for o in difflib.get_close_matches(w, options, n=2, cutoff=0.6) if o != w]
             if near:
                 hint = f"; did you mean {near[0]}?"
                 break
-        if not hint and "invalid choice: '" in message:
+        if not hint and message.startswith("argument COMMAND: invalid choice: '"):
             bad = message.split("invalid choice: '", 1)[1].split("'", 1)[0]
             near = difflib.get_close_matches(bad, [c.name for c in _COMMANDS], n=1, cutoff=0.6)
             hint = f"; did you mean {near[0]!r}?" if near else ""
@@ -152,9 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # The subcommand is the first word that is not an option (kvlab has no option with a value).
     only = next((a for a in argv if not a.startswith("-")), None)
-    args, extra = build_parser(only if only in command_names() else None).parse_known_args(argv)
-    if extra:  # named by the subcommand's own parser, which knows the options a typo was meant to be
-        args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    parser = build_parser(only if only in command_names() else None)
+    args, extra = parser.parse_known_args(argv)
+    if "--version" in extra:
+        parser.exit(2, f"kvlab {args.command}: error: --version is kvlab's own option, before any command: "
+                       "kvlab --version\n")
+    if extra:  # named by the parser they were given to: kvlab's own (before the command) or the subcommand's
+        before = argv[:argv.index(args.command)] if args.command in argv else []
+        (parser if any(e in before for e in extra) else args._parser).error(
+            f"unrecognized arguments: {' '.join(extra)}")
     # What run.json records as the command line (the kernel's own sys.argv names only itself).
     args.argv = ["kvlab", *argv]
     # SIGTERM (`timeout`, a batch system) ends a command the way Ctrl-C does, so a run folder it had started says

@@ -422,7 +422,9 @@ def trace_main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, command = argv[:cut], argv[cut + 1:]
-    parser = argparse.ArgumentParser(prog="kvlab trace", description=trace_main.__doc__.split("\n\n")[0])
+    from .cli import _Parser  # its errors in one line, as every kvlab command's
+
+    parser = _Parser(prog="kvlab trace", description=trace_main.__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
     p_nsys = sub.add_parser("nsys", help="profile COMMAND (after --) with Nsight Systems",
                             description="Profile COMMAND (after --) with Nsight Systems (CUDA + NVTX) and print a "

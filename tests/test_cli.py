@@ -57,6 +57,10 @@ def test_top_level_help_lists_every_subcommand(capsys):
     (["disag"], "did you mean 'disagg'?"),
     (["disagg", "--repeats", "x"], "kvlab disagg: error: argument --repeats: invalid int value: 'x'"),
     (["calc", "qwen2.5-7b", "--tokens", "1k", "--zzz"], "unrecognized arguments: --zzz (kvlab calc -h"),
+    # after "--" nothing is an option, so nothing is suggested; before the command, kvlab's own parser answers
+    (["calc", "qwen2.5-7b", "--tokens", "1k", "--", "x"], "unrecognized arguments: -- x (kvlab calc -h"),
+    (["--verison", "info"], "kvlab: error: unrecognized arguments: --verison; did you mean --version?"),
+    (["info", "--version"], "--version is kvlab's own option, before any command"),
 ])
 def test_a_mistyped_command_line_is_one_line_with_a_suggestion_not_the_usage_block(argv, says, capsys):
     with pytest.raises(SystemExit) as done:
@@ -65,6 +69,12 @@ def test_a_mistyped_command_line_is_one_line_with_a_suggestion_not_the_usage_blo
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert done.value.code == 2 and len(lines) == 1 and says in lines[0], err
     assert "usage:" not in err
+
+
+def test_kvlab_trace_s_own_parser_errs_in_one_line_too(capsys):
+    assert kvlab("trace", "lod", "x") == 2  # trace_main returns argparse's exit code
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "kvlab trace: error: argument what: invalid choice: 'lod'" in lines[0], lines
 
 
 def test_python_dash_m_and_the_console_script_reach_main():
