@@ -125,9 +125,9 @@ def run_campaign(w, base: dict, sink, table, ref) -> list[dict]:
             bad, how, done = _attempt(w, base, sink, want, fault if first_try else None, good)
             if first_try:
                 detected = how or "not detected"
-                if done is not None:  # the layers the prefill side sent before the fence (a drop: not those held)
+                if done is not None:  # the layers the prefill side sent before the fence (a drop: not those held),
+                    # and what the per-layer checksums cost on each side (all layers; those landed)
                     row["sent"] = json.dumps(done["sent"])
-                if done is not None:  # what the per-layer checksums cost on each side (all layers; those landed)
                     row.update(checksum_send_ms=done["checksum_ms"], checksum_send_bytes=done["checksum_bytes"],
                                checksum_recv_ms=done["checksum_recv_ms"],
                                checksum_recv_bytes=done["checksum_recv_bytes"])

@@ -188,6 +188,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
+def _receive_failed(request: int, unit, err: BaseException) -> TimeoutError:
+    """A receive that ended in an error (a closed connection, a failed NCCL work), as the campaign reads it."""
+    return TimeoutError(f"request {request}: the receive of layer(s) {list(unit)} failed "
+                        f"({type(err).__name__}: {str(err).splitlines()[0][:160]})")
+
+
 class DistLink:
     """nccl and gloo: torch.distributed point-to-point between rank `peer` and this rank.
 
@@ -278,8 +284,7 @@ class DistLink:
             except queue.Empty:
                 raise TimeoutError(f"request {request}: layer(s) {list(unit)} {what}") from None
             if err is not None:
-                raise TimeoutError(f"request {request}: the receive of layer(s) {list(unit)} failed "
-                                   f"({type(err).__name__}: {str(err).splitlines()[0][:160]})")
+                raise _receive_failed(request, unit, err)
         else:
             if self.poll:  # NCCL's is_completed() asks the receive's CUDA event: it does not block
                 while not work.is_completed():
@@ -289,8 +294,7 @@ class DistLink:
                 try:
                     work.wait()  # completed: the current stream is ordered after it (a failed one raises here)
                 except Exception as err:
-                    raise TimeoutError(f"request {request}: the receive of layer(s) {list(unit)} failed "
-                                       f"({type(err).__name__}: {str(err).splitlines()[0][:160]})") from None
+                    raise _receive_failed(request, unit, err) from None
             else:
                 work.wait()  # NCCL: the current stream waits; the process group's timeout bounds it
         return self._recvs.pop(0)

@@ -193,7 +193,7 @@ class PrefillWorker:
         out = {"first_token": first, "t_prefill_start_ns": t0, "t_prefill_end_ns": t1, "t_sent_ns": t2,
                "prefill_ms": (t1 - t0) / 1e6, "send_host_ms": (t2 - t1) / 1e6, "host": host_id(),
                "bytes_moved": sum(src.nbytes(u) for u in units(mode if mode != "colocated" else "bulk", src.layers)),
-               "sent": sent, "in_order": getattr(self.link, "in_order", False)}
+               "sent": sent}
         if hasattr(self.link, "take_stats"):  # nixl: descriptors, transfers and posting time of this request
             out["link"] = self.link.take_stats()
         if msg.get("checksum"):
@@ -218,8 +218,7 @@ class PrefillWorker:
         self.link.finish_sends(n)
         out = {"first_token": self._first, "t_prefill_start_ns": t0, "t_prefill_end_ns": t0, "t_sent_ns": _ns(),
                "prefill_ms": 0.0, "send_host_ms": (_ns() - t0) / 1e6, "host": host_id(),
-               "bytes_moved": sum(src.nbytes((i,)) for i in msg["layers"]), "sent": list(msg["layers"]),
-               "in_order": getattr(self.link, "in_order", False)}
+               "bytes_moved": sum(src.nbytes((i,)) for i in msg["layers"]), "sent": list(msg["layers"])}
         if hasattr(self.link, "take_stats"):
             out["link"] = self.link.take_stats()
         if msg.get("checksum"):
@@ -361,7 +360,9 @@ class PrefillWorker:
                 self.control.post(f"req{n}/done", {"released": msg["release"]})
                 n += 1
                 continue
-            self.control.post(f"req{n}/done", self.handle(n, msg))
+            # in_order: how this side's sends match, which the decode side's campaign checks against its own
+            done = self.handle(n, msg)
+            self.control.post(f"req{n}/done", {**done, "in_order": getattr(self.link, "in_order", False)})
             if msg.get("fenced"):
                 # the decode side says which posted receives never got their layer (dropped): fill them, so no
                 # late byte can land in a later request's destination, then wait for the next request
