@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import results
+from . import provenance, results
 
 __all__ = ["analyse", "STUDIES", "FIGURES", "add_arguments", "run_args"]
 
@@ -45,7 +45,7 @@ class _Out:
     """The analysis folder: tables and figures, and what was written."""
 
     def __init__(self, run: Path, record: dict, out: Path | None):
-        git = results.git_state()
+        git = provenance.git_state()
         commit = git.get("commit") or "nogit"
         when = _dt.datetime.now(_dt.timezone.utc)
         self.dir = out or run / "analysis" / f"{when:%Y%m%d-%H%M%S}-{commit[:7]}"
@@ -53,8 +53,6 @@ class _Out:
         self.meta = {"source_run": record.get("run_id"), "study": record.get("study"),
                      "analysed_utc": when.isoformat(timespec="seconds"), "git": git, "tables": [], "figures": [],
                      "findings": []}
-        from . import provenance
-
         self.drawn = provenance.drawing()
         self.meta["drawn_by"] = self.drawn
         self.run_id = record.get("run_id", run.name)
@@ -87,8 +85,6 @@ class _Out:
         import matplotlib.pyplot as plt
 
         from . import plots
-
-        from . import provenance
 
         footer = (f"{plots.footer_text(self.run_id, self.device_tag)} · re-analysed "
                   f"{self.meta['analysed_utc'][:10]} by {provenance.short(self.drawn)}")

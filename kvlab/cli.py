@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
-from kvlab import __version__, results
+from kvlab import __version__, paths, results
 from kvlab.params import (RUN_DIR_IS_SET, Parameter, UsageError, check_names, coerce, find_notebook,
                           list_notebooks, notebooks_dir, parse_params, runnable_parameters, yaml_load)
 from kvlab.units import fmt_bytes
@@ -205,7 +205,7 @@ def _preflight(notebook: Path, params: Mapping) -> None:
     from kvlab import preflight
 
     try:
-        preflight.check(results.study_of(notebook), params)
+        preflight.check(paths.study_of(notebook), params)
     except ValueError as err:
         raise UsageError(str(err)) from None
 
@@ -270,7 +270,7 @@ def execute(notebook: Path, params: Mapping, run_dir: str | os.PathLike | None =
     from kvlab import nbexec
 
     notebook = Path(notebook)
-    study = results.check_study(results.study_of(notebook))
+    study = paths.check_study(paths.study_of(notebook))
     folder = Path(run_dir).expanduser().resolve() if run_dir else results.new_run_dir(study)
     folder.mkdir(parents=True, exist_ok=True)
     results.set_aside_stopped(folder)  # an earlier attempt that stopped here: its files kept apart, not mixed in

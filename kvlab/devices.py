@@ -17,6 +17,9 @@ import socket
 import subprocess
 from importlib import metadata
 
+# the hardware presets a notebook resolves "auto" to (KVLAB_PRESET forces one)
+PRESETS = ("gpu", "cpu")
+
 # Distribution names to ask importlib.metadata about, per reported package. Several packages ship
 # under more than one name (CUDA-suffixed builds, nightlies); the first one installed wins.
 _PACKAGES: dict[str, tuple[str, ...]] = {
@@ -49,6 +52,25 @@ def has_cuda() -> bool:
     """True when torch is installed and sees at least one CUDA (or ROCm) device."""
     torch = _torch()
     return bool(torch is not None and torch.cuda.is_available())
+
+
+
+def preset() -> str:
+    """``"gpu"`` when a CUDA device is here, else ``"cpu"``; ``KVLAB_PRESET`` overrides.
+
+    Raises ValueError for a ``KVLAB_PRESET`` other than gpu/cpu/auto, and RuntimeError when it
+    asks for gpu on a machine without one (a silent CPU run would be mistaken for a GPU result).
+    """
+    forced = os.environ.get("KVLAB_PRESET", "").strip().lower()
+    if forced not in ("", "auto", *PRESETS):
+        raise ValueError(f"KVLAB_PRESET={forced!r} is not valid; use one of: gpu, cpu, auto")
+    if forced == "gpu":
+        if not has_cuda():
+            raise RuntimeError("KVLAB_PRESET=gpu, but torch sees no CUDA device on this machine")
+        return "gpu"
+    if forced == "cpu":
+        return "cpu"
+    return "gpu" if has_cuda() else "cpu"
 
 
 def gpus() -> list[dict]:

@@ -12,27 +12,7 @@ import math
 import os
 from html import escape
 
-PRESETS = ("gpu", "cpu")
-
-
-def preset() -> str:
-    """``"gpu"`` when a CUDA device is here, else ``"cpu"``; ``KVLAB_PRESET`` overrides.
-
-    Raises ValueError for a ``KVLAB_PRESET`` other than gpu/cpu/auto, and RuntimeError when it
-    asks for gpu on a machine without one (a silent CPU run would be mistaken for a GPU result).
-    """
-    forced = os.environ.get("KVLAB_PRESET", "").strip().lower()
-    if forced not in ("", "auto", *PRESETS):
-        raise ValueError(f"KVLAB_PRESET={forced!r} is not valid; use one of: gpu, cpu, auto")
-    from kvlab import devices
-
-    if forced == "gpu":
-        if not devices.has_cuda():
-            raise RuntimeError("KVLAB_PRESET=gpu, but torch sees no CUDA device on this machine")
-        return "gpu"
-    if forced == "cpu":
-        return "cpu"
-    return "gpu" if devices.has_cuda() else "cpu"
+from . import devices, params
 
 
 def parameters(namespace, notebook: str) -> dict:
@@ -40,8 +20,6 @@ def parameters(namespace, notebook: str) -> dict:
     taken from `namespace` (the notebook's ``globals()``), ``run_dir`` left out: what ``results.start``
     records, so no notebook retypes its parameter list. `notebook`: a path or short name ("02_handoff").
     Raises KeyError naming a declared parameter the namespace lacks."""
-    from kvlab import params
-
     declared = params.notebook_parameters(params.find_notebook(notebook))
     missing = [n for n in declared if n != "run_dir" and n not in namespace]
     if missing:
@@ -56,7 +34,7 @@ def resolve(value, *, gpu, cpu):
     cpu="kvlab-tiny")``.
     """
     if isinstance(value, str) and value == "auto":
-        return gpu if preset() == "gpu" else cpu
+        return gpu if devices.preset() == "gpu" else cpu
     return value
 
 

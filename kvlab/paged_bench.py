@@ -588,10 +588,10 @@ def run_nixl_only(out_dir, contexts=GPU_CONTEXTS, block_sizes=(16,), destination
     df = measure(contexts, block_sizes, ["contiguous", "nixl"], destinations, repeats, warmup, device, layout,
                  pool_layout, seed, max_call_s=max_call_s, slow_call_s=slow_call_s)
     df.to_csv(out / "nixl_results.csv", index=False)
-    from . import devices, results
+    from . import devices, provenance
 
     record = {
-        "git": results.git_state(), "seconds": round(time.time() - t0, 1),
+        "git": provenance.git_state(), "seconds": round(time.time() - t0, 1),
         "parameters": {"contexts": list(contexts), "block_sizes": list(block_sizes), "destinations": destinations,
                        "repeats": repeats, "warmup": warmup, "slow_call_s": slow_call_s, "max_call_s": max_call_s},
         "nixl_available": why is None, "nixl_unavailable_reason": why,

@@ -15,7 +15,7 @@ import tokenize
 from collections.abc import Mapping
 from pathlib import Path
 
-from kvlab import results
+from . import paths
 
 __all__ = ["UsageError", "Parameter", "parameter_cells", "parse_parameter_cell", "notebook_parameters",
            "runnable_parameters", "coerce", "check_names", "parse_params", "notebooks_dir", "list_notebooks",
@@ -240,7 +240,7 @@ def parse_params(pairs, declared: Mapping[str, Parameter], notebook: str) -> dic
 
 def notebooks_dir() -> Path:
     """``<repo_root>/notebooks``."""
-    return results.repo_root() / "notebooks"
+    return paths.repo_root() / "notebooks"
 
 
 def list_notebooks() -> list[Path]:
@@ -251,7 +251,7 @@ def list_notebooks() -> list[Path]:
 
 
 def _short_names(nbs: list[Path]) -> str:
-    return ", ".join(f"{nb.stem} ({results.study_of(nb)})" for nb in nbs) or "(none)"
+    return ", ".join(f"{nb.stem} ({paths.study_of(nb)})" for nb in nbs) or "(none)"
 
 
 def find_notebook(ref: str) -> Path:
@@ -269,7 +269,7 @@ def find_notebook(ref: str) -> Path:
         head = nb.stem.split("_", 1)[0]
         return int(head) if head.isdigit() else None
 
-    matches = [nb for nb in nbs if key in (nb.stem, results.study_of(nb))
+    matches = [nb for nb in nbs if key in (nb.stem, paths.study_of(nb))
                or (key.isdigit() and number(nb) == int(key))]
     if len(matches) == 1:
         return matches[0]

@@ -319,12 +319,12 @@ def publish_files(files: list[Path], name: str, run, mode: str = "yes", drawn: d
     that drew it (``drawn``, default `provenance.drawing()`) and any ``extra`` fields; returns the copies, or
     [] with a printed note when the rules of `save` keep the published figure. A re-analysis publishes
     through this too (`kvlab analyse RUN --publish`)."""
-    from kvlab import provenance, results
+    from kvlab import paths, provenance
 
     folder, run_id, study, is_gpu, device = _run_facts(run)
     params = _run_parameters(run)
     drawn = drawn if drawn is not None else provenance.drawing()
-    target = results.figures_root() / study
+    target = paths.figures_root() / study
     sidecar = target / f"{name}.json"
     if sidecar.is_file():
         try:

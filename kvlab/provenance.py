@@ -32,7 +32,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-__all__ = ["CODE_PATTERNS", "PUBLISHABLE", "code_paths", "tree_hash", "commit_hash", "code_diff",
+from . import paths
+
+__all__ = ["CODE_PATTERNS", "PUBLISHABLE", "git_state", "code_paths", "tree_hash", "commit_hash", "code_diff",
            "rebuilt_hash", "status", "drawing", "short", "add_arguments", "run_args"]
 
 # fnmatch patterns ('*' also crosses '/'): what decides a run's measurement. Tests, docs and data do not.
@@ -45,11 +47,7 @@ def _is_code(path: str) -> bool:
 
 
 def _root(root) -> Path:
-    if root is not None:
-        return Path(root)
-    from . import results
-
-    return results.repo_root()
+    return Path(root) if root is not None else paths.repo_root()
 
 
 def code_paths(root: str | os.PathLike | None = None) -> list[str]:
@@ -209,12 +207,70 @@ def status(record: dict, run_dir: str | os.PathLike | None = None,
     return "unverified", f"commit {commit[:10]}; whether the tree was clean was not recorded"
 
 
+def git_state(root: str | os.PathLike | None = None) -> dict:
+    """``{"commit": sha or None, "dirty": bool or None, "dirty_paths": [...]}`` of the repository
+    holding ``root`` (default ``paths.repo_root()``).
+
+    ``commit`` is None without git, outside a repository or before its first commit; ``dirty``
+    is None without git or outside a repository. Changes under the data and figures roots are
+    not dirt: they are what runs write, and counting them would mark every second run dirty.
+    ``dirty_paths`` lists every changed path. ``code_sha256`` is this module's hash of the code
+    files on disk, which `kvlab provenance` later checks against the commit's.
+    """
+    state = _git_state(root)
+    try:
+        code = tree_hash(root if root is not None else None)
+    except OSError:
+        code = None
+    # A copy of the tree sent to a GPU node may have no usable .git, or a stale one (the node's copy kept
+    # the .git of an older commit and sees the sent changes as dirt): only the sender can name the commit
+    # the tree is, through KVLAB_GIT_COMMIT. It then wins, and what the local git saw is kept beside it.
+    sent = os.environ.get("KVLAB_GIT_COMMIT", "").strip()
+    if sent and state["commit"] != sent:
+        local = {"commit": state["commit"], "dirty": state["dirty"], "dirty_paths": state["dirty_paths"]}
+        state = {"commit": sent, "dirty": None, "dirty_paths": [], "commit_source": "KVLAB_GIT_COMMIT",
+                 "local_git": local}
+    state["code_sha256"] = code
+    return state
+
+
+def _git_state(root) -> dict:
+    root = Path(root) if root is not None else paths.repo_root()
+    unknown = {"commit": None, "dirty": None, "dirty_paths": []}
+    git = shutil.which("git")
+    if git is None or not root.is_dir():
+        return unknown
+
+    def call(*args: str) -> subprocess.CompletedProcess | None:
+        try:
+            return subprocess.run([git, "-C", str(root), *args], capture_output=True, text=True,
+                                  timeout=60, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+
+    top = call("rev-parse", "--show-toplevel")
+    if top is None or top.returncode != 0 or not top.stdout.strip():
+        return unknown
+    top_dir = Path(top.stdout.strip()).resolve()
+    head = call("rev-parse", "--verify", "--quiet", "HEAD")
+    commit = head.stdout.strip() if head is not None and head.returncode == 0 else None
+    excludes = []
+    for output in (paths.data_root(), paths.figures_root()):
+        try:
+            excludes.append(f":(top,exclude){output.resolve().relative_to(top_dir).as_posix()}")
+        except ValueError:  # outside this repository: nothing of it can show up in git status
+            pass
+    status = call("status", "--porcelain", "--untracked-files=all", "--", ":(top)", *excludes)
+    if status is None or status.returncode != 0:
+        return {"commit": commit, "dirty": None, "dirty_paths": []}
+    changed = [line[3:] for line in status.stdout.splitlines() if line.strip()]
+    return {"commit": commit, "dirty": bool(changed), "dirty_paths": changed}
+
+
 def drawing() -> dict:
     """The code drawing a figure now: ``{"commit", "code_sha256", "code_matches_commit"}`` (the last None
     where it cannot be told). A figure's sidecar and footer carry it, beside the run whose data it shows."""
-    from . import results
-
-    git = results.git_state()
+    git = git_state()
     commit, code = git.get("commit"), git.get("code_sha256")
     expected = commit_hash(commit) if commit else None
     return {"commit": commit, "code_sha256": code,
@@ -239,16 +295,14 @@ def add_arguments(parser) -> None:
 
 
 def run_args(args) -> int:
-    from . import results
-
-    dirs = [Path(r) for r in args.runs] or sorted(p.parent for p in results.data_root().glob("*/*/run.json"))
+    dirs = [Path(r) for r in args.runs] or sorted(p.parent for p in paths.data_root().glob("*/*/run.json"))
     bad = 0
     for d in dirs:
         f = d / "run.json"
         if not f.is_file():
             raise SystemExit(f"kvlab provenance: {d} has no run.json; give a run folder such as "
                              f"data/handoff/<run_id>")
-        record = results.read_json(f)
+        record = paths.read_json(f)
         st, detail = status(record, d)
         bad += st not in PUBLISHABLE
         ran = record.get("status")

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import handoff_report, results
+from . import handoff_report
+from .paths import read_json, repo_root
 
 __all__ = ["BLOCKS", "render", "update", "check", "add_arguments", "run_args"]
 
@@ -32,7 +33,7 @@ SEED_H100 = handoff_report.SEED004_H100
 
 def _data() -> Path:
     """The committed runs: the repository's data/ (not KVLAB_DATA, which is where new runs go)."""
-    return results.repo_root() / "data"
+    return repo_root() / "data"
 
 
 # the runs read while results tables render (evidence_runs() turns it on): which runs the tables rest on
@@ -47,7 +48,7 @@ def _note_read(path: str) -> None:
 def _run(path: str) -> tuple[dict, Path]:
     _note_read(path)
     d = _data() / path
-    return results.read_json(d / "run.json"), d
+    return read_json(d / "run.json"), d
 
 
 def _table(path: str, name: str) -> pd.DataFrame:
@@ -272,7 +273,7 @@ def disagg(paths: list[str]) -> str:
     for path in paths:
         record, d = _run(path)
         t = dr.goal_table(d)
-        s = results.read_json(d / "summary.json")
+        s = read_json(d / "summary.json")
         for r in t.itertuples():
             rows.append({"run": _link(path), "backend": f"{s['backend']} ({s['prefill_device']} → {s['decode_device']})",
                          "layout": r.layout, "mode": r.mode, "context": _ctx(r.context),
@@ -338,7 +339,7 @@ def faults(paths: list[str]) -> str:
         record, d = _run(path)
         t = dr.fault_table(pd.read_csv(d / "faults.csv"))
         t.insert(0, "run", _link(path))
-        s = results.read_json(d / "summary.json")
+        s = read_json(d / "summary.json")
         backends.append(s["backend"] + (" (in order)" if s["backend"] == "gloo" and s.get("in_order") else ""))
         t.insert(1, "backend", backends[-1])
         tables.append(t)
@@ -361,7 +362,7 @@ def checksum_cost(paths: list[str]) -> str:
     rows = []
     for path in paths:
         record, d = _run(path)
-        s = results.read_json(d / "summary.json")
+        s = read_json(d / "summary.json")
         f = pd.read_csv(d / "faults.csv")
         for r in dr.checksum_table(f).to_dict("records"):
             rows.append({"run": _link(path), "backend": f"{s['backend']} ({s['prefill_device']} → {s['decode_device']})",
@@ -400,7 +401,7 @@ def decode_memory(paths: list[str]) -> str:
                   "allocated at its end (GiB)": f"{r['allocated_bytes'] / _GiB:.2f}",
                   "peak allocated (GiB)": f"{r['peak_allocated_bytes'] / _GiB:.2f}",
                   "peak reserved (GiB)": f"{r['peak_reserved_bytes'] / _GiB:.2f}"}
-                 for r in results.read_json(d / "summary.json")["decode_memory"]]
+                 for r in read_json(d / "summary.json")["decode_memory"]]
     return _md(pd.DataFrame(rows))
 
 
@@ -427,7 +428,7 @@ def decode_oom(paths: list[str]) -> str:
         cap = rec["parameters"].get("decode_memory_gib") or 0
         row = {"run": _link(path), "cap (GiB)": f"{cap:.2f}" if cap else "none"}
         if rec["status"] == "finished":
-            s = results.read_json(d / "summary.json")
+            s = read_json(d / "summary.json")
             peak = max(r["peak_allocated_bytes"] for r in s["decode_memory"])
             ok = s["tokens_match"] and s["logits_equal"] and s["bytes_equal"] and s["poison_left"] == 0
             row.update({"ended": f"finished, {s['requests']} request(s) "
@@ -599,7 +600,7 @@ def _committed_runs() -> list[Path]:
     every run.json under data/ where git cannot say."""
     import subprocess
 
-    root = results.repo_root()
+    root = repo_root()
     try:
         done = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--", "data/*/*/run.json"],
                               capture_output=True, text=True, timeout=60, check=True)
@@ -617,7 +618,7 @@ def provenance_table() -> str:
 
     rows = {}
     for f in _committed_runs():
-        st = provenance.status(results.read_json(f), f.parent)[0]
+        st = provenance.status(read_json(f), f.parent)[0]
         rows.setdefault(st, []).append(f"{f.parent.parent.name}/{f.parent.name}")
     from . import goals
 
@@ -748,7 +749,7 @@ def _shallow() -> bool:
     import subprocess
 
     try:
-        done = subprocess.run(["git", "-C", str(results.repo_root()), "rev-parse", "--is-shallow-repository"],
+        done = subprocess.run(["git", "-C", str(repo_root()), "rev-parse", "--is-shallow-repository"],
                               capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.SubprocessError):
         return False
@@ -762,7 +763,7 @@ NEEDS_HISTORY = ("provenance",)
 def check(readme: str | Path | None = None) -> list[str]:
     """The names of the README's blocks that differ from what the committed runs give (empty: it matches). In a
     shallow clone the blocks of NEEDS_HISTORY are not compared: the commits they check are not there."""
-    path = Path(readme) if readme is not None else results.repo_root() / "README.md"
+    path = Path(readme) if readme is not None else repo_root() / "README.md"
     changed = update(path.read_text(encoding="utf-8"))[1]
     return [c for c in changed if c not in NEEDS_HISTORY] if _shallow() else changed
 
@@ -773,7 +774,7 @@ def add_arguments(parser) -> None:
 
 
 def run_args(args) -> int:
-    path = Path(args.readme) if args.readme else results.repo_root() / "README.md"
+    path = Path(args.readme) if args.readme else repo_root() / "README.md"
     text = path.read_text(encoding="utf-8")
     found = [m.group(2) for m in _BLOCK_RE.finditer(text)]
     if not found:  # nothing to compare is not a match

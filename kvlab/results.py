@@ -28,20 +28,18 @@ import math
 import os
 import re
 import reprlib
-import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
+
+from . import __version__, devices, paths, provenance
 
 RUN_JSON = "run.json"
 STOPPED = "STOPPED.txt"  # written into a run folder whose notebook failed or was interrupted
 SCHEMA = 1
 STATUSES = ("running", "finished", "failed")
 
-# Study names become folder names and are derived from notebook names ("02_handoff" → "handoff").
-_STUDY_RE = re.compile(r"^[a-z0-9][a-z0-9_]*$")
 _TABLE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 # Arrays and tensors up to this many elements may be recorded as parameters (as lists); a larger
 # one is data, not a parameter, and belongs in a table.
@@ -57,51 +55,6 @@ _PROTECTED = frozenset(
 )
 
 
-# ---------------------------------------------------------------------------------------- paths
-
-
-def repo_root() -> Path:
-    """The workbook's root: ``KVLAB_ROOT``, else the folder above the kvlab package when it holds
-    pyproject.toml (a source checkout), else the current directory (an installed wheel)."""
-    env = os.environ.get("KVLAB_ROOT", "").strip()
-    if env:
-        return Path(env).expanduser().resolve()
-    checkout = Path(__file__).resolve().parent.parent
-    if (checkout / "pyproject.toml").is_file():
-        return checkout
-    return Path.cwd()
-
-
-def data_root() -> Path:
-    """Where runs live: ``KVLAB_DATA``, else ``<repo_root>/data``."""
-    env = os.environ.get("KVLAB_DATA", "").strip()
-    return Path(env).expanduser().resolve() if env else repo_root() / "data"
-
-
-def figures_root() -> Path:
-    """Where published figures live: ``KVLAB_FIGURES``, else ``<repo_root>/figures``."""
-    env = os.environ.get("KVLAB_FIGURES", "").strip()
-    return Path(env).expanduser().resolve() if env else repo_root() / "figures"
-
-
-def study_of(notebook: str | os.PathLike) -> str:
-    """The study a notebook writes: its file name without the number prefix and extension,
-    ``notebooks/02_handoff.ipynb`` → ``"handoff"``."""
-    stem = Path(notebook).name.removesuffix(".ipynb")
-    return re.sub(r"^\d+[_-]", "", stem)
-
-
-def check_study(study) -> str:
-    """``study`` if it is a valid study name (lowercase letters, digits, underscores); else
-    ValueError naming it."""
-    if not isinstance(study, str) or not _STUDY_RE.match(study):
-        raise ValueError(
-            f"study name {study!r} is not valid: use lowercase letters, digits and underscores, "
-            "starting with a letter or digit (e.g. 'handoff', 'link_ceilings')"
-        )
-    return study
-
-
 # ---------------------------------------------------------------------------------- run ids
 
 
@@ -115,9 +68,7 @@ def _iso(when: _dt.datetime) -> str:
 
 def run_tag() -> str:
     """The device part of a new run id: the GPU model ("h200") on a GPU preset, else "cpu"."""
-    from kvlab import devices, nbtools
-
-    return devices.device_tag() if nbtools.preset() == "gpu" else "cpu"
+    return devices.device_tag() if devices.preset() == "gpu" else "cpu"
 
 
 def new_run_id(tag: str | None = None, when: _dt.datetime | None = None) -> str:
@@ -136,8 +87,8 @@ def new_run_dir(study: str) -> Path:
     Creation is exclusive, so two runs started in the same second (a fast sweep) get distinct
     folders: the second one's id carries ``-2``.
     """
-    check_study(study)
-    parent = data_root() / study
+    paths.check_study(study)
+    parent = paths.data_root() / study
     parent.mkdir(parents=True, exist_ok=True)
     base = new_run_id()
     for n in range(1, 1000):
@@ -219,91 +170,6 @@ def _small_array(value, size: int, what: str, where: str) -> list:
     return value.tolist()
 
 
-def _write_json(path: Path, record: dict) -> None:
-    """Write atomically: a crash mid-write must not leave a truncated run.json behind."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(record, indent=2, allow_nan=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def _read_json(path: Path) -> dict:
-    with open(path, encoding="utf-8") as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as err:  # name the file: a run folder holds several
-            raise ValueError(f"{path}: not valid JSON ({err})") from None
-
-
-def read_json(path: str | os.PathLike) -> dict:
-    """A JSON file kvlab wrote (run.json, summary.json); ValueError naming the file when it is not valid JSON."""
-    return _read_json(Path(path))
-
-
-# ------------------------------------------------------------------------------------ git
-
-
-def git_state(root: str | os.PathLike | None = None) -> dict:
-    """``{"commit": sha or None, "dirty": bool or None, "dirty_paths": [...]}`` of the repository
-    holding ``root`` (default ``repo_root()``).
-
-    ``commit`` is None without git, outside a repository or before its first commit; ``dirty``
-    is None without git or outside a repository. Changes under the data and figures roots are
-    not dirt: they are what runs write, and counting them would mark every second run dirty.
-    ``dirty_paths`` lists every changed path. ``code_sha256`` is kvlab.provenance's hash of the code
-    files on disk, which `kvlab provenance` later checks against the commit's.
-    """
-    from . import provenance
-
-    state = _git_state(root)
-    try:
-        code = provenance.tree_hash(root if root is not None else None)
-    except OSError:
-        code = None
-    # A copy of the tree sent to a GPU node may have no usable .git, or a stale one (the node's copy kept
-    # the .git of an older commit and sees the sent changes as dirt): only the sender can name the commit
-    # the tree is, through KVLAB_GIT_COMMIT. It then wins, and what the local git saw is kept beside it.
-    sent = os.environ.get("KVLAB_GIT_COMMIT", "").strip()
-    if sent and state["commit"] != sent:
-        local = {"commit": state["commit"], "dirty": state["dirty"], "dirty_paths": state["dirty_paths"]}
-        state = {"commit": sent, "dirty": None, "dirty_paths": [], "commit_source": "KVLAB_GIT_COMMIT",
-                 "local_git": local}
-    state["code_sha256"] = code
-    return state
-
-
-def _git_state(root) -> dict:
-    root = Path(root) if root is not None else repo_root()
-    unknown = {"commit": None, "dirty": None, "dirty_paths": []}
-    git = shutil.which("git")
-    if git is None or not root.is_dir():
-        return unknown
-
-    def call(*args: str) -> subprocess.CompletedProcess | None:
-        try:
-            return subprocess.run([git, "-C", str(root), *args], capture_output=True, text=True,
-                                  timeout=60, check=False)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-
-    top = call("rev-parse", "--show-toplevel")
-    if top is None or top.returncode != 0 or not top.stdout.strip():
-        return unknown
-    top_dir = Path(top.stdout.strip()).resolve()
-    head = call("rev-parse", "--verify", "--quiet", "HEAD")
-    commit = head.stdout.strip() if head is not None and head.returncode == 0 else None
-    excludes = []
-    for output in (data_root(), figures_root()):
-        try:
-            excludes.append(f":(top,exclude){output.resolve().relative_to(top_dir).as_posix()}")
-        except ValueError:  # outside this repository: nothing of it can show up in git status
-            pass
-    status = call("status", "--porcelain", "--untracked-files=all", "--", ":(top)", *excludes)
-    if status is None or status.returncode != 0:
-        return {"commit": commit, "dirty": None, "dirty_paths": []}
-    changed = [line[3:] for line in status.stdout.splitlines() if line.strip()]
-    return {"commit": commit, "dirty": bool(changed), "dirty_paths": changed}
-
-
 # ------------------------------------------------------------------------------------ runs
 
 
@@ -356,7 +222,7 @@ class Run:
         return self.dir / RUN_JSON
 
     def _write(self) -> None:
-        _write_json(self.json_path, self._record)
+        paths.write_json(self.json_path, self._record)
 
     def save_table(self, df, name: str = "results", compress: bool = False) -> Path:
         """Write ``df`` to ``<run_dir>/<name>.csv`` (``.csv.gz`` with compress=True, for big tables) and
@@ -402,13 +268,11 @@ class Run:
     def reload(self) -> None:
         """Read run.json back from disk, after something else wrote it (record_execution, amend): a later update
         or finish then starts from what is there, not from this object's older copy."""
-        self._record = _read_json(self.dir / RUN_JSON)
+        self._record = paths.read_json(self.dir / RUN_JSON)
 
     def finish(self) -> None:
         """Mark the run finished (UTC time, duration in seconds) and write run.json. Only finished
         runs are found by ``latest()``; calling it again re-stamps the finish time."""
-        from kvlab import devices
-
         self._record["status"] = "finished"
         self._record["finished_utc"] = _iso(_utc_now())
         self._record["duration_s"] = round(time.monotonic() - self._t0, 3)
@@ -435,7 +299,7 @@ def start(study: str, params: Mapping, run_dir: str | os.PathLike = "") -> Run:
     versions, parameters, argv, invocation, host_state_start (devices.host_state()); ``finish()`` adds
     host_state_end and host_usage (busy / iowait / steal % of the machine's CPU time during the run).
     """
-    check_study(study)
+    paths.check_study(study)
     if not isinstance(params, Mapping):
         raise TypeError(f"params must be a mapping of parameter name to value, got "
                         f"{type(params).__name__}")
@@ -443,12 +307,10 @@ def start(study: str, params: Mapping, run_dir: str | os.PathLike = "") -> Run:
     if not isinstance(run_dir, (str, os.PathLike)):
         raise TypeError(f"run_dir must be a str or path, got {type(run_dir).__name__}")
 
-    from kvlab import __version__, devices, nbtools
-
     hardware = devices.describe()
     # A CPU preset forced on a GPU host (KVLAB_PRESET=cpu) measures on the CPU: it is a CPU run,
     # and must not be mistaken for a GPU result.
-    if hardware["device_kind"] == "cuda" and nbtools.preset() == "cpu":
+    if hardware["device_kind"] == "cuda" and devices.preset() == "cpu":
         hardware["device_kind"], hardware["device_tag"] = "cpu", "cpu"
 
     if os.fspath(run_dir) == "":
@@ -459,7 +321,7 @@ def start(study: str, params: Mapping, run_dir: str | os.PathLike = "") -> Run:
         set_aside_stopped(path)
 
     argv, invocation = _invocation()
-    git = git_state()
+    git = provenance.git_state()
     _record_diff(path, git)
     record = {
         "schema": SCHEMA,
@@ -490,8 +352,6 @@ def _record_diff(run_dir: Path, git: dict) -> None:
     checks the code hash against the commit later, on a machine that has it."""
     import hashlib
 
-    from . import provenance
-
     commit, code = git.get("commit"), git.get("code_sha256")
     if not commit or not code:
         return
@@ -516,9 +376,9 @@ def amend(run_dir: str | os.PathLike, **fields) -> None:
         raise ValueError(f"run.json fields {clash} are written by kvlab and cannot be amended; "
                          f"protected: {sorted(_PROTECTED)}")
     path = Path(run_dir) / RUN_JSON
-    record = _read_json(path)
+    record = paths.read_json(path)
     record.update({key: jsonable(value, key) for key, value in fields.items()})
-    _write_json(path, record)
+    paths.write_json(path, record)
 
 
 def check_run_folder(folder: str | os.PathLike, flag: str = "--run-dir") -> None:
@@ -605,12 +465,12 @@ def record_execution(run_dir: str | os.PathLike, notebook: str, ok: bool, second
                 encoding="utf-8")
         if not path.is_file():
             return False
-        record = _read_json(path)
+        record = paths.read_json(path)
         record["execution"] = {"notebook": notebook, "ok": bool(ok), "seconds": round(seconds, 3),
                                "error": error}
         if not ok:  # also after finish(): a cell after it failed, so the notebook did not run to its end
             record["status"] = "failed"
-        _write_json(path, record)
+        paths.write_json(path, record)
         return True
 
 
@@ -686,9 +546,9 @@ def runs(study: str, gpu: bool | None = None, finished: bool = True) -> list[Pat
     ``gpu``: True → GPU runs only, False → CPU runs only, None → both. ``finished``: only runs
     whose run.json says "finished" (a crashed or still-running run is not a result).
     """
-    check_study(study)
+    paths.check_study(study)
     found = []
-    parent = data_root() / study
+    parent = paths.data_root() / study
     if not parent.is_dir():
         return []
     for path in parent.iterdir():
@@ -696,7 +556,7 @@ def runs(study: str, gpu: bool | None = None, finished: bool = True) -> list[Pat
         if not meta.is_file():
             continue
         try:
-            record = _read_json(meta)
+            record = paths.read_json(meta)
         except (OSError, json.JSONDecodeError):
             continue  # a run.json being written by a run in progress, or damaged: not a result
         if finished and record.get("status") != "finished":
@@ -718,7 +578,7 @@ def latest(study: str, gpu: bool = True) -> Path:
     found = (runs(study, gpu=True) if gpu else []) or runs(study)
     if not found:
         raise FileNotFoundError(
-            f"no finished run of study {study!r} under {data_root() / study}; "
+            f"no finished run of study {study!r} under {paths.data_root() / study}; "
             f"make one with: kvlab run {study}"
         )
     return found[0]
@@ -735,4 +595,4 @@ def load(run_dir: str | os.PathLike) -> tuple[dict, dict]:
         raise FileNotFoundError(f"{path} is not a run folder: it has no {RUN_JSON}")
     tables = {csv.name.removesuffix(".gz").removesuffix(".csv"): pd.read_csv(csv)
               for csv in sorted([*path.glob("*.csv"), *path.glob("*.csv.gz")])}
-    return _read_json(meta), tables
+    return paths.read_json(meta), tables

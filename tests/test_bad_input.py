@@ -9,7 +9,7 @@ import pytest
 
 from conftest import cpu_env as _env
 from conftest import kvlab_command
-from kvlab import models
+from kvlab import models, paths
 
 
 def _one_line(done, says):
@@ -202,7 +202,7 @@ def test_a_corrupt_run_json_is_named(tmp_path):
     bad = tmp_path / "run.json"
     bad.write_text('{"status": "finished",\n')
     with pytest.raises(ValueError, match=rf"{re.escape(str(bad))}: not valid JSON"):
-        results.read_json(bad)
+        paths.read_json(bad)
 
 
 def test_a_run_that_finishes_in_a_stopped_folder_clears_its_stopped_note(tmp_path):

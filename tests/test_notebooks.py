@@ -10,7 +10,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from kvlab import results
+from kvlab import paths, results
 from kvlab import params as nbparams
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
@@ -57,7 +57,7 @@ def test_executes_on_cpu_through_run_all(path, workbook):
     figures in its run folder, no error output, and nothing published to figures/."""
     done = workbook.process
     assert f"{path.name}" in done.stdout, f"run-all did not run {path.name}:\n{done.stdout}\n{done.stderr}"
-    folders = sorted((workbook.data / results.study_of(path)).glob("*"))
+    folders = sorted((workbook.data / paths.study_of(path)).glob("*"))
     assert len(folders) == 1, f"{path.name}: expected one run folder, found {folders}\n{done.stderr[-3000:]}"
     run_dir = folders[0]
     executed = nbformat.read(str(run_dir / path.name), as_version=4)
@@ -66,7 +66,7 @@ def test_executes_on_cpu_through_run_all(path, workbook):
     assert errors == [], f"{path.name}: {errors[0].get('ename')}: {errors[0].get('evalue')}" if errors else ""
     record = json.loads((run_dir / "run.json").read_text())
     assert record["status"] == "finished", f"{path.name} never called run.finish()"
-    assert record["study"] == results.study_of(path)
+    assert record["study"] == paths.study_of(path)
     assert record["device_kind"] == "cpu"
     assert not (run_dir / results.STOPPED).exists()
     assert list(run_dir.glob("*.csv")), f"{path.name} saved no table (Run.save_table)"

@@ -20,7 +20,7 @@ import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kvlab import devices, nbtools, plots, provenance, results  # noqa: E402
+from kvlab import devices, nbtools, paths, plots, provenance, results  # noqa: E402
 
 RUN_ID = re.compile(r"^\d{8}-\d{6}-[a-z0-9]+(-\d+)?$")
 UTC_STAMP = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z$")
@@ -231,7 +231,7 @@ def repo(tmp_path, monkeypatch):
 
 
 def test_git_commit_and_dirty_flag(repo):
-    state = results.git_state()
+    state = provenance.git_state()
     assert state["commit"] is None and state["dirty"] is True  # no commit yet, code.py untracked
     git(repo, "add", "kvlab/code.py")
     git(repo, "commit", "-qm", "first")
@@ -243,7 +243,7 @@ def test_git_commit_and_dirty_flag(repo):
                                  "code_matches_commit": True}
     (repo / "figures" / "toy").mkdir(parents=True)
     (repo / "figures" / "toy" / "f.png").write_bytes(b"png")
-    assert results.git_state()["dirty"] is False  # what runs write is not dirt
+    assert provenance.git_state()["dirty"] is False  # what runs write is not dirt
 
     (repo / "kvlab" / "code.py").write_text("x = 2\n")
     state = results.start("toy", {}).record["git"]
@@ -254,10 +254,10 @@ def test_git_commit_and_dirty_flag(repo):
 def test_git_state_is_null_outside_a_repository_or_without_git(tmp_path, monkeypatch):
     plain = tmp_path / "plain"
     plain.mkdir()
-    assert results.git_state(plain) == {"commit": None, "dirty": None, "dirty_paths": [],
+    assert provenance.git_state(plain) == {"commit": None, "dirty": None, "dirty_paths": [],
                                         "code_sha256": provenance.tree_hash(plain)}
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
-    state = results.git_state(Path(__file__).parent)
+    state = provenance.git_state(Path(__file__).parent)
     assert {k: state[k] for k in ("commit", "dirty", "dirty_paths")} == {"commit": None, "dirty": None,
                                                                          "dirty_paths": []}
 
@@ -266,24 +266,24 @@ def test_git_state_is_null_outside_a_repository_or_without_git(tmp_path, monkeyp
 
 
 def test_roots_follow_the_environment(tmp_path, monkeypatch, kvlab_dirs):
-    assert results.data_root() == kvlab_dirs.data
-    assert results.figures_root() == kvlab_dirs.figures
+    assert paths.data_root() == kvlab_dirs.data
+    assert paths.figures_root() == kvlab_dirs.figures
     monkeypatch.delenv("KVLAB_DATA")
     monkeypatch.setenv("KVLAB_ROOT", str(tmp_path / "elsewhere"))
-    assert results.data_root() == tmp_path / "elsewhere" / "data"
+    assert paths.data_root() == tmp_path / "elsewhere" / "data"
     monkeypatch.delenv("KVLAB_ROOT")
-    assert (results.repo_root() / "pyproject.toml").is_file()  # this checkout
+    assert (paths.repo_root() / "pyproject.toml").is_file()  # this checkout
 
 
 @pytest.mark.parametrize("name, study", [("notebooks/02_handoff.ipynb", "handoff"),
                                          ("01_link_ceilings.ipynb", "link_ceilings"),
                                          ("scratch.ipynb", "scratch")])
 def test_study_of_notebook(name, study):
-    assert results.study_of(name) == study
+    assert paths.study_of(name) == study
 
 
 def _finished(study: str, run_id: str, kind: str, status: str = "finished") -> Path:
-    folder = results.data_root() / study / run_id
+    folder = paths.data_root() / study / run_id
     folder.mkdir(parents=True)
     started = dt.datetime.strptime(run_id[:15], "%Y%m%d-%H%M%S").strftime("%Y-%m-%dT%H:%M:%SZ")
     (folder / "run.json").write_text(json.dumps(
@@ -482,19 +482,19 @@ def test_style_applies_the_house_settings():
 
 def test_preset_follows_hardware_and_environment(monkeypatch):
     monkeypatch.setattr(devices, "has_cuda", lambda: False)
-    assert nbtools.preset() == "cpu"
+    assert devices.preset() == "cpu"
     assert nbtools.resolve("auto", gpu="qwen2.5-7b", cpu="kvlab-tiny") == "kvlab-tiny"
     assert nbtools.resolve("llama-2-7b", gpu="qwen2.5-7b", cpu="kvlab-tiny") == "llama-2-7b"
     monkeypatch.setenv("KVLAB_PRESET", "gpu")
     with pytest.raises(RuntimeError, match="no CUDA"):
-        nbtools.preset()
+        devices.preset()
     monkeypatch.setattr(devices, "has_cuda", lambda: True)
-    assert nbtools.preset() == "gpu"
+    assert devices.preset() == "gpu"
     monkeypatch.setenv("KVLAB_PRESET", "cpu")
-    assert nbtools.preset() == "cpu"
+    assert devices.preset() == "cpu"
     monkeypatch.setenv("KVLAB_PRESET", "tpu")
     with pytest.raises(ValueError, match="tpu"):
-        nbtools.preset()
+        devices.preset()
 
 
 def test_is_interactive_is_false_outside_a_kernel(monkeypatch):
@@ -528,12 +528,12 @@ def test_a_sent_commit_wins_over_a_stale_local_git(repo, monkeypatch):
     (repo / "kvlab" / "code.py").write_text("x = 2\n")  # the tree that was sent differs from the local HEAD
     code = provenance.tree_hash(repo)
     monkeypatch.setenv("KVLAB_GIT_COMMIT", "f" * 40)
-    state = results.git_state()
+    state = provenance.git_state()
     assert state["commit"] == "f" * 40 and state["commit_source"] == "KVLAB_GIT_COMMIT"
     assert state["local_git"] == {"commit": head, "dirty": True, "dirty_paths": ["kvlab/code.py"]}
     assert state["code_sha256"] == code
     monkeypatch.setenv("KVLAB_GIT_COMMIT", head)  # the same commit: the local state stands
-    assert results.git_state() == {"commit": head, "dirty": True, "dirty_paths": ["kvlab/code.py"],
+    assert provenance.git_state() == {"commit": head, "dirty": True, "dirty_paths": ["kvlab/code.py"],
                                    "code_sha256": code}
 
 

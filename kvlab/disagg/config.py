@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from .. import devices
+
 __all__ = ["DisaggConfig", "BACKENDS", "MODES", "LAYOUTS", "KV_DTYPES", "check", "backend_unavailable",
            "DECODE", "PREFILL", "from_params"]
 
@@ -286,13 +288,11 @@ def _memory_cap_ok(gib, decode: str) -> None:
 
 
 def from_params(params, gpu: bool | None = None) -> DisaggConfig:
-    """The DisaggConfig of notebook 05's parameters, "auto" resolved by hardware (`gpu`; None: kvlab.nbtools.preset):
+    """The DisaggConfig of notebook 05's parameters, "auto" resolved by hardware (`gpu`; None: kvlab.devices.preset):
     backend ipc on a GPU, gloo on a CPU; Qwen2.5-7B at 1k…32k on a GPU, kvlab-tiny at 128 tokens on a CPU; the
     bench on for ipc and nccl on a GPU. Checked (`check`) before it is returned."""
-    from .. import nbtools
-
     if gpu is None:
-        gpu = nbtools.preset() == "gpu"
+        gpu = devices.preset() == "gpu"
     p = dict(params)
 
     def auto(name, on_gpu, on_cpu):
