@@ -41,7 +41,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from kvlab import __version__, paths, results
-from kvlab.params import (RUN_DIR_IS_SET, Parameter, UsageError, check_names, coerce, find_notebook,
+from kvlab.parse import OneLineParser, UsageError, token_list, yaml_load
+from kvlab.params import (RUN_DIR_IS_SET, Parameter, check_names, coerce, find_notebook,
                           list_notebooks, notebooks_dir, parse_params, runnable_parameters, yaml_load)
 from kvlab.units import fmt_bytes
 
@@ -103,34 +104,11 @@ def command_names() -> list[str]:
     return [c.name for c in _COMMANDS]
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse's parser with its errors on one line: the message, a close match for a mistyped option or command,
-    and where the valid ones are listed — instead of the usage block above the message."""
-
-    def error(self, message: str):
-        import difflib
-
-        hint = ""
-        words = message.split(": ", 1)[1].split() if message.startswith("unrecognized arguments: ") else []
-        words = words[:words.index("--")] if "--" in words else words  # nothing after "--" is an option
-        options = [o for o in self._option_string_actions if o.startswith("--")]
-        for w in (w.split("=", 1)[0] for w in words if w.startswith("-")):
-            near = [o for o in difflib.get_close_matches(w, options, n=2, cutoff=0.6) if o != w]
-            if near:
-                hint = f"; did you mean {near[0]}?"
-                break
-        if not hint and message.startswith("argument COMMAND: invalid choice: '"):
-            bad = message.split("invalid choice: '", 1)[1].split("'", 1)[0]
-            near = difflib.get_close_matches(bad, [c.name for c in _COMMANDS], n=1, cutoff=0.6)
-            hint = f"; did you mean {near[0]!r}?" if near else ""
-        self.exit(2, f"{self.prog}: error: {message}{hint} ({self.prog} -h lists what is valid)\n")
-
-
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The argparse parser of every registered subcommand. With ``only``, the options of that
     subcommand alone are added (the others are listed, with no options), which keeps a module's
     heavy imports out of every other command."""
-    parser = _Parser(
+    parser = OneLineParser(
         prog="kvlab",
         description="kvlab: the KV-cache bill of disaggregated LLM inference, as a workbook.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -590,10 +568,8 @@ Every point is validated before the first run; -p NAME VALUE fixes a parameter f
 
 
 def _one_token_count(text: str) -> int:
-    from kvlab import preflight
-
     try:
-        counts = preflight.token_list(text, "--tokens", minimum=-2**62)  # the calculator names a bad count
+        counts = token_list(text, "--tokens", minimum=-2**62)  # the calculator names a bad count
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
     if len(counts) != 1:

@@ -796,3 +796,24 @@ def build(spec_or_path: Any, weights: str = "random", device: Any = "cpu",
         kwargs["device_map"] = {"": dev}
     model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
     return model.to(dev).eval()
+
+
+def model_ref(value, what: str = "model") -> str:
+    """A registry name (any accepted alias) or a local config.json / model folder; else ValueError with the
+    closest registry names."""
+    name = str(value).strip()
+    p = Path(name).expanduser()
+    if p.is_file() or (p.is_dir() and (p / "config.json").is_file()):
+        return name
+    if os.sep in name or name.endswith(".json"):
+        raise ValueError(f"{what} = {name!r}: no such file, and not a folder with a config.json")
+    get(name)  # ValueError with the known names and the closest one
+    return name
+
+
+def check_weights(value, what: str = "weights") -> None:
+    """'random', a local checkpoint folder or a hub id (org/name); else ValueError naming the value."""
+    v = str(value).strip()
+    if v == "random" or Path(v).expanduser().is_dir() or ("/" in v and not Path(v).exists() and v.count("/") == 1):
+        return
+    raise ValueError(f"weights = {v!r}: give 'random', a local checkpoint folder, or a hub id such as org/name")

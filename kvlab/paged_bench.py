@@ -35,6 +35,7 @@ import pandas as pd
 import torch
 
 from . import nixl, paged, paged_triton, paged_xport, timing
+from .parse import name_list, token_list
 from .paged import BlockAllocator, BlockPool, PoolSpec, verify_transfer
 from .timing import free_device as _free, sync_device as _sync
 from .transfer import Destination, Landing
@@ -93,8 +94,6 @@ def default_destinations(device: torch.device | str | None = None) -> list[str]:
 
 
 def _split(value, cast=str) -> list:
-    from .preflight import name_list
-
     if not isinstance(value, (str, list, tuple)):
         value = [value]
     items = name_list(value) if not isinstance(value, (list, tuple)) or value else []
@@ -105,9 +104,7 @@ def _split(value, cast=str) -> list:
 
 
 def _tokens(v) -> int:
-    # "32k" / "32K" = 32 × 1024 tokens, as the notebooks write contexts (kvlab.preflight.token_list's rule)
-    from .preflight import token_list
-
+    # "32k" / "32K" = 32 × 1024 tokens, as the notebooks write contexts (kvlab.parse.token_list's rule)
     return token_list(str(v))[0]
 
 

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from . import paths
+from .parse import UsageError, yaml_load
 
 __all__ = ["UsageError", "Parameter", "parameter_cells", "parse_parameter_cell", "notebook_parameters",
            "runnable_parameters", "coerce", "check_names", "parse_params", "notebooks_dir", "list_notebooks",
@@ -27,10 +28,6 @@ _TYPES: dict[str, type | tuple] = {
     "list": list, "List": list, "tuple": (list, tuple), "Tuple": (list, tuple),
     "Sequence": (list, tuple), "dict": dict, "Dict": dict, "Mapping": dict,
 }
-
-
-class UsageError(Exception):
-    """Bad input on the command line; the message says what was wrong and what is valid."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,24 +191,6 @@ def check_names(names, declared: Mapping[str, Parameter], notebook: str) -> None
     if unknown:
         raise UsageError(f"unknown parameter {', '.join(map(repr, unknown))} for {notebook}; "
                          f"valid parameters:\n{_declared_list(declared)}")
-
-
-def yaml_load(text: str):
-    """YAML as a user means it: only true/false are booleans. PyYAML follows YAML 1.1, where on/off/yes/no are too,
-    so a grid's `attribution: [off]` became the text "False" (issue 16)."""
-    import re
-
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        pass
-
-    Loader.yaml_implicit_resolvers = {
-        k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
-        for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-    Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
-                                 list("tTfF"))
-    return yaml.load(text, Loader=Loader)
 
 
 def parse_params(pairs, declared: Mapping[str, Parameter], notebook: str) -> dict:

@@ -11,75 +11,16 @@ token counts, ``1k,32k``.
 
 from __future__ import annotations
 
-import difflib
-import os
 from collections.abc import Callable, Mapping
-from pathlib import Path
 
-__all__ = ["token_list", "name_list", "model_ref", "check", "CHECKS"]
+from . import models
+from .parse import name_list, suggest, token_list
+
+__all__ = ["check", "CHECKS"]
 
 
 class _Bad(ValueError):
     pass
-
-
-def name_list(value, what: str = "value") -> list[str]:
-    """``"a,b"``, ``"[a, b]"``, ``["a", "b"]`` or ``"a"`` → ``["a", "b"]``; empty → ValueError."""
-    if isinstance(value, str):
-        text = value.strip()
-        if text.startswith("[") and text.endswith("]"):
-            text = text[1:-1]
-        items = [v.strip().strip("'\"") for v in text.split(",")]
-    elif isinstance(value, (list, tuple)):
-        items = [str(v).strip() for v in value]
-    else:
-        items = [str(value).strip()]
-    items = [v for v in items if v]
-    if not items:
-        raise ValueError(f"{what} = {value!r} is empty: give at least one, e.g. a,b or [a, b]")
-    return items
-
-
-def token_list(value, what: str = "contexts", minimum: int = 1) -> list[int]:
-    """Token counts in any spelling a user types: ``1024,4096``, ``[1024, 4096]``, ``1k,32k``, ``2048``, or a
-    list of ints → ``[1024, 4096]``; anything else → ValueError naming the value and the accepted forms."""
-    out = []
-    for item in name_list(value, what):
-        t = item.lower().replace("_", "")
-        try:
-            n = int(t[:-1]) * 1024 if t.endswith("k") else int(t)
-        except ValueError:
-            raise ValueError(f"{what} = {value!r}: {item!r} is not a token count; give ints such as 1024,4096, "
-                             "[1024, 4096] or 1k,32k") from None
-        if n < minimum:
-            raise ValueError(f"{what} = {value!r}: {n} is too small; give token counts ≥ {minimum}")
-        out.append(n)
-    return out
-
-
-def _suggest(name: str, known) -> str:
-    """"; did you mean 'x'?" for the closest of ``known`` to ``name`` (empty when none is close)."""
-    close = difflib.get_close_matches(str(name).lower(), list(dict.fromkeys(k.lower() for k in known)), n=2,
-                                      cutoff=0.6)
-    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-
-
-def model_ref(value, what: str = "model") -> str:
-    """A registry name (any accepted alias) or a local config.json / model folder; else ValueError with the
-    closest registry names."""
-    from . import models
-
-    name = str(value).strip()
-    p = Path(name).expanduser()
-    if p.is_file() or (p.is_dir() and (p / "config.json").is_file()):
-        return name
-    if os.sep in name or name.endswith(".json"):
-        raise ValueError(f"{what} = {name!r}: no such file, and not a folder with a config.json")
-    models.get(name)  # ValueError with the known names and the closest one
-    return name
-
-
-# --------------------------------------------------------------------------------------- per parameter
 
 
 def _destinations(value, what="destinations"):
@@ -108,17 +49,10 @@ def _policy(value, what="policy"):
     check_policy(value)
 
 
-def _weights(value, what="weights"):
-    v = str(value).strip()
-    if v == "random" or Path(v).expanduser().is_dir() or ("/" in v and not Path(v).exists() and v.count("/") == 1):
-        return
-    raise ValueError(f"weights = {v!r}: give 'random', a local checkpoint folder, or a hub id such as org/name")
-
-
 def _choice(*valid: str) -> Callable:
     def check(value, what):
         if str(value) not in valid:
-            raise ValueError(f"{what} = {value!r} is not valid; valid: {', '.join(valid)}{_suggest(value, valid)}")
+            raise ValueError(f"{what} = {value!r} is not valid; valid: {', '.join(valid)}{suggest(value, valid)}")
     return check
 
 
@@ -154,7 +88,7 @@ def _methods(value, what="methods"):
 
     for m in name_list(value, what):
         if m not in METHODS:
-            raise ValueError(f"{what}: unknown method {m!r}; valid: {', '.join(METHODS)}{_suggest(m, METHODS)}")
+            raise ValueError(f"{what}: unknown method {m!r}; valid: {', '.join(METHODS)}{suggest(m, METHODS)}")
 
 
 def _layout(value, what="layout"):
@@ -170,14 +104,14 @@ def _patterns(value, what="patterns"):
         return
     for p in [x.strip() for x in str(value).split(";") if x.strip()]:
         if p not in PATTERNS:
-            raise ValueError(f"{what}: unknown pattern {p!r}; valid: {', '.join(PATTERNS)}{_suggest(p, PATTERNS)}")
+            raise ValueError(f"{what}: unknown pattern {p!r}; valid: {', '.join(PATTERNS)}{suggest(p, PATTERNS)}")
 
 
 def _model_names(value, what="models"):
     if value == "all":
         return
     for m in name_list(value, what):
-        model_ref(m, what)
+        models.model_ref(m, what)
 
 
 def _links(value, what="links"):
@@ -196,19 +130,19 @@ def _kv_dtype(value, what="kv_dtype"):
 def _exposure_cases(value, what="exposure_cases"):
     for case in name_list(value, what):
         model, _, dtype = case.partition(":")
-        model_ref(model, what)
+        models.model_ref(model, what)
         if dtype:
             _kv_dtype(dtype, what)
 
 
 # study → parameter → check(value, name); "auto" is never checked (the notebook resolves it by hardware)
 CHECKS: dict[str, dict[str, Callable]] = {
-    "handoff": {"model": lambda v, w: model_ref(v, w), "weights": _weights, "contexts": lambda v, w: token_list(v, w, 2),
+    "handoff": {"model": lambda v, w: models.model_ref(v, w), "weights": models.check_weights, "contexts": lambda v, w: token_list(v, w, 2),
                 "destinations": _destinations, "policy": _policy, "point": _choice("cache", "attention"),
                 "attribution": _choice("auto", "off"), "ceiling_sizes": _sizes, "repeats": _int_at_least(1),
                 "warmup": _int_at_least(0), "decode_tokens": _int_at_least(1), "interleave": _int_at_least(1),
                 "interleave_short": _int_at_least(1), "attribution_rounds": _int_at_least(1)},
-    "overlap_timeline": {"model": lambda v, w: model_ref(v, w), "context": lambda v, w: _one(token_list(v, w, 2), v, w),
+    "overlap_timeline": {"model": lambda v, w: models.model_ref(v, w), "context": lambda v, w: _one(token_list(v, w, 2), v, w),
                          "destination": lambda v, w: (_one(name_list(v, w), v, w), _destinations(v, w)), "transport": _choice("copy"),
                          "send_mode": _choice("auto", "event"), "repeats": _int_at_least(1),
                          "events": _choice("auto", "off"), "event_rounds": _int_at_least(1), "patterns": _patterns,
@@ -216,9 +150,9 @@ CHECKS: dict[str, dict[str, Callable]] = {
     "paged_transfer": {"contexts": lambda v, w: token_list(v, w, 1), "block_sizes": lambda v, w: token_list(v, w, 1),
                        "methods": _methods, "destinations": _destinations, "layout": _layout,
                        "pool_layout": _choice("nhd", "hnd"), "repeats": _int_at_least(1), "warmup": _int_at_least(0),
-                       "check_model": lambda v, w: v == "" or model_ref(v, w)},
-    "disagg": {"backend": _choice("gloo", "ipc", "nccl", "nixl"), "model": lambda v, w: model_ref(v, w),
-               "weights": _weights, "contexts": lambda v, w: token_list(v, w, 1), "repeats": _int_at_least(1),
+                       "check_model": lambda v, w: v == "" or models.model_ref(v, w)},
+    "disagg": {"backend": _choice("gloo", "ipc", "nccl", "nixl"), "model": lambda v, w: models.model_ref(v, w),
+               "weights": models.check_weights, "contexts": lambda v, w: token_list(v, w, 1), "repeats": _int_at_least(1),
                "warmup": _int_at_least(0), "decode_tokens": _int_at_least(1), "block_size": _int_at_least(1),
                "bench": _choice("auto", "on", "off"), "faults": _int_at_least(0),
                "policy": _choice("fail", "retry", "recompute")},

@@ -262,17 +262,18 @@ def run(model: str = "qwen2.5-7b", contexts=("4k", "32k"), block_size: int = 16,
     summary.csv, run.json. Returns (run folder, summary)."""
     import os
 
-    from . import devices, models, preflight, results
+    from . import devices, models, results
+    from .parse import token_list
     from .disagg.config import _DTYPE_ALIASES, KV_DTYPES, _norm_device
 
-    ctx = preflight.token_list(contexts, "context", 1)
+    ctx = token_list(contexts, "context", 1)
     dt = _DTYPE_ALIASES.get(str(kv_dtype).lower(), str(kv_dtype).lower())
     if dt not in KV_DTYPES:
         raise ValueError(f"kv-dtype = {kv_dtype!r} is not valid; valid: {', '.join(KV_DTYPES)} (or bf16, fp16, fp32)")
     for name, v, low in (("block-size", block_size, 1), ("repeats", repeats, 1), ("seed", seed, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise ValueError(f"{name} = {v!r}: give an int ≥ {low}")
-    model = preflight.model_ref(model, "model")
+    model = models.model_ref(model, "model")
     spec_m = models.from_hf_config(model) if os.path.exists(model) else models.get(model)
     if device != "auto" and not (device == "cpu" or str(device).startswith("cuda")):
         raise ValueError(f"device = {device!r} is not a device; give 'auto', 'cpu' or 'cuda:N'")

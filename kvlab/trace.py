@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from .nsys import NsysUnavailable, run_nsys
+from .parse import OneLineParser  # its errors in one line, as every kvlab command's
 from .tracefmt import GPU_KINDS, REGION, TraceError, capture, load, summarize
 
 __all__ = ["trace_handoff", "HandoffTrace", "event_table", "event_handoff", "EventTimeline", "trace_main"]
@@ -422,9 +423,8 @@ def trace_main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, command = argv[:cut], argv[cut + 1:]
-    from .cli import _Parser  # its errors in one line, as every kvlab command's
 
-    parser = _Parser(prog="kvlab trace", description=trace_main.__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="kvlab trace", description=trace_main.__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
     p_nsys = sub.add_parser("nsys", help="profile COMMAND (after --) with Nsight Systems",
                             description="Profile COMMAND (after --) with Nsight Systems (CUDA + NVTX) and print a "

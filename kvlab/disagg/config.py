@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from .. import devices
+from .. import devices, models
+from ..parse import name_list, suggest, token_list
 
 __all__ = ["DisaggConfig", "BACKENDS", "MODES", "LAYOUTS", "KV_DTYPES", "check", "backend_unavailable",
            "DECODE", "PREFILL", "from_params"]
@@ -145,10 +146,8 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(DisaggConfig)}
 
 def _differs(value, default) -> bool:
     if isinstance(default, tuple):
-        from .. import preflight
-
         try:
-            return tuple(preflight.name_list(value, "value")) != default
+            return tuple(name_list(value, "value")) != default
         except ValueError:
             return True
     return value != default
@@ -157,22 +156,20 @@ def _differs(value, default) -> bool:
 def check(cfg: DisaggConfig) -> DisaggConfig:
     """Every value of `cfg` checked and normalised (lists from text, dtype aliases); ValueError naming the bad
     value and what would be valid. Nothing is started or written."""
-    from .. import preflight
-
     if cfg.backend not in BACKENDS:
         raise ValueError(f"backend = {cfg.backend!r} is not valid; valid: {', '.join(BACKENDS)}"
-                         f"{preflight._suggest(cfg.backend, BACKENDS)}")
-    cfg.model = preflight.model_ref(cfg.model, "model")
-    preflight._weights(cfg.weights, "weights")
-    cfg.contexts = tuple(preflight.token_list(cfg.contexts, "context", 1))
+                         f"{suggest(cfg.backend, BACKENDS)}")
+    cfg.model = models.model_ref(cfg.model, "model")
+    models.check_weights(cfg.weights, "weights")
+    cfg.contexts = tuple(token_list(cfg.contexts, "context", 1))
     if len(set(cfg.contexts)) != len(cfg.contexts):
         raise ValueError(f"context lists {list(cfg.contexts)} with a repeat; give each once")
-    cfg.modes = tuple(preflight.name_list(cfg.modes, "mode"))
-    cfg.layouts = tuple(preflight.name_list(cfg.layouts, "layout"))
+    cfg.modes = tuple(name_list(cfg.modes, "mode"))
+    cfg.layouts = tuple(name_list(cfg.layouts, "layout"))
     for what, items, valid in (("mode", cfg.modes, MODES), ("layout", cfg.layouts, LAYOUTS)):
         for v in items:
             if v not in valid:
-                raise ValueError(f"{what} = {v!r} is not valid; valid: {', '.join(valid)}{preflight._suggest(v, valid)}")
+                raise ValueError(f"{what} = {v!r} is not valid; valid: {', '.join(valid)}{suggest(v, valid)}")
         if len(set(items)) != len(items):
             raise ValueError(f"{what} lists {list(items)} with a repeat; give each once")
     dt = str(cfg.kv_dtype).lower().removeprefix("torch.")
@@ -221,7 +218,7 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
 
     if cfg.policy not in POLICIES:
         raise ValueError(f"policy = {cfg.policy!r} is not valid; valid: {', '.join(POLICIES)}"
-                         f"{preflight._suggest(cfg.policy, POLICIES)}")
+                         f"{suggest(cfg.policy, POLICIES)}")
     for name in ("faults", "retries"):
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -232,7 +229,7 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
         raise ValueError(f"nixl-descs = {cfg.nixl_descs!r} is not valid; valid: {', '.join(DESCS)}")
     if cfg.block_order not in BLOCK_ORDERS:
         raise ValueError(f"block-order = {cfg.block_order!r} is not valid; valid: {', '.join(BLOCK_ORDERS)}"
-                         f"{preflight._suggest(cfg.block_order, BLOCK_ORDERS)}")
+                         f"{suggest(cfg.block_order, BLOCK_ORDERS)}")
     if cfg.block_order != "random" and "paged" not in cfg.layouts:
         raise ValueError(f"block-order = {cfg.block_order!r} orders a paged cache's blocks; add --layout paged "
                          f"(layouts given: {', '.join(cfg.layouts)})")
@@ -240,11 +237,11 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
         raise ValueError(f"nixl-descs = {cfg.nixl_descs!r} is an option of backend nixl; got backend {cfg.backend!r}")
     from .faults import KINDS
 
-    kinds = cfg.fault_kinds = tuple(preflight.name_list(cfg.fault_kinds, "fault-kinds"))
+    kinds = cfg.fault_kinds = tuple(name_list(cfg.fault_kinds, "fault-kinds"))
     bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:
         raise ValueError(f"fault-kinds = {','.join(kinds) or '(none)'}: valid kinds are {', '.join(KINDS)}"
-                         f"{preflight._suggest(bad[0], KINDS) if bad else ''}")
+                         f"{suggest(bad[0], KINDS) if bad else ''}")
     if not cfg.faults:  # the campaign's options, given without a campaign, would be ignored without a word
         given = [flag for flag, name in (("--policy", "policy"), ("--retries", "retries"),
                                          ("--fault-timeout", "fault_timeout_s"), ("--fault-kinds", "fault_kinds"))
