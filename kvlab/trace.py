@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .nsys import NsysUnavailable, run_nsys
+from .tracefmt.nsys import NsysUnavailable, run_nsys
 from .parse import OneLineParser  # its errors in one line, as every kvlab command's
 from .tracefmt import GPU_KINDS, REGION, TraceError, capture, load, summarize
 

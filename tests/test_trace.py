@@ -18,7 +18,8 @@ import pandas as pd
 import pytest
 import torch
 
-from kvlab import nsys, trace, tracefmt
+from kvlab import trace, tracefmt
+from kvlab.tracefmt import nsys
 from kvlab.tracefmt import TraceError
 
 BASE_NS = 1_700_000_000_000_000_123  # an absolute epoch-like origin: µs with 3 decimals overflow a double's ns

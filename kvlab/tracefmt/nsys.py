@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .tracefmt import COPY_KINDS, TraceError, attribute_ranges, make_table
+from .events import COPY_KINDS, TraceError, attribute_ranges, make_table
 
 __all__ = ["NsysUnavailable", "NsysInfo", "nsys_available", "run_nsys", "load_nsys_sqlite"]
 
