@@ -272,7 +272,7 @@ class _Armed:
     def arm(self):
         import torch
 
-        from .transfer import dst_stream_context
+        from .landing import dst_stream_context
 
         cu = self.cu
         self.gen += 1

@@ -12,7 +12,7 @@ import torch
 
 from .paged import BlockPool
 from .paged_xport import PagedTransport
-from .transfer import Landing
+from .landing import Landing
 
 __all__ = ["NixlTransport", "nixl_version", "nixl_api", "nixl_missing"]
 

@@ -263,7 +263,7 @@ class BlockPool:
 
     # -- transfer states and ownership --------------------------------------------------------------
     def expect(self, block_ids, landing) -> None:
-        """A send (its kvlab.transfer.Landing) is writing `block_ids`: reads of them wait on its fate."""
+        """A send (its kvlab.landing.Landing) is writing `block_ids`: reads of them wait on its fate."""
         ids = np.asarray(block_ids, dtype=np.int64)
         self._wrote(ids)
         # a send into the very same blocks replaces the last record cheaply (repeated sends of one plan); otherwise
@@ -278,7 +278,7 @@ class BlockPool:
     def require_landed(self, table: "BlockTable") -> None:
         """TransferError when a send into any of `table`'s blocks failed, was aborted or is still in flight
         (unwaited): the blocks would be read half written."""
-        from .transfer import TransferError
+        from .landing import TransferError
 
         left = np.asarray(table.ids)
         if self._written is not None and not self._written[left].all():
@@ -476,7 +476,7 @@ class BlockPool:
 
     def read(self, table: BlockTable, device: torch.device | str | None = None) -> KVBuffer:
         """The table's blocks as a new contiguous KVBuffer on `device` (default: the pool's device); refused
-        (kvlab.transfer.TransferError) while a send into them has failed, was aborted or is in flight."""
+        (kvlab.landing.TransferError) while a send into them has failed, was aborted or is in flight."""
         self.check_table(table, "block table")
         self.require_landed(table)
         s = self.spec

@@ -38,7 +38,8 @@ from . import nixl, paged, paged_triton, paged_xport, timing
 from .parse import name_list, token_list
 from .paged import BlockAllocator, BlockPool, PoolSpec, verify_transfer
 from .timing import free_device as _free, sync_device as _sync
-from .transfer import Destination, Landing
+from .landing import Landing
+from .transfer import Destination
 
 __all__ = ["BenchLayout", "LAYOUTS", "METHODS", "GPU_CONTEXTS", "CPU_CONTEXTS", "BLOCK_SIZES", "COLUMNS",
            "default_destinations", "resolve", "measure", "decode_check", "run_nixl_only", "PATTERNS",

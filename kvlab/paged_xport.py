@@ -19,7 +19,7 @@ packed at ids 0 … n-1 of the destination pool), by module:
     kvlab.nixl          nixl (NIXL with the UCX backend: one prepared request, one descriptor per block)
 
 Each is constructed once for a destination (its pool is allocated and NaN-poisoned there), and
-`send(src_pool, src_table, dst_table)` returns a kvlab.transfer.Landing, like kvlab.transfer.Transport.
+`send(src_pool, src_table, dst_table)` returns a kvlab.landing.Landing, like kvlab.transfer.Transport.
 Bad input (block ids out of range, duplicate ids, length / dtype / layout mismatch, a destination that is
 too small) raises ValueError before any byte moves. `make_transport(name, ...)` builds any of them by name;
 `transports()` (also the module attribute `TRANSPORTS`) maps names to classes.
@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from .paged import BlockPool, BlockTable, PoolSpec, positive_int
-from .transfer import Destination, Landing, check_capacity
+from .landing import Landing
+from .transfer import Destination, check_capacity
 
 __all__ = ["Plan", "PagedTransport", "PagedLayerwiseSend", "PerBlockCopy", "TorchIndex", "CudaMemcpyBatch", "transports",
            "make_transport", "unavailable", "enable_peer", "row_runs", "same_device", "cuda_runtime"]

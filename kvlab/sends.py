@@ -17,7 +17,7 @@ import time
 import torch
 
 from .kvcache import KVBuffer
-from .transfer import Landing, Transport, dst_stream_context
+from .landing import Landing, dst_stream_context
 
 __all__ = ["LayerwiseSend", "FlagWriter", "HookCostProbe", "signal_costs", "WAKE_PLANS", "wake_groups",
            "stream_memops_available", "POLICIES", "check_policy", "release_plan"]
@@ -71,7 +71,7 @@ class LayerwiseSend:
 
     _landing = None  # the current send's Landing, from begin() on
 
-    def __init__(self, transport: Transport, src: KVBuffer, mode: str = "auto", wakes: str = "halving",
+    def __init__(self, transport, src: KVBuffer, mode: str = "auto", wakes: str = "halving",
                  timeline: bool = False, release: "list[int] | None" = None):
         self.t = transport
         L = transport.layout.layers

@@ -13,7 +13,8 @@ from kvlab.hooks import LayerHooks
 from kvlab.kvcache import KVBuffer, layout_for
 from kvlab.paged import BlockAllocator, BlockPool, BlockTable, PoolSpec, prefill_into_pages
 from kvlab.paged_xport import make_transport
-from kvlab.transfer import TransferError, Transport
+from kvlab.landing import TransferError
+from kvlab.transfer import Transport
 
 
 @pytest.fixture(scope="module")
