@@ -48,6 +48,7 @@ import pandas as pd
 import torch
 
 from . import devices
+from .paged import kernels
 from .ceilings_fit import finding_text, fit, summary_table
 from .timing import resolve_device, time_fn
 from .units import GiB, KiB, MiB, fmt_bytes
@@ -187,8 +188,6 @@ def available_paths(device: str | int | torch.device | None = None) -> list[str]
         return ["h2h"]
     n = _gpu_count(dev)
     peers = [f"d2d_peer:{i}->{j}" for i in range(n) for j in range(n) if i != j]
-    from . import kernels
-
     if n > 1 and kernels.triton_status(dev)[0]:
         peers += [f"d2d_peer_sm:{i}->{j}" for i in range(n) for j in range(n)
                   if i != j and torch.cuda.can_device_access_peer(i, j)]
@@ -341,8 +340,6 @@ class _Case:
         if spec.mechanism == "sm_store_p2p":
             # rows of 16 KiB (the paged caches' block row) moved by the row-copy kernel, as a paged gather
             # into a peer pool would; a tail shorter than a row goes by copy_
-            from . import kernels
-
             # a copy each way turns peer access on (torch does it on first use) before a kernel stores across
             self.dst[:1].copy_(self.src[:1])
             self.src[:1].copy_(self.dst[:1])

@@ -34,7 +34,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from . import nixl, paged, paged_triton, paged_xport, timing
+from . import paged, timing
+from .paged import kernels, nixl, registry, triton_transports
 from .parse import name_list, token_list
 from .paged import BlockAllocator, BlockPool, PoolSpec, verify_transfer
 from .timing import free_device as _free, sync_device as _sync
@@ -314,9 +315,9 @@ def _measure_one(method, opts, spec, dest, dst_blocks, device, src_pool, src_tab
                  repeats, warmup, slow_pieces, slow_call_s, max_call_s):
     """Rows for one method on one configuration, and the transport's configuration record."""
     if method != "contiguous":
-        if dest.kind not in paged_xport.TRANSPORTS[method].kinds:
+        if dest.kind not in registry.TRANSPORTS[method].kinds:
             return [], None  # not a path this method serves (e.g. a host-only method to a GPU): no row
-        why = paged_xport.unavailable(method, device, dest)
+        why = registry.unavailable(method, device, dest)
         if why is not None:
             return [_row(status="skipped", note=why)], None
     t = None
@@ -325,7 +326,7 @@ def _measure_one(method, opts, spec, dest, dst_blocks, device, src_pool, src_tab
         if method == "contiguous":
             t = _Contiguous(src_pool, nbytes, dest, device)
         else:
-            t = paged_xport.make_transport(method, spec, dest, dst_blocks, device, **opts)
+            t = registry.make_transport(method, spec, dest, dst_blocks, device, **opts)
             t.prepare(src_pool, src_table, dst_table)
         _sync(device)
         plan_ms = (time.perf_counter() - t0) * 1e3
@@ -443,7 +444,7 @@ def decode_check(model, methods=METHODS, destinations=None, tokens: int = 64, bl
         host = dest.kind in ("pinned", "pageable")
         dst_table = None if host else BlockAllocator(2 * n, block_size, seed=seed + 1).allocate(tokens)
         for method in methods:
-            cls = paged_xport.TRANSPORTS[method]
+            cls = registry.TRANSPORTS[method]
             if dest.kind not in cls.kinds:
                 continue
             base = dict(method=method, destination=dest.label)
@@ -451,9 +452,9 @@ def decode_check(model, methods=METHODS, destinations=None, tokens: int = 64, bl
             if why is not None:
                 rows.append({**base, "mode": "bulk", "status": "skipped", "note": why})
                 continue
-            t = paged_xport.make_transport(method, spec, dest, n if host else 2 * n, device, tune=False) \
+            t = registry.make_transport(method, spec, dest, n if host else 2 * n, device, tune=False) \
                 if method in ("triton", "chunked-gather-d2h", "mapped-pinned") else \
-                paged_xport.make_transport(method, spec, dest, n if host else 2 * n, device)
+                registry.make_transport(method, spec, dest, n if host else 2 * n, device)
             try:
                 t.prepare(src_pool, src_table, dst_table)
                 t.poison()
@@ -502,7 +503,7 @@ def access_patterns(context: int = 32768, block_size: int = 16, device=None, lay
     The same rows — one sequence of `context` tokens in `block_size`-token blocks, every layer's K and V,
     scattered over a pool twice the size as in measure() — moved by one Triton launch with the source and
     destination rows in different orders (PATTERNS), beside one contiguous copy of the same bytes. Each
-    kernel pattern is tuned on its own rows (kvlab.kernels.tune over candidate_configs) and then timed
+    kernel pattern is tuned on its own rows (kvlab.paged.kernels.tune over candidate_configs) and then timed
     `repeats` times with CUDA events. Every pattern's result is checked on a sample of rows.
 
     Rows: pattern, description, repeat, ms, gbps, bytes, rows, config (the tuned kernel).
@@ -510,7 +511,6 @@ def access_patterns(context: int = 32768, block_size: int = 16, device=None, lay
     dev = timing.resolve_device(device)
     if dev.type != "cuda":
         return pd.DataFrame(columns=["pattern", "description", "repeat", "ms", "gbps", "bytes", "rows", "config"])
-    from . import kernels
 
     say = progress or (lambda s: None)
     lay = _layout("qwen2.5-7b" if layout == "auto" else layout)
@@ -519,7 +519,7 @@ def access_patterns(context: int = 32768, block_size: int = 16, device=None, lay
     src_pool = BlockPool(spec, 2 * n, device=dev).fill_random(seed)
     src_table = BlockAllocator(2 * n, block_size, seed=seed).allocate(context)
     dst_table = BlockAllocator(2 * n, block_size, seed=seed + 1).allocate(context)
-    t = paged_xport.make_transport("triton", spec, "same-gpu", 2 * n, dev, tune=False, order="layer")
+    t = registry.make_transport("triton", spec, "same-gpu", 2 * n, dev, tune=False, order="layer")
     plan = t.prepare(src_pool, src_table, dst_table)
     src, dst = src_pool.rows, t.pool.rows
     R = plan.rows
@@ -534,7 +534,7 @@ def access_patterns(context: int = 32768, block_size: int = 16, device=None, lay
         "kernel: gather → packed": (s_plan, None, packed),
     }
     for name, order in (("layer order", "layer"), ("interleaved", "interleaved"), ("source order", "src")):
-        perm = paged_triton.bulk_order(plan, order)
+        perm = triton_transports.bulk_order(plan, order)
         cases[f"kernel: paged → paged, {name}"] = (on(plan.src_rows[perm]), on(plan.dst_rows[perm]), dst)
     perm = rng.permutation(R)
     cases["kernel: paged → paged, random order"] = (on(plan.src_rows[perm]), on(plan.dst_rows[perm]), dst)
@@ -581,7 +581,7 @@ def run_nixl_only(out_dir, contexts=GPU_CONTEXTS, block_sizes=(16,), destination
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    why = paged_xport.unavailable("nixl", timing.resolve_device(device), "same-gpu")
+    why = registry.unavailable("nixl", timing.resolve_device(device), "same-gpu")
     t0 = time.time()
     df = measure(contexts, block_sizes, ["contiguous", "nixl"], destinations, repeats, warmup, device, layout,
                  pool_layout, seed, max_call_s=max_call_s, slow_call_s=slow_call_s)

@@ -13,7 +13,7 @@ space), and `packed`, the blocks in table order (what a prefill-side gather to h
     staged          scattered: the CPU gathers the blocks into a pinned staging buffer (torch.index_select), one
                     copy-engine copy brings it to the GPU, the row kernel scatters it there.
     copy + scatter  packed: one copy-engine copy, then the row kernel's scatter on the GPU.
-GPU → host, beside them: `chunked-gather-d2h` (kvlab.paged_triton), the same blocks the other way, into a packed
+GPU → host, beside them: `chunked-gather-d2h` (kvlab.paged.triton_transports), the same blocks the other way, into a packed
 host buffer (notebook 04's case) and into a scattered host pool.
 
 Both pools hold twice the blocks the context needs and the tables are drawn at random in each (a busy server's
@@ -35,7 +35,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from . import kernels
+from .paged import kernels, registry
 from .paged import BlockAllocator, BlockPool, PoolSpec
 from .timing import sync_device
 
@@ -88,8 +88,6 @@ def measure(spec: PoolSpec, contexts, device, repeats: int = 9, seed: int = 0, p
 
 
 def _measure_one(spec: PoolSpec, context: int, dev: torch.device, repeats: int, seed: int) -> list[dict]:
-    from . import paged_xport
-
     gpu = dev.type == "cuda"
     rows = []
     n = spec.blocks_for(context)
@@ -161,7 +159,7 @@ def _measure_one(spec: PoolSpec, context: int, dev: torch.device, repeats: int, 
         timed("host→gpu", layout, method, fn, before=pool.poison, check=lambda: _verify(pool, d_ids, host, h_ids))
     # the other way, beside it: notebook 04's gather to pinned host, the same blocks from the GPU pool's table,
     # into a packed host buffer (what notebook 04 measured) and into the host pool's own table
-    why = paged_xport.unavailable("chunked-gather-d2h", dev, "pinned")
+    why = registry.unavailable("chunked-gather-d2h", dev, "pinned")
     if why:
         for layout in ("packed", "scattered"):
             add("gpu→host", layout, "chunked-gather-d2h", float("nan"), note=why)
@@ -173,7 +171,7 @@ def _measure_one(spec: PoolSpec, context: int, dev: torch.device, repeats: int, 
     host_t = BlockAllocator(2 * n, spec.block_size, seed=seed, order="random").allocate(context)
     for layout, dst_t in (("packed", None), ("scattered", host_t)):
         # a transport each: its pool's blocks belong to one sequence at a time
-        back = paged_xport.make_transport("chunked-gather-d2h", spec, "pinned", 2 * n, src_device=dev)
+        back = registry.make_transport("chunked-gather-d2h", spec, "pinned", 2 * n, src_device=dev)
         back.prepare(pool, src_t, dst_t)
         want = np.arange(len(src_t.ids)) if dst_t is None else dst_t.ids
         timed("gpu→host", layout, "chunked-gather-d2h", lambda: back.send(pool, src_t, dst_t).wait(),

@@ -1,7 +1,7 @@
 """The row-copy Triton kernel against its torch reference, on CPU through Triton's interpreter.
 
 TRITON_INTERPRET=1 is set for every test here by an autouse fixture, before anything imports or
-decorates a Triton kernel: kvlab.kernels builds its kernel lazily on first use (Triton reads the
+decorates a Triton kernel: kvlab.paged.kernels builds its kernel lazily on first use (Triton reads the
 variable when a function is decorated), and the fixture restores the environment afterwards so the
 rest of the suite (notebooks executed in subprocesses) does not inherit it. Sizes are tiny: the
 interpreter runs each program in Python.
@@ -14,8 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlab import kernels
-from kvlab.kernels import KernelConfig
+from kvlab.paged import kernels
+from kvlab.paged.kernels import KernelConfig
 
 triton = pytest.importorskip("triton")
 

@@ -14,7 +14,7 @@ from conftest import cpu_env as _env
 from conftest import kvlab_command
 from kvlab import calculator, models
 from kvlab.disagg.nixl_link import merge_runs, ucx_transports
-from kvlab.nixl import nixl_missing
+from kvlab.paged.nixl import nixl_missing
 
 MISSING = nixl_missing()
 needs_nixl = pytest.mark.skipif(MISSING is not None and not os.environ.get("CI"), reason=str(MISSING))
@@ -213,7 +213,7 @@ def test_nixl_bad_input_is_one_line_before_anything_is_written(argv, says, tmp_p
 
 
 def test_a_machine_without_nixl_is_told_how_to_get_it(monkeypatch):
-    from kvlab import nixl
+    from kvlab.paged import nixl
     from kvlab.disagg import config
 
     monkeypatch.setattr(nixl, "nixl_missing", lambda: "nixl is not installed or does not load (ImportError: x): "

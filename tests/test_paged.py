@@ -3,7 +3,7 @@ pages, every transport byte-exact (poison kept outside the table), bad input ref
 moves, and the measurement's logic at tiny sizes.
 
 The Triton transport runs its kernel through Triton's interpreter here: an autouse fixture sets
-TRITON_INTERPRET=1 for each test (kvlab.kernels builds the kernel lazily, so the variable is in place
+TRITON_INTERPRET=1 for each test (kvlab.paged.kernels builds the kernel lazily, so the variable is in place
 before Triton decorates anything) and restores the environment after it.
 """
 
@@ -18,12 +18,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlab import paged, paged_bench, paged_report, paged_triton, paged_xport
+from kvlab import paged, paged_bench, paged_report
+from kvlab.paged import registry as paged_xport
+from kvlab.paged import triton_transports as paged_triton
+from kvlab.transfer import Destination
 from kvlab.handoff import decode, make_prompt, prefill
 from kvlab.hooks import LayerHooks
 from kvlab.kvcache import KVBuffer, KVLayout, layout_for
 from kvlab.paged import BlockAllocator, BlockPool, BlockTable, PoolSpec, verify_transfer
-from kvlab.paged_xport import make_transport, unavailable
+from kvlab.paged.registry import make_transport, unavailable
 
 CPU_DESTS = ("same-gpu", "pageable")
 STREAM_METHODS = ("per-block-copy", "torch-index", "triton", "chunked-gather-d2h")
@@ -509,7 +512,7 @@ def test_gpu_transports_land_byte_exact(method, monkeypatch):
     ran = 0
     for dest in paged_bench.default_destinations(dev) + ["pageable"]:
         cls = paged_xport.TRANSPORTS[method]
-        d = paged_xport.Destination.parse(dest, dev)
+        d = Destination.parse(dest, dev)
         if d.kind not in cls.kinds or cls.unavailable(dev, d) is not None:
             continue
         host = d.kind in ("pinned", "pageable")
@@ -650,7 +653,7 @@ def test_a_cpu_triton_transport_times_no_finalists():
 @pytest.mark.parametrize("lo,hi,chunk,edge", [(0, 100, 30, 5), (0, 64, 32, 32), (5, 6, 1, 1), (0, 10, 3, 8),
                                               (0, 1000, 64, 4), (7, 7, 4, 2)])
 def test_chunk_bounds_cover_the_range_in_chunks_no_larger_than_asked(lo, hi, chunk, edge):
-    from kvlab.paged_triton import chunk_bounds
+    from kvlab.paged.triton_transports import chunk_bounds
 
     b = chunk_bounds(lo, hi, chunk, edge)
     if hi <= lo:
@@ -663,7 +666,7 @@ def test_chunk_bounds_cover_the_range_in_chunks_no_larger_than_asked(lo, hi, chu
 
 
 def test_chunk_bounds_refuses_empty_chunks():
-    from kvlab.paged_triton import chunk_bounds
+    from kvlab.paged.triton_transports import chunk_bounds
 
     for chunk, edge in ((0, 1), (1, 0), (2.5, 1)):
         with pytest.raises(ValueError, match="ints ≥ 1"):

@@ -66,7 +66,7 @@ def test_send_patterns_run_on_two_gpus(tiny_gpu):
                                   dict(chunk_mib=1, copy_streams=1)])
 def test_chunked_gather_peer_lands_every_block_and_nothing_else(opts):
     from kvlab.paged import BlockAllocator, BlockPool, PoolSpec, verify_transfer
-    from kvlab.paged_xport import make_transport
+    from kvlab.paged.registry import make_transport
 
     spec = PoolSpec(layers=3, block_size=16, kv_heads=2, head_dim=64, dtype=torch.bfloat16)
     tokens = 16 * 200 - 5

@@ -12,7 +12,7 @@ from kvlab import models, steps
 from kvlab.hooks import LayerHooks
 from kvlab.kvcache import KVBuffer, layout_for
 from kvlab.paged import BlockAllocator, BlockPool, BlockTable, PoolSpec, prefill_into_pages
-from kvlab.paged_xport import make_transport
+from kvlab.paged.registry import make_transport
 from kvlab.landing import TransferError
 from kvlab.transfer import Transport
 

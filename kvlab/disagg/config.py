@@ -101,7 +101,7 @@ def backend_unavailable(backend: str, prefill: str, decode: str, paged: bool = F
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "nixl":
-        from ..nixl import nixl_missing
+        from ..paged.nixl import nixl_missing
 
         why = nixl_missing()
         if why:

@@ -466,7 +466,7 @@ def _write(run_, cfg: DisaggConfig, seconds: float, launcher: dict | None = None
 def _nixl_summary(run_dir, cfg: DisaggConfig, launcher: dict | None) -> dict:
     """NIXL's version, the descriptor option and the transports UCX chose for the prefill agent's writes (from
     UCX_PROTO_INFO in the prefill worker's log; under torchrun the logs are torchrun's: not read)."""
-    from ..nixl import nixl_version
+    from ..paged.nixl import nixl_version
     from .nixl_link import cache_transports, ucx_transports
 
     found = ucx_transports(Path(run_dir, "worker-prefill.log")) if not launcher else []

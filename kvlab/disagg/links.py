@@ -33,7 +33,9 @@ import numpy as np
 import torch
 
 from ..kvcache import KVBuffer
-from ..paged import BlockPool
+from ..paged import BlockPool, kernels
+from ..paged.transports import enable_peer
+from ..paged.triton_transports import finalists as fastest
 
 __all__ = ["Source", "Sink", "layer_rows", "make_link", "BACKENDS"]
 
@@ -101,8 +103,6 @@ class Source:
         rows = self.rows.of(unit)
         if self.pool.rows.device.type != "cuda":
             return self.pool.rows.index_select(0, rows)
-        from .. import kernels
-
         out = torch.empty((len(rows), self.pool.rows.shape[1]), dtype=self.pool.rows.dtype, device=self.pool.rows.device)
         kernels.copy_rows(self.pool.rows, rows, out, check_bounds=False)  # Triton gather; rows checked in _Rows
         return out
@@ -164,8 +164,6 @@ class Sink:
             if self.device.type != "cuda":
                 self.pool.rows.index_copy_(0, rows, staged)
                 return
-            from .. import kernels
-
             if self._arange is None or len(self._arange) < len(rows):
                 self._arange = torch.arange(self.layers * self.rows.per_layer, device=self.device)
             # Triton scatter; the pool's rows were checked in _Rows
@@ -386,8 +384,6 @@ class IpcLink:
             fn, args = self.control.wait_bytes(f"ipc/{tag}", f"the decode side's destination {tag}")
             t = fn(*args)
             if t.device != self.device and t.device.type == "cuda":
-                from ..paged_xport import enable_peer
-
                 enable_peer(self.device, t.device)
             self._dst = {tag: t}  # the decode side has moved on: release the mapping of its previous destination
             self._peer_rows = None
@@ -465,8 +461,6 @@ class IpcLink:
             self._launch(src, rows, s_rows, d_rows)
 
     def _launch(self, src: Source, rows, s_rows, d_rows) -> None:
-        from .. import kernels
-
         # both row lists were checked on the host (_Rows, bind): no bounds check, no sync on the timed path; a pull
         # runs on the decode GPU (the caller made _stream_for's stream current, so the device is that GPU)
         if self.pulls(src):
@@ -529,8 +523,6 @@ class IpcLink:
         the copy stream). Only after a context's requests: run before them, it would fill the poisoned
         destination with the source's previous contents and hide a row a send fails to write. reset_tuning()
         goes back to the default config and the table's order."""
-        from .. import kernels
-        from ..paged_triton import finalists as fastest
 
         rows = self._dst[self._tag].view(-1, src.pool.rows.shape[1])
         stream = self._stream_for(src)

@@ -63,7 +63,7 @@ class NixlLink:
     pending: list = []  # a write lands or fails with its notification: no receive is posted in advance
 
     def __init__(self, role: str, device: torch.device, control, timeout_s: float, descs: str = "block"):
-        from ..nixl import nixl_api
+        from ..paged.nixl import nixl_api
 
         if descs not in DESCS:
             raise ValueError(f"nixl descriptors = {descs!r} is not valid; valid: {', '.join(DESCS)}")

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ..paged import kernels
 from ..timing import sync_device
 from .config import DECODE, PREFILL, DisaggConfig
 from .links import Sink, Source, _Rows, event_ms, make_link, units
@@ -321,8 +322,6 @@ class PrefillWorker:
         of n each: the send's launch into the IPC pool, the same launch into a pool of this process (same shape,
         same rows: is it the IPC mapping?), and into the IPC pool with the rows sorted by source row (is it the
         order of the reads?)."""
-        from .. import kernels
-
         dst = self.link._dst[msg["tag"]].view(-1, src.pool.rows.shape[1])
         local = torch.empty_like(dst)  # on the decode GPU too, when the send pulls
         sidx, didx = self.link._rows_of(tuple(range(src.layers)), src)  # the send's rows, in its order

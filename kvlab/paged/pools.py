@@ -14,9 +14,10 @@ a 2-D tensor of rows, `pool.rows` = [layers · 2 · num_blocks, block_elems], wi
 
     row(layer, side, block) = (layer · 2 + side) · num_blocks + block        (side 0 = K, 1 = V)
 
-Transports that move blocks between pools live in kvlab.paged_xport (the interface, per-block-copy,
-torch-index, cuda-memcpy-batch, and the registry: `make_transport(name, ...)`), kvlab.paged_triton (the
-Triton kernel's transports: triton, chunked-gather-d2h, chunked-gather-peer, mapped-pinned) and kvlab.nixl.
+Transports that move blocks between pools live in kvlab.paged.transports (the interface, per-block-copy,
+torch-index, cuda-memcpy-batch), kvlab.paged.triton_transports (the Triton kernel's transports: triton,
+chunked-gather-d2h, chunked-gather-peer, mapped-pinned) and kvlab.paged.nixl; kvlab.paged.registry builds any of
+them by name (`make_transport(name, ...)`).
 Bad input (block ids out of range, duplicate ids, length / dtype / layout mismatch) raises ValueError before
 anything is written.
 """
@@ -28,7 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .kvcache import KVBuffer, KVLayout, as_dtype
+from ..kvcache import KVBuffer, KVLayout, as_dtype
+from ..landing import TransferError
+from ..steps import cache_kw
 
 __all__ = ["LAYOUTS", "PoolSpec", "BlockTable", "BlockAllocator", "BlockPool", "paged_prefill_cache",
            "prefill_into_pages", "verify_transfer", "positive_int"]
@@ -278,7 +281,6 @@ class BlockPool:
     def require_landed(self, table: "BlockTable") -> None:
         """TransferError when a send into any of `table`'s blocks failed, was aborted or is still in flight
         (unwaited): the blocks would be read half written."""
-        from .landing import TransferError
 
         left = np.asarray(table.ids)
         if self._written is not None and not self._written[left].all():
@@ -553,7 +555,6 @@ def paged_prefill_cache(pool: BlockPool, table: BlockTable):
 def prefill_into_pages(model, input_ids: torch.Tensor, pool: BlockPool, table: BlockTable) -> torch.Tensor:
     """Prefill `input_ids` [1, tokens] writing K and V into the table's blocks; returns the last
     position's logits [1, vocab]."""
-    from .steps import cache_kw
 
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] != table.tokens:
         raise ValueError(f"input_ids must be [1, {table.tokens}] for this block table, got {tuple(input_ids.shape)}")

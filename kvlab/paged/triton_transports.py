@@ -1,9 +1,9 @@
-"""Paged transports built on kvlab's Triton row-copy kernel (kvlab.kernels): one launch that gathers and
+"""Paged transports built on kvlab's Triton row-copy kernel (kvlab.paged.kernels): one launch that gathers and
 scatters every row (`triton`, same GPU or peer), pipelines that gather on the GPU and let the copy engine
 cross the link (`chunked-gather-d2h` to host, `chunked-gather-peer` to another GPU), and stores straight into
 mapped pinned host memory (`mapped-pinned`). The kernel's tile and the row order are tuned on the real tables
 (`kernel_config`, `bulk_order`, `finalists`); what was tried is kept in each transport's `config`.
-See kvlab.paged_xport for the transport interface.
+See kvlab.paged.transports for the transport interface.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import time
 import numpy as np
 import torch
 
-from . import kernels, timing
-from .paged_xport import PagedTransport, Plan, cuda_runtime, row_runs
+from .. import timing
+from . import kernels
+from .transports import PagedTransport, Plan, cuda_runtime, row_runs
 
 __all__ = ["TritonCopy", "ChunkedGatherD2H", "ChunkedGatherPeer", "MappedPinned", "BULK_ORDERS", "bulk_order",
            "finalists", "kernel_config", "chunk_bounds"]

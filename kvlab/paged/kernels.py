@@ -143,7 +143,7 @@ _KERNELS: dict[bool, object] = {}
 
 def _kernel(interpret: bool):
     """The kernel for CPU tensors (interpret=True: Triton's interpreter) or GPU tensors (compiled), built
-    on first use and cached per mode (importing kvlab.kernels does not import Triton)."""
+    on first use and cached per mode (importing kvlab.paged.kernels does not import Triton)."""
     k = _KERNELS.get(interpret)
     if k is not None:
         return k

@@ -12,11 +12,11 @@ packed at ids 0 … n-1 of the destination pool), by module:
     here                per-block-copy (one `copy_` per block: the launch-bound baseline), torch-index
                         (index_select into staging + index_copy_), cuda-memcpy-batch (cudaMemcpyBatchAsync,
                         one descriptor per block; cuda-bindings, CUDA ≥ 12.8)
-    kvlab.paged_triton  triton (one kernel gathers and scatters rows, same GPU or peer), chunked-gather-d2h
+    kvlab.paged.triton_transports  triton (one kernel gathers and scatters rows, same GPU or peer), chunked-gather-d2h
                         (to host: gather chunks on the GPU while the copy engine moves the previous one),
                         chunked-gather-peer (to a peer: gather, copy engine over the link, scatter on the
                         peer), mapped-pinned (the kernel stores straight into pinned host memory)
-    kvlab.nixl          nixl (NIXL with the UCX backend: one prepared request, one descriptor per block)
+    kvlab.paged.nixl          nixl (NIXL with the UCX backend: one prepared request, one descriptor per block)
 
 Each is constructed once for a destination (its pool is allocated and NaN-poisoned there), and
 `send(src_pool, src_table, dst_table)` returns a kvlab.landing.Landing, like kvlab.transfer.Transport.
@@ -35,12 +35,12 @@ import weakref
 import numpy as np
 import torch
 
-from .paged import BlockPool, BlockTable, PoolSpec, positive_int
-from .landing import Landing
-from .transfer import Destination, check_capacity
+from ..landing import Landing
+from ..transfer import Destination, check_capacity
+from .pools import BlockPool, BlockTable, PoolSpec, positive_int
 
-__all__ = ["Plan", "PagedTransport", "PagedLayerwiseSend", "PerBlockCopy", "TorchIndex", "CudaMemcpyBatch", "transports",
-           "make_transport", "unavailable", "enable_peer", "row_runs", "same_device", "cuda_runtime"]
+__all__ = ["Plan", "PagedTransport", "PagedLayerwiseSend", "PerBlockCopy", "TorchIndex", "CudaMemcpyBatch",
+           "enable_peer", "row_runs", "same_device", "cuda_runtime"]
 
 
 @dataclass
@@ -551,42 +551,3 @@ class PagedLayerwiseSend:
             raise RuntimeError(f"layer-wise paged send saw {self.sent} of {self.layers} layers (missing {missing}): "
                                "were the hooks installed on every decoder layer?")
         return self._landing.end_issuing()
-
-
-# ---------------------------------------------------------------------------------------------------
-# registry
-
-
-def transports() -> dict[str, type[PagedTransport]]:
-    """Every paged transport by name. The Triton and NIXL ones live in modules that build on this one, so
-    they are gathered when first asked for (importing them here at load time would be circular)."""
-    from .nixl import NixlTransport
-    from .paged_triton import ChunkedGatherD2H, ChunkedGatherPeer, MappedPinned, TritonCopy
-
-    return {cls.name: cls for cls in (PerBlockCopy, TorchIndex, TritonCopy, ChunkedGatherD2H, ChunkedGatherPeer,
-                                      MappedPinned, CudaMemcpyBatch, NixlTransport)}
-
-
-def __getattr__(name: str):
-    if name == "TRANSPORTS":  # the registry as a module attribute, gathered on first use
-        return transports()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _transport_class(name: str) -> type[PagedTransport]:
-    known = transports()
-    try:
-        return known[name]
-    except KeyError:
-        raise ValueError(f"unknown paged transport {name!r}; valid: {sorted(known)}") from None
-
-
-def unavailable(name: str, src_device: torch.device | str, dest) -> str | None:
-    """None when transport `name` can run from `src_device` to `dest`; else why not."""
-    return _transport_class(name).unavailable(src_device, dest)
-
-
-def make_transport(name: str, spec: PoolSpec, dest, dst_blocks: int, src_device: torch.device | str = "cpu",
-                   **options) -> PagedTransport:
-    """Construct transport `name` (see transports()) with its destination pool of `dst_blocks` blocks."""
-    return _transport_class(name)(spec, dest, dst_blocks, src_device, **options)

@@ -10,9 +10,9 @@ import itertools
 import numpy as np
 import torch
 
-from .paged import BlockPool
-from .paged_xport import PagedTransport
-from .landing import Landing
+from ..landing import Landing
+from .pools import BlockPool
+from .transports import PagedTransport
 
 __all__ = ["NixlTransport", "nixl_version", "nixl_api", "nixl_missing"]
 
