@@ -161,7 +161,7 @@ def test_backends_this_machine_lacks_are_refused(backend, says):
 
 
 def test_bench_is_refused_where_the_backend_has_none():
-    with pytest.raises(ValueError, match="bench times the send alone with backend ipc, nccl or gloo; got 'nixl'"):
+    with pytest.raises(ValueError, match="bench times the send alone with backend gloo, ipc, nccl; got 'nixl'"):
         disagg.check(disagg.DisaggConfig(backend="nixl", bench=True))
 
 
@@ -825,7 +825,7 @@ def test_checksum_table_reports_each_side_and_skips_what_was_not_checked():
 
 def test_checksum_sees_one_flipped_bit_and_a_swap():
     from kvlab.disagg.faults import checksum
-    from kvlab.disagg.links import flip_first_byte
+    from kvlab.disagg.endpoints import flip_first_byte
 
     far = torch.randn(70_000 * 2, dtype=torch.bfloat16)  # two words 65,521 apart (a weakness of the first version)
     swapped = far.clone()
@@ -847,21 +847,22 @@ def test_checksum_sees_one_flipped_bit_and_a_swap():
 
 
 def test_paged_rows_from_the_peer_are_checked_against_the_pool_before_any_copy():
-    from kvlab.disagg.links import _Rows
+    from kvlab.disagg.endpoints import Rows
 
-    rows = _Rows.for_ids(2, 4, [3, 0], "cpu")
+    rows = Rows.for_ids(2, 4, [3, 0], "cpu")
     assert rows.per_layer > 0 and int(rows.all.max()) >= 0
     for bad in ([4], [-1], [0, 9]):
         with pytest.raises(ValueError, match="outside a pool of 4 blocks"):
-            _Rows.for_ids(2, 4, bad, "cpu")
+            Rows.for_ids(2, 4, bad, "cpu")
     assert rows.top == int(rows.all.max())  # known on the host, without a device sync
 
 
 def test_the_ipc_send_refuses_rows_past_the_destination_the_decode_side_shared():
-    from kvlab.disagg.links import IpcLink, _Rows
+    from kvlab.disagg.endpoints import Rows
+    from kvlab.disagg.links import IpcLink
 
     link = IpcLink(torch.device("cpu"), control=None, timeout_s=1.0)
-    rows = _Rows.for_ids(2, 4, [3, 0], "cpu")
+    rows = Rows.for_ids(2, 4, [3, 0], "cpu")
     link._dst["t"] = torch.empty((rows.top + 1) * 8)  # exactly room for the highest row, 8 elements a row
     link.bind("t", rows, 8)
     link._dst["small"] = torch.empty(rows.top * 8)
@@ -965,10 +966,11 @@ def test_a_bench_without_a_common_clock_is_tabulated_as_unknown():
 def test_bulk_orders_permute_the_same_rows():
     """Each bulk order of a paged ipc send moves exactly the table's rows, once each, pairs kept together: by
     destination row, by source row, or block-major across the layer sides."""
-    from kvlab.disagg.links import BULK_ORDERS, _Rows, bulk_perm
+    from kvlab.disagg.endpoints import Rows
+    from kvlab.disagg.links import BULK_ORDERS, bulk_perm
 
-    src = _Rows(3, 10, [7, 2, 5, 0], "cpu")
-    dst = _Rows(3, 12, [1, 9, 4, 11], "cpu")
+    src = Rows(3, 10, [7, 2, 5, 0], "cpu")
+    dst = Rows(3, 12, [1, 9, 4, 11], "cpu")
     s, d = src.all, dst.all
     pairs = set(zip(s.tolist(), d.tolist()))
     for order in BULK_ORDERS:

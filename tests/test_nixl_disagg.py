@@ -213,10 +213,10 @@ def test_nixl_bad_input_is_one_line_before_anything_is_written(argv, says, tmp_p
 
 
 def test_a_machine_without_nixl_is_told_how_to_get_it(monkeypatch):
+    from kvlab.disagg.backends import BACKENDS
     from kvlab.paged import nixl
-    from kvlab.disagg import config
 
     monkeypatch.setattr(nixl, "nixl_missing", lambda: "nixl is not installed or does not load (ImportError: x): "
                                                            "pip install 'kvlab[nixl]'")
-    why = config.backend_unavailable("nixl", "cpu", "cpu")
+    why = BACKENDS["nixl"].unavailable("cpu", "cpu")
     assert why.startswith("backend 'nixl': nixl is not installed") and "pip install 'kvlab[nixl]'" in why

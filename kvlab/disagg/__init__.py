@@ -2,17 +2,20 @@
 
     kvlab.disagg.DisaggConfig      what to run (backend, model, contexts, modes, layouts, devices, repeats)
     kvlab.disagg.run(cfg, out)     start both workers, wait, write requests.csv, summary.json, run.json
-    kvlab.disagg.config            every check made before a process starts; which backend runs where
+    kvlab.disagg.config            every check made before a process starts
+    kvlab.disagg.backends          one record per backend: its traits, what it needs (unavailable), its link
     kvlab.disagg.protocol          request ids, landed layers, the refusal to decode a partial cache, deadlines
-    kvlab.disagg.links             the data path per backend: ipc (CUDA IPC), nccl, gloo
+    kvlab.disagg.endpoints         both ends of the data path: Source, Sink, a paged cache's rows
+    kvlab.disagg.links             the data path per backend: ipc (CUDA IPC), nccl, gloo (nixl_link: NIXL)
     kvlab.disagg.workers           the prefill worker and the decode worker
 
 `kvlab disagg --help` shows the command; README's "Two processes" section the two-node form under torchrun.
 """
 
-from .config import BACKENDS, LAYOUTS, MODES, DisaggConfig, backend_unavailable, check, from_params
+from .backends import BACKENDS, Backend, backend
+from .config import LAYOUTS, MODES, DisaggConfig, check, from_params
 from .launch import DisaggError, run, summarise
 from .protocol import IncompleteCacheError, LandedLayers
 
-__all__ = ["DisaggConfig", "from_params", "run", "check", "backend_unavailable", "DisaggError", "IncompleteCacheError",
+__all__ = ["DisaggConfig", "from_params", "run", "check", "backend", "Backend", "DisaggError", "IncompleteCacheError",
            "LandedLayers", "BACKENDS", "MODES", "LAYOUTS", "summarise"]

@@ -7,11 +7,13 @@ import os
 
 from .. import devices, models
 from ..parse import name_list, suggest, token_list
+from .backends import BACKENDS, backend
+from .faults import KINDS, POLICIES
+from .nixl_link import DESCS
 
-__all__ = ["DisaggConfig", "BACKENDS", "MODES", "LAYOUTS", "KV_DTYPES", "check", "backend_unavailable",
+__all__ = ["DisaggConfig", "MODES", "LAYOUTS", "KV_DTYPES", "check",
            "DECODE", "PREFILL", "from_params"]
 
-BACKENDS = ("gloo", "ipc", "nccl", "nixl")
 MODES = ("bulk", "layerwise")
 LAYOUTS = ("contiguous", "paged")
 KV_DTYPES = ("bfloat16", "float16", "float32")
@@ -26,7 +28,7 @@ class DisaggConfig:
     """One two-process run. Every (layout, context) pair is measured with every mode, interleaved round by
     round with a colocated prefill (the prefill process prefilling and sending nothing).
 
-    backend: gloo | ipc | nccl | nixl (what this machine lacks: `backend_unavailable`); model: registry name or config path;
+    backend: gloo | ipc | nccl | nixl (kvlab.disagg.backends; what this machine lacks: `Backend.unavailable`); model: registry name or config path;
     weights: "random" (seeded, identical in both processes) or a local checkpoint; contexts: prompt tokens;
     modes: bulk and/or layerwise; layouts: contiguous and/or paged (block_size tokens a block);
     kv_dtype: the model's and cache's dtype; device / decode_device: "auto", "cpu" or "cuda:N" (auto: cuda:0
@@ -71,8 +73,6 @@ class DisaggConfig:
 
     def spec(self):
         """The model's ModelSpec: a registry name's, or read from the config.json / model folder `model` names."""
-        from .. import models
-
         return models.from_hf_config(self.model) if os.path.exists(self.model) else models.get(self.model)
 
     def devices(self) -> tuple[str, str]:
@@ -83,8 +83,8 @@ class DisaggConfig:
         pre = self.device if self.device != "auto" else ("cuda:0" if n else "cpu")
         if self.decode_device != "auto":
             dec = self.decode_device
-        elif self.backend == "nccl":
-            dec = "cuda:1"
+        elif BACKENDS[self.backend].decode_gpu:
+            dec = f"cuda:{BACKENDS[self.backend].decode_gpu}"
         else:
             dec = pre
         return _norm_device(pre), _norm_device(dec)
@@ -92,34 +92,6 @@ class DisaggConfig:
 
 def _norm_device(d: str) -> str:
     return "cuda:0" if d == "cuda" else d
-
-
-def backend_unavailable(backend: str, prefill: str, decode: str, paged: bool = False) -> str | None:
-    """Why `backend` cannot move a cache from `prefill` to `decode` on this machine (`paged`: a paged layout is
-    asked for), or None."""
-    import torch
-
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend == "nixl":
-        from ..paged.nixl import nixl_missing
-
-        why = nixl_missing()
-        if why:
-            return f"backend 'nixl': {why}; or use gloo" + (", ipc" if n else "")
-    if backend == "ipc":
-        if n == 0:
-            return "backend 'ipc' is CUDA IPC and needs a GPU; this machine has none: use --backend gloo"
-        if not (prefill.startswith("cuda") and decode.startswith("cuda")):
-            return f"backend 'ipc' moves GPU memory: both devices must be GPUs, got {prefill} → {decode}"
-    if backend == "nccl":
-        if n < 2:
-            return (f"backend 'nccl' needs two GPUs (NCCL cannot put both processes on one GPU); this machine has {n}: "
-                    "use --backend ipc (one GPU) or gloo")
-        if prefill == decode:
-            return f"backend 'nccl' needs two different GPUs, got {prefill} for both: pass --decode-device cuda:1"
-        if not (prefill.startswith("cuda") and decode.startswith("cuda")):
-            return f"backend 'nccl' moves GPU memory: both devices must be GPUs, got {prefill} → {decode}"
-    return None
 
 
 def _device_ok(name: str, what: str) -> None:
@@ -156,9 +128,7 @@ def _differs(value, default) -> bool:
 def check(cfg: DisaggConfig) -> DisaggConfig:
     """Every value of `cfg` checked and normalised (lists from text, dtype aliases); ValueError naming the bad
     value and what would be valid. Nothing is started or written."""
-    if cfg.backend not in BACKENDS:
-        raise ValueError(f"backend = {cfg.backend!r} is not valid; valid: {', '.join(BACKENDS)}"
-                         f"{suggest(cfg.backend, BACKENDS)}")
+    b = backend(cfg.backend)
     cfg.model = models.model_ref(cfg.model, "model")
     models.check_weights(cfg.weights, "weights")
     cfg.contexts = tuple(token_list(cfg.contexts, "context", 1))
@@ -200,22 +170,20 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
             _device_ok(_norm_device(str(d)), what)
     if not isinstance(cfg.in_order, bool):
         raise ValueError(f"in_order = {cfg.in_order!r}: give True or False")
-    if cfg.in_order and cfg.backend != "gloo":
+    if cfg.in_order and not b.can_in_order:
         raise ValueError(f"in-order makes gloo match sends in order as nccl does; got backend {cfg.backend!r} "
-                         + ("(nccl is in order already)" if cfg.backend == "nccl"
+                         + (f"({cfg.backend} is in order already)" if b.in_order
                             else "(it has no receives to match: ipc and nixl write into the destination)")
                          + ": leave --in-order out")
-    if cfg.drop_layer >= 0 and (cfg.backend == "nccl" or cfg.in_order):
+    if cfg.drop_layer >= 0 and (b.in_order or cfg.in_order):
         raise ValueError(f"drop_layer = {cfg.drop_layer} on an in-order link ({cfg.backend}"
                          f"{', in order' if cfg.in_order else ''}): the next layer's bytes would land in the skipped "
                          "layer's receive, and the last receive would take the next request's first send; run a "
                          "fault campaign (--faults N --fault-kinds drop), which holds the later layers back")
     pre, dec = cfg.devices()
-    why = backend_unavailable(cfg.backend, pre, dec, "paged" in cfg.layouts)
+    why = b.unavailable(pre, dec, "paged" in cfg.layouts)
     if why:
         raise ValueError(why)
-    from .faults import POLICIES
-
     if cfg.policy not in POLICIES:
         raise ValueError(f"policy = {cfg.policy!r} is not valid; valid: {', '.join(POLICIES)}"
                          f"{suggest(cfg.policy, POLICIES)}")
@@ -223,8 +191,6 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"{name} = {v!r}: give an int ≥ 0")
-    from .nixl_link import DESCS
-
     if cfg.nixl_descs not in DESCS:
         raise ValueError(f"nixl-descs = {cfg.nixl_descs!r} is not valid; valid: {', '.join(DESCS)}")
     if cfg.block_order not in BLOCK_ORDERS:
@@ -233,10 +199,8 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
     if cfg.block_order != "random" and "paged" not in cfg.layouts:
         raise ValueError(f"block-order = {cfg.block_order!r} orders a paged cache's blocks; add --layout paged "
                          f"(layouts given: {', '.join(cfg.layouts)})")
-    if cfg.nixl_descs != "block" and cfg.backend != "nixl":
+    if cfg.nixl_descs != "block" and not b.descriptors:
         raise ValueError(f"nixl-descs = {cfg.nixl_descs!r} is an option of backend nixl; got backend {cfg.backend!r}")
-    from .faults import KINDS
-
     kinds = cfg.fault_kinds = tuple(name_list(cfg.fault_kinds, "fault-kinds"))
     bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:
@@ -249,14 +213,15 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
         if given:
             raise ValueError(f"{', '.join(given)} set(s) up a fault campaign; add --faults N (N ≥ 1) or leave "
                              f"{'it' if len(given) == 1 else 'them'} out")
-    if cfg.faults and "kill" in kinds and cfg.backend != "gloo":
+    if cfg.faults and "kill" in kinds and not b.can_kill:
         raise ValueError(f"fault-kinds: kill needs backend gloo (a new prefill process rejoins a new gloo group); "
                          f"got {cfg.backend!r}")
     if cfg.faults and cfg.fault_timeout_s + 1.0 >= cfg.timeout_s:
         raise ValueError(f"fault-timeout = {cfg.fault_timeout_s:g} s must stay at least 1 s under timeout = "
                          f"{cfg.timeout_s:g} s (a late layer is waited for after its deadline)")
-    if cfg.bench and cfg.backend not in ("ipc", "nccl", "gloo"):
-        raise ValueError(f"bench times the send alone with backend ipc, nccl or gloo; got {cfg.backend!r}")
+    if cfg.bench and not b.can_bench:
+        raise ValueError(f"bench times the send alone with backend "
+                         f"{', '.join(n for n, x in BACKENDS.items() if x.can_bench)}; got {cfg.backend!r}")
     _memory_cap_ok(cfg.decode_memory_gib, dec)
     if cfg.drop_layer >= spec.layers:
         raise ValueError(f"drop_layer = {cfg.drop_layer}: {spec.name} has layers 0 … {spec.layers - 1}")
@@ -297,7 +262,8 @@ def from_params(params, gpu: bool | None = None) -> DisaggConfig:
         return (on_gpu if gpu else on_cpu) if v == "auto" else v
 
     backend = auto("backend", "ipc", "gloo")
-    bench = auto("bench", "on" if backend in ("ipc", "nccl") else "off", "off")
+    b = BACKENDS.get(backend)  # an unknown one is refused by check() below
+    bench = auto("bench", "on" if b is not None and b.gpus else "off", "off")
     if bench not in ("on", "off"):
         raise ValueError(f"bench = {bench!r} is not valid; valid: auto, on, off")
     cfg = DisaggConfig(backend=backend, model=auto("model", "qwen2.5-7b", "kvlab-tiny"),

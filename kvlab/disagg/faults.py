@@ -41,6 +41,7 @@ import time
 
 import torch
 
+from .backends import BACKENDS
 from .protocol import LandedLayers
 
 __all__ = ["KINDS", "DEFAULT_KINDS", "POLICIES", "checksum", "plan", "run_campaign"]
@@ -108,7 +109,7 @@ def run_campaign(w, base: dict, sink, table, ref) -> list[dict]:
     ref_buf, ref_first, ref_toks, ref_logits = ref
     L = sink.layers
     rows = []
-    if getattr(w.link, "name", None) == "nccl":
+    if BACKENDS[w.link.name].polls:
         _warm_up(w, base, sink)
     for k, fault in enumerate(plan(cfg.faults, L, cfg.seed, tuple(cfg.fault_kinds))):
         fault = dict(fault, seconds=cfg.fault_timeout_s + 0.5)
@@ -250,7 +251,7 @@ class _polling:
     flag is put back as it was on the way out (an exception too); other links are left as they are."""
 
     def __init__(self, link):
-        self.link = link if getattr(link, "name", None) == "nccl" and hasattr(link, "poll") else None
+        self.link = link if BACKENDS[link.name].polls and hasattr(link, "poll") else None
         self.was = None
 
     def __enter__(self):

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from .. import results
+from .backends import BACKENDS
 from .config import DECODE, DisaggConfig, check
 from .memory import DecodeOutOfMemory
 from .workers import ROWS_FILE, entry
@@ -338,7 +339,8 @@ def _torchrun(cfg: DisaggConfig, out, progress: bool) -> dict:
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     prefix = f"kvlab/{os.environ['TORCHELASTIC_RUN_ID']}"
     nnodes = int(os.environ.get("GROUP_WORLD_SIZE", "0")) or None
-    iface, why = gloo_interface(host, nnodes or 1) if cfg.backend != "nccl" else (None, "nccl chooses its own")
+    group = BACKENDS[cfg.backend].group
+    iface, why = gloo_interface(host, nnodes or 1) if group == "gloo" else (None, f"{group} chooses its own")
     if iface:
         os.environ["GLOO_SOCKET_IFNAME"] = iface
     if rank != DECODE:

@@ -29,157 +29,14 @@ from __future__ import annotations
 import queue
 import threading
 
-import numpy as np
 import torch
 
-from ..kvcache import KVBuffer
-from ..paged import BlockPool, kernels
+from ..paged import kernels
 from ..paged.transports import enable_peer
 from ..paged.triton_transports import finalists as fastest
+from .endpoints import Rows, Sink, Source, flip_first_byte, span
 
-__all__ = ["Source", "Sink", "layer_rows", "make_link", "BACKENDS"]
-
-BACKENDS = ("gloo", "ipc", "nccl", "nixl")  # nixl: kvlab.disagg.nixl_link
-
-
-def layer_rows(num_blocks: int, block_ids: list[int], layer: int) -> list[int]:
-    """Row numbers, in the `.rows` view of a pool of `num_blocks` blocks, of one layer's K then V blocks, in
-    table order."""
-    return [(layer * 2 + side) * num_blocks + b for side in (0, 1) for b in block_ids]
-
-
-class _Rows:
-    """Row indices of a paged cache: per layer and for all layers (in layer order), on a device."""
-
-    def __init__(self, layers: int, num_blocks: int, block_ids: list[int], device):
-        bad = [b for b in block_ids if not 0 <= int(b) < num_blocks]
-        if bad:  # checked here, on the host, once: the row kernel that uses these rows does not check
-            raise ValueError(f"block ids {bad[:8]} are outside a pool of {num_blocks} blocks (valid 0…{num_blocks - 1})")
-        per = [layer_rows(num_blocks, block_ids, i) for i in range(layers)]
-        self.top = max((max(p) for p in per if len(p)), default=-1)  # the highest row named, known on the host
-        self.host = [np.asarray(p, dtype=np.int64) for p in per]  # the same rows on the host (NIXL's descriptors)
-        dev = torch.device(device)
-        self.layer = [torch.tensor(p, dtype=torch.int64, device=dev) for p in per]
-        self.all = torch.cat(self.layer)
-        self.per_layer = len(per[0])
-
-    def of(self, unit: tuple[int, ...]) -> torch.Tensor:
-        return self.all if len(unit) == len(self.layer) else self.layer[unit[0]]
-
-    def to(self, device) -> "_Rows":
-        """The same rows, their index tensors on `device`."""
-        out = object.__new__(_Rows)
-        out.top, out.host, out.per_layer = self.top, self.host, self.per_layer
-        out.layer = [t.to(device) for t in self.layer]
-        out.all = torch.cat(out.layer)
-        return out
-
-    @classmethod
-    def for_pool(cls, pool: BlockPool, block_ids) -> "_Rows":
-        return cls(pool.spec.layers, pool.num_blocks, list(block_ids), pool.device)
-
-    @classmethod
-    def for_ids(cls, layers: int, num_blocks: int, block_ids, device) -> "_Rows":
-        return cls(layers, num_blocks, list(block_ids), device)
-
-
-class Source:
-    """The prefill side's cache: a KVBuffer (contiguous) or a pool and its table's block ids (paged)."""
-
-    def __init__(self, buffer: KVBuffer | None = None, pool: BlockPool | None = None, block_ids=None):
-        self.buffer, self.pool = buffer, pool
-        self.layers = buffer.layout.layers if buffer is not None else pool.spec.layers
-        self.rows = _Rows.for_pool(pool, block_ids) if pool is not None else None
-        self.device = buffer.device if buffer is not None else pool.device
-
-    @property
-    def paged(self) -> bool:
-        return self.pool is not None
-
-    def view(self, unit: tuple[int, ...]) -> torch.Tensor:
-        """The unit's bytes as one contiguous tensor (paged: gathered rows, a new tensor)."""
-        if not self.paged:
-            return self.buffer.data if len(unit) == self.layers else self.buffer.data[unit[0]]
-        rows = self.rows.of(unit)
-        if self.pool.rows.device.type != "cuda":
-            return self.pool.rows.index_select(0, rows)
-        out = torch.empty((len(rows), self.pool.rows.shape[1]), dtype=self.pool.rows.dtype, device=self.pool.rows.device)
-        kernels.copy_rows(self.pool.rows, rows, out, check_bounds=False)  # Triton gather; rows checked in _Rows
-        return out
-
-    def nbytes(self, unit: tuple[int, ...]) -> int:
-        if not self.paged:
-            return self.view(unit).nbytes
-        return len(self.rows.of(unit)) * self.pool.rows.shape[1] * self.pool.rows.element_size()
-
-
-class Sink:
-    """The decode side's destination: a KVBuffer, or a pool and the block ids this request owns there."""
-
-    def __init__(self, buffer: KVBuffer | None = None, pool: BlockPool | None = None, block_ids=None):
-        self.buffer, self.pool = buffer, pool
-        self.layers = buffer.layout.layers if buffer is not None else pool.spec.layers
-        self.block_ids = list(block_ids) if block_ids is not None else None
-        self.rows = _Rows.for_pool(pool, self.block_ids) if pool is not None else None
-        self.device = buffer.device if buffer is not None else pool.device
-        self._staging = None
-        self._arange = None  # 0 … rows − 1 on the device: the staging tensor's rows, for the scatter
-
-    @property
-    def paged(self) -> bool:
-        return self.pool is not None
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        """What is shared with the prefill process (ipc): the whole destination."""
-        return self.buffer.data if not self.paged else self.pool.data
-
-    def poison(self) -> None:
-        if self.paged:
-            self.pool.poison()
-        else:
-            self.buffer.poison()
-
-    def landing_view(self, unit: tuple[int, ...], host: bool = False) -> torch.Tensor:
-        """Where a received unit is written: the buffer itself (contiguous), else a staging tensor that
-        `settle(unit)` scatters into the pool. host=True: a host tensor (gloo with a GPU destination)."""
-        if not self.paged and not host:
-            return self.buffer.data if len(unit) == self.layers else self.buffer.data[unit[0]]
-        if self._staging is None or self._staging.device.type != ("cpu" if host else self.device.type):
-            shape = (self.layers * self.rows.per_layer, self.pool.rows.shape[1]) if self.paged else tuple(self.buffer.data.shape)
-            dtype = self.pool.data.dtype if self.paged else self.buffer.data.dtype
-            self._staging = torch.empty(shape, dtype=dtype, device="cpu" if host else self.device,
-                                        pin_memory=host and torch.cuda.is_available())
-        if len(unit) == self.layers:
-            return self._staging
-        if self.paged:
-            n = self.rows.per_layer
-            return self._staging[unit[0] * n:(unit[0] + 1) * n]
-        return self._staging[unit[0]]
-
-    def settle(self, unit: tuple[int, ...], staged: torch.Tensor | None) -> None:
-        """Put a unit received into `staged` (a landing_view) where decode reads it."""
-        if self.paged:
-            staged, rows = staged.to(self.device, non_blocking=True), self.rows.of(unit)
-            if self.device.type != "cuda":
-                self.pool.rows.index_copy_(0, rows, staged)
-                return
-            if self._arange is None or len(self._arange) < len(rows):
-                self._arange = torch.arange(self.layers * self.rows.per_layer, device=self.device)
-            # Triton scatter; the pool's rows were checked in _Rows
-            kernels.copy_rows(staged, self._arange[:len(rows)], self.pool.rows, rows, check_bounds=False)
-        elif staged is not None:
-            dst = self.buffer.data if len(unit) == self.layers else self.buffer.data[unit[0]]
-            dst.copy_(staged, non_blocking=True)
-
-
-def _span(unit) -> str:
-    return f"{unit[0]}" if len(unit) == 1 else f"{unit[0]}…{unit[-1]}"
-
-
-def units(mode: str, layers: int) -> list[tuple[int, ...]]:
-    return [tuple(range(layers))] if mode == "bulk" else [(i,) for i in range(layers)]
-
+__all__ = ["DistLink", "IpcLink", "BULK_ORDERS", "bulk_perm", "event_ms", "unit_tag"]
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -200,14 +57,16 @@ class DistLink:
     host deadline, instead of blocking the host on the stream until it has (the fault campaign sets it: a layer
     that never comes must become a TimeoutError at the deadline, not a wait until NCCL's watchdog fires)."""
 
-    def __init__(self, backend: str, peer: int, device: torch.device, timeout_s: float, in_order: bool = False):
+    def __init__(self, backend: str, peer: int, device: torch.device, timeout_s: float, in_order: bool = False,
+                 group: str | None = None):
         self.name = backend
+        self.group = group or backend  # the torch.distributed backend: "gloo" or "nccl"
         self.peer = peer
         self.device = device
         self.timeout_s = timeout_s
-        self.in_order = backend == "nccl" or in_order
+        self.in_order = in_order or self.group == "nccl"
         self.poll = False
-        self.host_staged = backend == "gloo" and device.type == "cuda"
+        self.host_staged = self.group == "gloo" and device.type == "cuda"
         self._works: list = []
         self._recvs: list = []
 
@@ -231,11 +90,11 @@ class DistLink:
         from datetime import timedelta
 
         for work, _ in self._works:
-            if self.name == "gloo":
+            if self.group == "gloo":
                 work.wait(timedelta(seconds=self.timeout_s))
             else:
                 work.wait()
-        if self.name == "nccl":
+        if self.group == "nccl":
             _sync(self.device)
         self._works = []
 
@@ -255,7 +114,7 @@ class DistLink:
             view = sink.landing_view(unit, host=self.host_staged)
             self._recvs.append((unit, dist.irecv(view, src=self.peer, tag=self.tag(request, unit)), view))
         self._arrived: queue.SimpleQueue | None = None
-        if self.name == "gloo":
+        if self.group == "gloo":
             self._arrived = queue.SimpleQueue()
             recvs, arrived = list(self._recvs), self._arrived
 
@@ -369,7 +228,7 @@ class IpcLink:
     def wait_landed(self, request: int, sink: Sink, tracker, control, timeout_s: float | None = None) -> None:
         for unit in self._plan:
             key = f"req{request}/landed/u{0 if len(unit) > 1 else unit[0]}"  # as send() names it
-            layers = control.wait(key, f"request {request}'s layer(s) {_span(unit)} to land", timeout_s)
+            layers = control.wait(key, f"request {request}'s layer(s) {span(unit)} to land", timeout_s)
             for i in layers:
                 tracker.mark(request, i)
 
@@ -414,7 +273,7 @@ class IpcLink:
             self._peer_stream = torch.cuda.Stream(device=dev)
         return self._peer_stream
 
-    def _src_rows(self, src: Source) -> "_Rows":
+    def _src_rows(self, src: Source) -> "Rows":
         """The source's row indices on the kernel's device (a pull: copied once to the decode GPU)."""
         if not self.pulls(src):
             return src.rows
@@ -422,7 +281,7 @@ class IpcLink:
             self._peer_rows = (src.rows, src.rows.to(self._dst[self._tag].device))
         return self._peer_rows[1]
 
-    def bind(self, tag: str, dst_rows: "_Rows | None", row_elems: int = 0) -> None:
+    def bind(self, tag: str, dst_rows: "Rows | None", row_elems: int = 0) -> None:
         """The destination the next sends write into (and, paged, the decode pool's rows for them, each
         `row_elems` elements wide: they must all fit the destination the decode side shared). The same tag and
         the same rows object as the last bind keep what was tuned and captured for them."""
@@ -461,7 +320,7 @@ class IpcLink:
             self._launch(src, rows, s_rows, d_rows)
 
     def _launch(self, src: Source, rows, s_rows, d_rows) -> None:
-        # both row lists were checked on the host (_Rows, bind): no bounds check, no sync on the timed path; a pull
+        # both row lists were checked on the host (Rows, bind): no bounds check, no sync on the timed path; a pull
         # runs on the decode GPU (the caller made _stream_for's stream current, so the device is that GPU)
         if self.pulls(src):
             kernels.launch_rows(src.pool.rows, s_rows, rows, d_rows, self.kernel_config or kernels.DEFAULT_CONFIG)
@@ -635,21 +494,3 @@ def unit_tag(request: int, unit: tuple[int, ...]) -> int:
     in-order link never skips a unit (DistLink.in_order; a dropped layer holds back those behind it)."""
     layer = 4095 if len(unit) > 1 else unit[0]
     return (request % 500_000) * 4096 + layer
-
-
-def flip_first_byte(t: torch.Tensor) -> torch.Tensor:
-    """Flip every bit of the first byte of `t` (in place; contiguous), as a corrupted wire would."""
-    b = t.view(-1).view(torch.uint8)
-    b[:1].bitwise_not_()
-    return t
-
-
-def make_link(backend: str, role: str, device: torch.device, control, timeout_s: float, peer: int,
-              nixl_descs: str = "block", in_order: bool = False):
-    if backend == "ipc":
-        return IpcLink(device, control, timeout_s)
-    if backend == "nixl":
-        from .nixl_link import NixlLink
-
-        return NixlLink(role, device, control, timeout_s, descs=nixl_descs)
-    return DistLink(backend, peer, device, timeout_s, in_order)

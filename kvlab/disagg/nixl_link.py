@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .links import Sink, Source, _Rows, _span, flip_first_byte
+from .endpoints import Rows, Sink, Source, flip_first_byte, span
 
 __all__ = ["NixlLink", "ucx_transports", "DESCS"]
 
@@ -165,7 +165,7 @@ class NixlLink:
             self._remote = {tag: info}  # the decode side has moved on from its previous destination
         return self._remote[tag]
 
-    def bind(self, tag: str, dst_rows: _Rows | None, row_elems: int = 0) -> None:
+    def bind(self, tag: str, dst_rows: Rows | None, row_elems: int = 0) -> None:
         """The destination the next sends write into; paged: the decode pool's rows for them, each `row_elems`
         elements wide, which must all fit the destination the decode side registered."""
         info = self._remote[tag]
@@ -188,7 +188,7 @@ class NixlLink:
             off = 0 if len(unit) == src.layers else unit[0] * layer_bytes
             n = layer_bytes * len(unit)
             if off + n > info["nbytes"]:
-                raise ValueError(f"layers {_span(unit)} ({off + n:,} bytes in) do not fit the {info['nbytes']:,} bytes "
+                raise ValueError(f"layers {span(unit)} ({off + n:,} bytes in) do not fit the {info['nbytes']:,} bytes "
                                  f"the decode side registered ({self._tag})")
             base = src.buffer.data.data_ptr() + off if staged is None else staged.data_ptr()
             loc = np.array([[base, n, dev]], dtype=np.int64)
@@ -291,7 +291,7 @@ class NixlLink:
             self._stats["descriptors"] += len(loc)
             self._stats["transfers"] += 1
             if state not in ("PROC", "DONE"):
-                raise RuntimeError(f"request {request}: NIXL transfer of layer(s) {_span(unit)} ended in state {state!r}")
+                raise RuntimeError(f"request {request}: NIXL transfer of layer(s) {span(unit)} ended in state {state!r}")
         except BaseException:
             self._release(handle, staged)
             raise
@@ -307,7 +307,7 @@ class NixlLink:
                 continue
             self._release(h, staged)
             if state != "DONE":
-                raise RuntimeError(f"request {request}: NIXL transfer of layer(s) {_span(unit)} ended in state {state!r}")
+                raise RuntimeError(f"request {request}: NIXL transfer of layer(s) {span(unit)} ended in state {state!r}")
         return left
 
     def _release(self, h, staged=None) -> None:

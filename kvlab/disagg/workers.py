@@ -31,7 +31,9 @@ import torch
 from ..paged import kernels
 from ..timing import sync_device
 from .config import DECODE, PREFILL, DisaggConfig
-from .links import Sink, Source, _Rows, event_ms, make_link, units
+from .backends import BACKENDS
+from .endpoints import Rows, Sink, Source, units
+from .links import event_ms
 from .memory import DecodeMemory
 from .protocol import Control, IncompleteCacheError, LandedLayers
 
@@ -92,7 +94,7 @@ class PrefillWorker:
         self.generation = generation
         self._sources: dict = {}
         self._filled: set = set()  # the (layout, context) sources this process has prefilled
-        self._dst_rows = None  # (the decode side's table, its _Rows) of the last paged request
+        self._dst_rows = None  # (the decode side's table, its Rows) of the last paged request
 
     def source(self, layout: str, context: int):
         from ..kvcache import KVBuffer, layout_for
@@ -133,18 +135,19 @@ class PrefillWorker:
         mode = msg["mode"]
         if hasattr(self.link, "take_stats"):  # nixl: this request's counts start from nothing
             self.link.take_stats()
-        if self.link.name in ("ipc", "nixl") and mode != "colocated":
+        if BACKENDS[self.link.name].one_sided and mode != "colocated":
             self.link.attach(msg["tag"])
             rows = None
             if src.paged:
                 key = (msg["tag"], msg["dst_num_blocks"], tuple(msg["dst_blocks"]))
                 if self._dst_rows is None or self._dst_rows[0] != key:  # the same table each request: one object,
-                    self._dst_rows = (key, _Rows.for_ids(src.layers, msg["dst_num_blocks"], msg["dst_blocks"],
+                    self._dst_rows = (key, Rows.for_ids(src.layers, msg["dst_num_blocks"], msg["dst_blocks"],
                                                          self.dev))  # so what the link tuned and captured stays
                 rows = self._dst_rows[1]
             self.link.bind(msg["tag"], rows, src.pool.rows.shape[1] if src.paged else 0)
         if msg.get("bench"):
-            return self.bench(src, msg) if self.link.name == "ipc" else self.bench_dist(n, src, msg)
+            # a one-sided link is timed inside the prefill process, which issues the copies; the others across both
+            return self.bench(src, msg) if BACKENDS[self.link.name].one_sided else self.bench_dist(n, src, msg)
         if mode == "resend":  # a retry: only the layers asked for, from the source the last prefill left
             if (msg["layout"], msg["context"]) not in self._filled:  # a new process (its predecessor died)
                 self._first = int(self._prefill(ids, src, table).argmax(-1).view(-1)[0])
@@ -399,8 +402,9 @@ class DecodeWorker:
         dist.destroy_process_group()
         self.control.post(f"gen{g}/from", self.n)
         init_group(self.cfg, self.dev, self.control.store, DECODE, g)
-        self.link = make_link(self.cfg.backend, "decode", self.dev, self.control, self.cfg.timeout_s, peer=PREFILL,
-                              nixl_descs=self.cfg.nixl_descs, in_order=self.cfg.in_order)
+        self.link = BACKENDS[self.cfg.backend].make_link("decode", self.dev, self.control, self.cfg.timeout_s,
+                                                         peer=PREFILL, nixl_descs=self.cfg.nixl_descs,
+                                                         in_order=self.cfg.in_order)
         self.generation, self.peer_dead = g, False
 
     def _go(self, msg: dict) -> int:
@@ -462,7 +466,7 @@ class DecodeWorker:
         tag = f"{layout}-{context}"
         with mem.phase("requests", **where):
             self._serve(layout, context, tag, sink, table, ref, bar)
-        if self.link.name == "ipc":  # the prefill process lets go of the destination, so its memory can be freed
+        if BACKENDS[self.link.name].releases_destination:  # the prefill process lets go of it, so it can be freed
             n = self._go({"release": tag})  # takes a request number: requests.csv skips it
             self.control.wait(f"req{n}/done", f"the prefill process to let go of {tag}")
             del sink, table, ref  # the destination and the reference, with no other holder left
@@ -472,7 +476,7 @@ class DecodeWorker:
         """The requests of one (layout, context), whose destination is known as `tag`, then its bench and its
         campaign."""
         cfg = self.cfg
-        if self.link.name in ("ipc", "nixl"):
+        if BACKENDS[self.link.name].one_sided:
             self.link.expose(tag, sink)
         base = {"layout": layout, "context": context, "tag": tag}
         if table is not None:
@@ -489,7 +493,7 @@ class DecodeWorker:
         if cfg.bench:
             self.mem.where, self.mem.step = f"the bench of {tag}", "landing"
             msg = dict(base, mode="bulk", bench=True, n=cfg.bench_repeats, warmup=3)
-            if self.link.name == "ipc":
+            if BACKENDS[self.link.name].one_sided:
                 n = self._go(msg)
                 got = self.control.wait(f"req{n}/done", f"the bench of {tag}")
             else:
@@ -640,7 +644,7 @@ def init_group(cfg: DisaggConfig, dev: torch.device, store, rank: int, generatio
     import torch.distributed as dist
     from datetime import timedelta
 
-    pg = "nccl" if cfg.backend == "nccl" else "gloo"
+    pg = BACKENDS[cfg.backend].group
     kw = {"device_id": dev} if pg == "nccl" else {}
     timeout = cfg.timeout_s
     if pg == "nccl" and cfg.faults:
@@ -673,7 +677,7 @@ def entry(rank: int, cfg_dict: dict, host: str, port: int, prefix: str, run_dir:
         if generation:  # a successor builds its model first, so it is ready when the decode side joins it
             model = _build(cfg, dev)
         init_group(cfg, dev, store, rank, generation)
-        if cfg.backend == "nccl":
+        if BACKENDS[cfg.backend].group == "nccl":
             # NCCL's first point-to-point call blocks until the peer makes one too; the decode side posts its
             # receives before it sends a request, so without this exchange both sides would wait for each other
             one = torch.zeros(1, device=dev)
@@ -685,8 +689,9 @@ def entry(rank: int, cfg_dict: dict, host: str, port: int, prefix: str, run_dir:
             torch.cuda.synchronize(dev)
         if not generation:
             model = _build(cfg, dev)
-        link = make_link(cfg.backend, role, dev, control, cfg.timeout_s, peer=PREFILL if rank == DECODE else DECODE,
-                         nixl_descs=cfg.nixl_descs, in_order=cfg.in_order)
+        link = BACKENDS[cfg.backend].make_link(role, dev, control, cfg.timeout_s,
+                                               peer=PREFILL if rank == DECODE else DECODE,
+                                               nixl_descs=cfg.nixl_descs, in_order=cfg.in_order)
         w = None
         ok = False
         try:
