@@ -88,7 +88,7 @@ class _Out:
 
         footer = (f"{plots.footer_text(self.run_id, self.device_tag)} · re-analysed "
                   f"{self.meta['analysed_utc'][:10]} by {provenance.short(self.drawn)}")
-        plots._set_footer(fig, footer)
+        plots.set_footer(fig, footer)
         self.meta.setdefault("readability", {})[name] = plots.readability(fig)  # issues at 700 px wide
         plots.write(fig, self.dir, name, footer)
         plt.close(fig)

@@ -131,7 +131,7 @@ def resolve(contexts="auto", block_sizes="auto", methods="auto", destinations="a
     _check_list("contexts", out["contexts"], positive_int=True)
     _check_list("block_sizes", out["block_sizes"], positive_int=True)
     _check_list("methods", out["methods"], valid=METHODS)
-    _layout(out["layout"])
+    check_layout(out["layout"])
     for d in out["destinations"]:
         Destination.parse(d, dev)
     return out
@@ -206,7 +206,7 @@ def _check_list(name: str, values, valid=None, positive_int=False) -> list:
     return values
 
 
-def _layout(layout) -> BenchLayout:
+def check_layout(layout) -> BenchLayout:
     if layout is None:
         return LAYOUTS["qwen2.5-7b"]
     if isinstance(layout, BenchLayout):
@@ -252,7 +252,7 @@ def measure(contexts=GPU_CONTEXTS, block_sizes=BLOCK_SIZES, methods=METHODS, des
         "destinations", destinations if destinations is not None else default_destinations(device))]
     if pool_layout not in paged.LAYOUTS:
         raise ValueError(f"pool_layout {pool_layout!r} is not valid; use one of {list(paged.LAYOUTS)}")
-    lay = _layout(layout)
+    lay = check_layout(layout)
     for name, v, lo in (("repeats", repeats, 1), ("warmup", warmup, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f"{name}={v!r}: expected an int ≥ {lo}")
@@ -513,7 +513,7 @@ def access_patterns(context: int = 32768, block_size: int = 16, device=None, lay
         return pd.DataFrame(columns=["pattern", "description", "repeat", "ms", "gbps", "bytes", "rows", "config"])
 
     say = progress or (lambda s: None)
-    lay = _layout("qwen2.5-7b" if layout == "auto" else layout)
+    lay = check_layout("qwen2.5-7b" if layout == "auto" else layout)
     spec = lay.spec(block_size)
     n = spec.blocks_for(context)
     src_pool = BlockPool(spec, 2 * n, device=dev).fill_random(seed)
@@ -595,7 +595,7 @@ def run_nixl_only(out_dir, contexts=GPU_CONTEXTS, block_sizes=(16,), destination
         "nixl_available": why is None, "nixl_unavailable_reason": why,
         "nixl_version": nixl.nixl_version(),
         "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
-        "layout": asdict(_layout(layout)), "pool_layout": pool_layout,
+        "layout": asdict(check_layout(layout)), "pool_layout": pool_layout,
         "transports": df.attrs.get("transports", []),
         "devices": devices.describe(),
     }

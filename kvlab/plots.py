@@ -212,7 +212,8 @@ def footer_text(run_id: str, device: str, drawn: str | None = None) -> str:
     return f"{text} · drawn by {drawn}" if drawn else text
 
 
-def _set_footer(fig, text: str) -> None:
+def set_footer(fig, text: str) -> None:
+    """Put `text` (a run's footer) under `fig`, replacing any footer it had."""
     # Hung just below the figure's bottom edge (va="top" at y=0): a tight bounding box takes it in,
     # and it can never sit on top of an x-axis label. Saving the same figure twice reuses it.
     existing = getattr(fig, "_kvlab_footer", None)
@@ -251,7 +252,7 @@ def write(fig, folder: Path, name: str, footer: str) -> list[Path]:
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise ValueError(f"figure name {name!r} is not valid: use lowercase letters, digits, '-' "
                          "and '_' (e.g. 'exposure_vs_link'), without an extension")
-    _set_footer(fig, footer)
+    set_footer(fig, footer)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     written = []

@@ -92,9 +92,9 @@ def _methods(value, what="methods"):
 
 
 def _layout(value, what="layout"):
-    from .paged_bench import _layout as layout
+    from .paged_bench import check_layout
 
-    layout(value)
+    check_layout(value)
 
 
 def _patterns(value, what="patterns"):

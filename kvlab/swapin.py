@@ -262,12 +262,10 @@ def run(model: str = "qwen2.5-7b", contexts=("4k", "32k"), block_size: int = 16,
 
     from . import devices, models, results
     from .parse import token_list
-    from .disagg.config import _DTYPE_ALIASES, KV_DTYPES, _norm_device
+    from .disagg.config import kv_dtype_name, norm_device
 
     ctx = token_list(contexts, "context", 1)
-    dt = _DTYPE_ALIASES.get(str(kv_dtype).lower(), str(kv_dtype).lower())
-    if dt not in KV_DTYPES:
-        raise ValueError(f"kv-dtype = {kv_dtype!r} is not valid; valid: {', '.join(KV_DTYPES)} (or bf16, fp16, fp32)")
+    dt = kv_dtype_name(kv_dtype, "kv-dtype")
     for name, v, low in (("block-size", block_size, 1), ("repeats", repeats, 1), ("seed", seed, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise ValueError(f"{name} = {v!r}: give an int ≥ {low}")
@@ -275,7 +273,7 @@ def run(model: str = "qwen2.5-7b", contexts=("4k", "32k"), block_size: int = 16,
     spec_m = models.from_hf_config(model) if os.path.exists(model) else models.get(model)
     if device != "auto" and not (device == "cpu" or str(device).startswith("cuda")):
         raise ValueError(f"device = {device!r} is not a device; give 'auto', 'cpu' or 'cuda:N'")
-    dev = torch.device(("cuda:0" if torch.cuda.is_available() else "cpu") if device == "auto" else _norm_device(device))
+    dev = torch.device(("cuda:0" if torch.cuda.is_available() else "cpu") if device == "auto" else norm_device(device))
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if dev.type == "cuda" and (dev.index or 0) >= n_gpu:
         raise ValueError(f"device = {device!r} does not exist: this machine has {n_gpu} GPU(s)")

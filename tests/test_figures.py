@@ -77,7 +77,7 @@ def test_the_published_figures_are_the_ones_this_test_checks():
 def test_published_figure_reads_700_px_wide(name):
     plots.style()
     fig = FIGURES[name]()
-    plots._set_footer(fig, plots.footer_text("20261129-103726-h200", "NVIDIA H200", "0000000"))
+    plots.set_footer(fig, plots.footer_text("20261129-103726-h200", "NVIDIA H200", "0000000"))
     issues = plots.readability(fig)
     plt.close(fig)
     assert issues == [], f"{name}: " + "; ".join(issues[:5])

@@ -11,7 +11,7 @@ from .backends import BACKENDS, backend
 from .faults import KINDS, POLICIES
 from .nixl_link import DESCS
 
-__all__ = ["DisaggConfig", "MODES", "LAYOUTS", "KV_DTYPES", "check",
+__all__ = ["DisaggConfig", "MODES", "LAYOUTS", "KV_DTYPES", "check", "kv_dtype_name", "norm_device",
            "DECODE", "PREFILL", "from_params"]
 
 MODES = ("bulk", "layerwise")
@@ -87,11 +87,23 @@ class DisaggConfig:
             dec = f"cuda:{BACKENDS[self.backend].decode_gpu}"
         else:
             dec = pre
-        return _norm_device(pre), _norm_device(dec)
+        return norm_device(pre), norm_device(dec)
 
 
-def _norm_device(d: str) -> str:
+def norm_device(d: str) -> str:
+    """"cuda" as the first GPU, "cuda:0"; any other name as given."""
     return "cuda:0" if d == "cuda" else d
+
+
+def kv_dtype_name(value, what: str = "kv_dtype") -> str:
+    """The canonical name of a model and cache dtype ("bfloat16", "float16", "float32") from any spelling users type
+    (bf16, fp16, half, fp32, float, torch.bfloat16); ValueError naming the value otherwise."""
+    dt = str(value).lower().removeprefix("torch.")
+    dt = _DTYPE_ALIASES.get(dt, dt)
+    if dt not in KV_DTYPES:
+        raise ValueError(f"{what} = {value!r} is not valid; valid: {', '.join(KV_DTYPES)} (or bf16, fp16, fp32): "
+                         "the model runs in this dtype, so its cache is this dtype")
+    return dt
 
 
 def _device_ok(name: str, what: str) -> None:
@@ -142,11 +154,7 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
                 raise ValueError(f"{what} = {v!r} is not valid; valid: {', '.join(valid)}{suggest(v, valid)}")
         if len(set(items)) != len(items):
             raise ValueError(f"{what} lists {list(items)} with a repeat; give each once")
-    dt = str(cfg.kv_dtype).lower().removeprefix("torch.")
-    cfg.kv_dtype = _DTYPE_ALIASES.get(dt, dt)
-    if cfg.kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_dtype = {cfg.kv_dtype!r} is not valid; valid: {', '.join(KV_DTYPES)} (or bf16, fp16, fp32): "
-                         "the model runs in this dtype, so its cache is this dtype")
+    cfg.kv_dtype = kv_dtype_name(cfg.kv_dtype)
     for name, low in (("block_size", 1), ("repeats", 1), ("warmup", 0), ("decode_tokens", 1),
                       ("bench_repeats", 3), ("seed", 0), ("threads", 0)):
         v = getattr(cfg, name)
@@ -167,7 +175,7 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
                          "use 16 to 256)")
     for what, d in (("device", cfg.device), ("decode-device", cfg.decode_device)):
         if d != "auto":
-            _device_ok(_norm_device(str(d)), what)
+            _device_ok(norm_device(str(d)), what)
     if not isinstance(cfg.in_order, bool):
         raise ValueError(f"in_order = {cfg.in_order!r}: give True or False")
     if cfg.in_order and not b.can_in_order:
