@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import provenance, results
+from . import plots, provenance, results, studies
 
 __all__ = ["analyse", "STUDIES", "FIGURES", "add_arguments", "run_args"]
 
@@ -32,7 +32,7 @@ STUDIES = ("overlap_timeline", "handoff", "paged_transfer", "link_ceilings", "di
 # the figures each study's analysis can draw (which of them it draws depends on the run's tables)
 FIGURES = {"overlap_timeline": ("decomposition", "event_timeline", "patterns", "clock_timeline"),
            "handoff": ("handoff_ttft",), "paged_transfer": ("gbps_vs_block_size", "access_patterns"),
-           "link_ceilings": ("gbps_vs_size",), "disagg": ("disagg_ttft",), "swapin": ("swapin_pct",)}
+           "disagg": ("disagg_ttft",), "swapin": ("swapin_pct",)}
 
 
 def _need(tables: dict, run: Path, name: str) -> pd.DataFrame:
@@ -210,17 +210,6 @@ def _paged(run: Path, record: dict, tables: dict, out: _Out) -> None:
                                                          "the access pattern costs one kernel launch"), "access_patterns")
 
 
-def _link_ceilings(run: Path, record: dict, tables: dict, out: _Out) -> None:
-    from . import ceilings_fit, plots
-
-    plots.style()
-    df = _need(tables, run, "results")
-    fitted = ceilings_fit.fit(df)
-    out.table(fitted.table, "fit")
-    out.meta["findings"] += [ceilings_fit.finding_text(df, fitted.ceilings)]
-    out.figure(ceilings_fit.plot(df, fitted.ceilings), "gbps_vs_size")
-
-
 def _disagg(run: Path, record: dict, tables: dict, out: _Out) -> None:
     from . import goals, plots
     from .disagg import report as dr
@@ -247,7 +236,16 @@ def _swapin(run: Path, record: dict, tables: dict, out: _Out) -> None:
 
 
 _DISPATCH = {"overlap_timeline": _overlap_timeline, "handoff": _handoff, "paged_transfer": _paged,
-             "link_ceilings": _link_ceilings, "disagg": _disagg, "swapin": _swapin}
+             "disagg": _disagg, "swapin": _swapin}
+
+
+def _face(study: str):
+    """The study's package when it has the one shape (kvlab.study); None for a study still analysed here."""
+    try:
+        module = studies.get(study)
+    except (ModuleNotFoundError, ValueError):
+        return None
+    return module if studies.has_face(module) else None
 
 
 def analyse(run_dir, out: str | Path | None = None, publish: bool = False, suffix: str = "",
@@ -260,11 +258,12 @@ def analyse(run_dir, out: str | Path | None = None, publish: bool = False, suffi
         raise FileNotFoundError(f"{run} is not a run folder: it has no run.json")
     record, tables = results.load(run)
     study = record.get("study")
-    if study not in _DISPATCH:
+    if study not in _DISPATCH and _face(study) is None:
         raise ValueError(f"run {run.name} is a {study!r} run; kvlab analyse knows {list(_DISPATCH)}")
-    bad = sorted(set(only or []) - set(FIGURES[study]))
+    drawn = face.FIGURES if (face := _face(study)) is not None else FIGURES[study]
+    bad = sorted(set(only or []) - set(drawn))
     if bad:  # before anything is written
-        raise ValueError(f"--only {', '.join(bad)}: a {study} analysis draws {', '.join(FIGURES[study])}")
+        raise ValueError(f"--only {', '.join(bad)}: a {study} analysis draws {', '.join(drawn)}")
     if record.get("status") != "finished":
         raise ValueError(f"run {run.name} did not finish (status {record.get('status')!r}): its tables may be "
                          "partial; analyse a finished run")
@@ -277,7 +276,20 @@ def analyse(run_dir, out: str | Path | None = None, publish: bool = False, suffi
                              f"{' (a run: it has a run.json)' if (target / 'run.json').is_file() else ''}; give a "
                              "new or empty folder — kvlab analyse does not overwrite")
     o = _Out(run, record, Path(out) if out is not None else None)
-    _DISPATCH[study](run, record, tables, o)
+    face = _face(study)
+    if face is not None:  # a study of the one shape: its own analyse and figures, as the notebook calls them
+        a = face.analyse(record, tables)
+        for name, df in a.tables.items():
+            o.table(df, name)
+        if len(a.goals):
+            o.table(a.goals, "goals")
+        o.meta["findings"] += a.findings
+        o.meta["values"] = a.values
+        plots.style()
+        for name, fig in face.figures(a).items():
+            o.figure(fig, name)
+    else:
+        _DISPATCH[study](run, record, tables, o)
     where = o.done()
     if publish:
         for p in o.publish(run, suffix, only):

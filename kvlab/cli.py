@@ -43,7 +43,7 @@ from pathlib import Path
 from kvlab import __version__, paths, results
 from kvlab.parse import OneLineParser, UsageError, token_list, yaml_load
 from kvlab.params import (RUN_DIR_IS_SET, Parameter, check_names, coerce, find_notebook,
-                          list_notebooks, notebooks_dir, parse_params, runnable_parameters, yaml_load)
+                          list_notebooks, notebooks_dir, parse_params, runnable_parameters)
 from kvlab.units import fmt_bytes
 
 
@@ -178,14 +178,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _preflight(notebook: Path, params: Mapping) -> None:
-    """Every value given for ``notebook`` checked the way the notebook will read it (kvlab.preflight), before a
-    kernel starts or a folder is made; a bad one is a one-line UsageError."""
-    from kvlab import preflight
+    """Every value given for ``notebook`` checked the way the notebook will read it, before a kernel starts or a
+    folder is made: by its study's own `check` (kvlab.study), or kvlab.preflight for a study not yet of that shape;
+    a bad value is a one-line UsageError."""
+    from kvlab import preflight, studies
 
+    name = paths.study_of(notebook)
     try:
-        preflight.check(paths.study_of(notebook), params)
+        study = studies.get(name) if name in studies.NAMES else None
+    except ModuleNotFoundError:
+        study = None
+    try:
+        if study is not None and studies.has_face(study):
+            study.check(params)
+        else:
+            preflight.check(name, params)
     except ValueError as err:
-        raise UsageError(str(err)) from None
+        raise UsageError(str(err).splitlines()[0]) from None
 
 
 @contextlib.contextmanager

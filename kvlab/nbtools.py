@@ -110,3 +110,18 @@ def show_table(df, digits: int = 3, caption: str | None = None, max_rows: int = 
         print(text)
         return
     display({"text/plain": text, "text/html": html}, raw=True)
+
+
+def show_findings(analysis) -> None:
+    """A study's findings (kvlab.study.Analysis) as markdown in a kernel, as text elsewhere."""
+    text = "\n".join(analysis.findings)
+    try:
+        from IPython import get_ipython
+        from IPython.display import Markdown, display
+    except ImportError:
+        print(text)
+        return
+    if get_ipython() is None:
+        print(text)
+        return
+    display(Markdown(text))

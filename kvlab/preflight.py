@@ -156,7 +156,6 @@ CHECKS: dict[str, dict[str, Callable]] = {
                "warmup": _int_at_least(0), "decode_tokens": _int_at_least(1), "block_size": _int_at_least(1),
                "bench": _choice("auto", "on", "off"), "faults": _int_at_least(0),
                "policy": _choice("fail", "retry", "recompute")},
-    "link_ceilings": {"paths": _paths, "sizes": _sizes, "repeats": _int_at_least(1), "warmup": _int_at_least(0)},
     "calculator": {"models": _model_names, "ratio_models": _model_names, "tp_models": _model_names,
                    "links": _links, "ratio_links": _links, "tp_link": _links, "kv_dtype": _kv_dtype,
                    "exposure_cases": _exposure_cases, "prompt_tokens": _int_at_least(1),

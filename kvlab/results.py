@@ -254,6 +254,20 @@ class Run:
         self._write()
         return path
 
+    def tables(self) -> dict:
+        """``{name: DataFrame}`` of every table in the run folder (what `measure` wrote), as `load` reads them."""
+        return load(self.dir)[1]
+
+    def save_analysis(self, analysis) -> None:
+        """Keep a study's analysis (kvlab.study.Analysis) with its run: each derived table as ``<name>.csv``, the goal
+        table as goals.csv, the findings and named values in run.json — what the notebook showed, as its code made
+        it (`kvlab analyse` recomputes them later into a folder of their own)."""
+        for name, df in analysis.tables.items():
+            self.save_table(df, name)
+        if len(analysis.goals):
+            self.save_table(analysis.goals, "goals")
+        self.update(findings=list(analysis.findings), values=dict(analysis.values), **analysis.fields)
+
     def update(self, **fields) -> None:
         """Add or replace fields of run.json (e.g. ``ceilings=...``, ``resolved={...}``) and write
         it at once. Provenance fields (run_id, git, devices, parameters, …) cannot be replaced."""

@@ -1,20 +1,29 @@
-"""The README's result tables are what `kvlab report` makes from the committed runs (issue 12)."""
+"""The published tables are what `kvlab report` makes from the committed runs (issue 12), and which runs each reads is
+said once, in data/PUBLISHED.yaml (issue 25)."""
 
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kvlab import report
 from kvlab.cli import main
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
 
 
-def test_the_readme_matches_what_the_committed_runs_give():
-    names = [m.group(2) for m in report._BLOCK_RE.finditer(README.read_text(encoding="utf-8"))]
-    assert set(names) == set(report.BLOCKS), "every block is in the README once, and only known blocks"
-    assert len(names) == len(set(names))
-    assert report.check(README) == [], "run `kvlab report` and commit the README"
+def _documents() -> list[Path]:
+    return [README, *sorted((REPO / "docs" / "results").glob("*.md"))]
+
+
+def test_every_block_is_shown_once_and_every_document_matches_the_committed_runs():
+    shown = []
+    for doc in _documents():
+        shown += [m.group(2) for m in report.BLOCK_RE.finditer(doc.read_text(encoding="utf-8"))]
+        assert report.check(doc) == [], f"run `kvlab report` and commit {doc.relative_to(REPO)}"
+    assert set(shown) == set(report.BLOCKS), "every block is shown, and only known blocks"
+    assert len(shown) == len(set(shown)), "a block is shown in one place only"
 
 
 def test_a_hand_edited_number_is_caught(tmp_path):
@@ -31,13 +40,17 @@ def test_a_hand_edited_number_is_caught(tmp_path):
 
 
 def test_verdicts_come_from_the_one_evaluator(monkeypatch):
-    """Were the evaluator to say "met" for everything, the README's verdict table would change."""
+    """Were the evaluator to say "met" for everything, the verdict table would change."""
     from kvlab import goals
 
     real = report.render("verdicts")
     assert "**missed**" in real and "**not resolved**" in real
     monkeypatch.setattr(goals, "judge", lambda *a, **k: ("met", "point"))
-    assert report.render("verdicts") != real
+    report._analysis.cache_clear()
+    try:
+        assert report.render("verdicts") != real
+    finally:
+        report._analysis.cache_clear()
 
 
 def test_an_unknown_block_is_a_clear_error():
@@ -45,30 +58,37 @@ def test_an_unknown_block_is_a_clear_error():
         report.render("nope")
 
 
-def test_evidence_runs_are_the_runs_the_tables_read(monkeypatch):
-    """The second provenance goal judges the runs the results tables read; the list comes from rendering them, so a
-    table switched to another run changes it, and the blocks about runs (verdicts, provenance) are not rendered."""
-    def boom():
-        raise AssertionError("a block about the runs was rendered")
+def test_the_manifest_names_each_run_a_table_reads_and_every_run_exists():
+    m = yaml.safe_load((REPO / report.MANIFEST).read_text(encoding="utf-8"))
+    for name, entry in m["blocks"].items():
+        assert entry["runs"], name
+        for run in report._runs(entry):
+            assert (REPO / "data" / run / "run.json").is_file(), f"{name}: {run}"
+    assert report.evidence_runs() == sorted({r for e in m["blocks"].values() for r in report._runs(e)})
 
-    monkeypatch.setattr(report, "BLOCKS", {
-        "one": lambda: report.ceilings("link_ceilings/20261201-051613-h200"),
-        "two": lambda: report.handoff_table("handoff/20261201-051641-h200"),
-        "again": lambda: report.handoff_table("handoff/20261201-051641-h200"),  # cached summary: still noted
-        **{name: boom for name in report.META_BLOCKS}})
-    assert report.evidence_runs() == ["handoff/20261201-051641-h200", "link_ceilings/20261201-051613-h200"]
-    assert report._READ is None  # reading is noted only while evidence_runs() renders
-    monkeypatch.setitem(report.BLOCKS, "one", lambda: report.ceilings("link_ceilings/20261129-091839-h200"))
-    assert "link_ceilings/20261129-091839-h200" in report.evidence_runs()
+
+def test_a_run_switched_in_the_manifest_switches_the_table(monkeypatch):
+    """A block reads the runs the manifest names and no other: pointing it at another run changes the table."""
+    m = report.manifest()
+    entry = dict(m["blocks"]["ceilings_1gpu"], runs=["link_ceilings/20261201-091906-h200"])
+    monkeypatch.setitem(m["blocks"], "ceilings_1gpu", entry)
+    assert report.render("ceilings_1gpu") == report.render("ceilings_2gpu")
+
+
+def test_links_to_runs_are_written_from_where_the_document_is():
+    top = report.render("ceilings_1gpu")
+    assert report.render("verdicts", prefix="../../").count("(../../data/") > 10
+    assert "](data/" in report.render("verdicts") and top == report.render("ceilings_1gpu", prefix="")
 
 
 def test_the_one_gpu_tables_read_runs_whose_code_can_be_rebuilt():
     from kvlab import provenance
+    from kvlab.paths import read_json
 
-    if report._shallow():
+    if report.shallow():
         pytest.skip("a shallow clone lacks the commits whose code provenance checks")
     used = [p for p in report.evidence_runs() if "-h200" in p and p.split("/")[1] >= "20261201"]
     assert {"handoff/20261201-051641-h200", "paged_transfer/20261201-052414-h200"} <= set(used)
     for p in used:
-        record, d = report._run(p)
-        assert provenance.status(record, d)[0] in provenance.PUBLISHABLE, p
+        d = REPO / "data" / p
+        assert provenance.status(read_json(d / "run.json"), d)[0] in provenance.PUBLISHABLE, p
