@@ -37,9 +37,7 @@ bytes / 1e9 / seconds).
 
 from __future__ import annotations
 
-import argparse
 import re
-import sys
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -49,21 +47,18 @@ import torch
 
 from . import devices
 from .paged import kernels
-from .ceilings_fit import finding_text, fit, summary_table
 from .timing import resolve_device, time_fn
 from .units import GiB, KiB, MiB, fmt_bytes
 
 __all__ = [
-    "GPU_SIZES", "CPU_SIZES", "STUDY",
+    "GPU_SIZES", "CPU_SIZES",
     "available_paths", "valid_paths", "resolve_paths", "parse_size", "resolve_sizes", "auto_copies", "measure",
-    "add_arguments", "run_args", "ceilings_main",
 ]
 
 #: 4 KiB … 1 GiB in powers of 4 (10 sizes): the GPU sweep.
 GPU_SIZES: tuple[int, ...] = tuple(4 * KiB * 4**i for i in range(10))
 #: 4 KiB … 16 MiB in powers of 4 (7 sizes): a CPU sweep that runs in about a second.
 CPU_SIZES: tuple[int, ...] = tuple(4 * KiB * 4**i for i in range(7))
-STUDY = "link_ceilings"
 
 # Batch copies until one sample carries about this much payload, so that a
 # launch-bound copy (~10 µs) is timed over a window much longer than the event
@@ -508,74 +503,3 @@ def measure(
     df = pd.DataFrame(rows, columns=["path", "mechanism", "size_bytes", "copies_per_sample", "repeat", "ms", "gbps"])
     df.attrs.update(device=_device_name(dev), p2p=devices.p2p_matrix() if dev.type == "cuda" else [], n=n, warmup=warmup)
     return df
-
-
-# --------------------------------------------------------------------------- #
-# command line: `kvlab ceilings`
-# --------------------------------------------------------------------------- #
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``kvlab ceilings`` options to ``parser`` (kept in kvlab.ceilings_args, which imports no torch)."""
-    from .ceilings_args import add_arguments as add
-
-    return add(parser)
-
-
-def _join(values: list[str]) -> str:
-    return ",".join(v for item in values for v in item.split(",") if v)
-
-
-def run_args(args: argparse.Namespace) -> int:
-    """Run ``kvlab ceilings`` from parsed arguments; returns the exit status."""
-    try:
-        copies = args.copies if args.copies == "auto" else int(args.copies)
-    except ValueError:
-        print(f"kvlab ceilings: error: --copies {args.copies!r}: expected 'auto' or an int >= 1", file=sys.stderr)
-        return 2
-    params = {"paths": _join(args.paths), "sizes": _join(args.sizes), "repeats": args.repeats,
-              "warmup": args.warmup, "copies": copies, "device": args.device}
-    if args.run_dir is not None and not args.no_save:
-        from . import results
-
-        try:  # before anything is measured: a finished run is never overwritten
-            results.check_run_folder(args.run_dir, "--run-dir")
-        except ValueError as exc:
-            print(f"kvlab ceilings: error: {exc}", file=sys.stderr)
-            return 2
-    try:
-        df = measure(params["paths"], params["sizes"], n=args.repeats, warmup=args.warmup,
-                     device=args.device, copies=copies)
-    except ValueError as exc:
-        print(f"kvlab ceilings: error: {exc}", file=sys.stderr)
-        return 2
-    table, ceil = fit(df)
-    with pd.option_context("display.width", 200, "display.max_columns", 30):
-        print(summary_table(df, ceil).drop(columns=["size_bytes"]).to_string(index=False))
-        print()
-        print(table.to_string(index=False))
-    print()
-    print(finding_text(df, ceil))
-    if not args.no_save:
-        from . import results
-
-        run = results.start(STUDY, params, args.run_dir or "")
-        run.save_table(df, "results")
-        run.save_table(table, "fit")
-        run.update(ceilings=ceil.to_dict())
-        run.finish()
-        print(f"\nwrote {run.dir}")
-    return 0
-
-
-def ceilings_main(argv: Sequence[str] | None = None) -> int:
-    """``kvlab ceilings [--paths ...] [--sizes ...] [-n 9] [--warmup 3] [--run-dir DIR] [--no-save]``.
-
-    Measures, fits, prints the tables and the finding, and writes a
-    ``link_ceilings`` run (results.csv, fit.csv, ``ceilings`` in run.json).
-    Returns the exit status (0 ok, 2 bad input).
-    """
-    parser = add_arguments(argparse.ArgumentParser(prog="kvlab ceilings", description=ceilings_main.__doc__.splitlines()[0]))
-    return run_args(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(ceilings_main())

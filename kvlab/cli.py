@@ -16,10 +16,10 @@ Adding a subcommand is one function and its registration, with its options given
 imported only when that subcommand runs)::
 
     @subcommand("ceilings", "measure link ceilings on this machine",
-                configure="kvlab.ceilings_args:add_arguments")
+                configure="kvlab.studies.link_ceilings.command:add_arguments")
     def _cmd_ceilings(args) -> int:
-        from kvlab import ceilings   # heavy imports inside, so `kvlab --help` stays fast
-        return ceilings.run_args(args)
+        from kvlab.studies.link_ceilings import command   # heavy imports inside, so `kvlab --help` stays fast
+        return command.run_args(args)
 
 Bad input raises ``UsageError``; ``main`` prints it as ``kvlab <command>: error: ...`` and exits 2,
 before any folder is created. Set ``KVLAB_DEBUG=1`` to see the traceback instead.
@@ -685,14 +685,14 @@ def format_info(info: Mapping) -> str:
 
 
 @subcommand("ceilings", "measure link ceilings: GB/s and fixed cost per copy, for each path here",
-            configure="kvlab.ceilings_args:add_arguments")
+            configure="kvlab.studies.link_ceilings.command:add_arguments")
 def _cmd_ceilings(args) -> int:
     """Time plain copies over a size sweep on every path this machine has (same-GPU, peer, pinned and
     pageable host), fit fixed cost + bandwidth per path, and write a link_ceilings run under
     data/link_ceilings/<run_id>/ — the ceilings every later bandwidth is compared with."""
-    from kvlab import ceilings  # imports torch: only when this subcommand runs
+    from kvlab.studies.link_ceilings import command  # imports torch: only when this subcommand runs
 
-    return ceilings.run_args(args)
+    return command.run_args(args)
 
 
 @subcommand("analyse", "recompute a committed run's analysis (tables, goals, figures) with this code; no GPU",

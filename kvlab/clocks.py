@@ -396,7 +396,7 @@ def send_patterns(model, context: int, peer: str = "cuda:1", variants=None, roun
     """
     import torch
 
-    from .handoff import check_request
+    from .steps import check_request
     from .paged import kernels
     from .steps import (make_prompt, model_device, prefill, prefill_or_abort, request_wall, time_plain_copy,
                         time_prefill, warm_prefill)

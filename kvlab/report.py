@@ -25,7 +25,7 @@ import yaml
 
 from . import goals, provenance, report_legacy, studies
 from .paths import read_json, repo_root
-from .study import md_table, run_link
+from .study import ctx_label, md_table, run_link
 
 __all__ = ["MANIFEST", "manifest", "BLOCKS", "render", "update", "check", "evidence_runs", "add_arguments",
            "run_args"]
@@ -143,7 +143,7 @@ def verdicts(prefix: str = "") -> str:
             for r in goals_of(study, path).itertuples():
                 ctx = getattr(r, "context", None)
                 has_ctx = ctx is not None and ctx == ctx
-                where = ", ".join(x for x in (report_legacy._ctx(ctx) if has_ctx else "",
+                where = ", ".join(x for x in (ctx_label(ctx) if has_ctx else "",
                                               getattr(r, "destination", "") or "", getattr(r, "layout", "") or "",
                                               getattr(r, "mode", "") or "",
                                               f"policy {r.policy}" if getattr(r, "policy", "") else "") if x)

@@ -20,7 +20,8 @@ import time
 import torch
 
 from .hooks import LayerHooks
-from .kvcache import KVBuffer
+from .kvcache import KVBuffer, layout_for
+from .sends import check_policy
 from .timing import EventTimer, sync_device
 from .transfer import Destination
 
@@ -300,3 +301,66 @@ def time_decode_step(model, buffer, first, device) -> float:
         model(input_ids=first.view(1, 1), **{cache_kw(model): cache}, use_cache=True)
     clock.mark("end")
     return clock.elapsed_ms("start", "end")
+
+
+# ---------------------------------------------------------------------------------------------------
+# before a request: what it may ask for
+
+
+def ceiling_path(dest: Destination, src_device) -> str:
+    """The kvlab.ceilings path that bounds a destination (peer paths are named per direction)."""
+    if dest.kind == "peer":
+        return f"d2d_peer:{torch.device(src_device).index or 0}->{dest.device.index}"
+    if torch.device(src_device).type != "cuda":
+        return "h2h"
+    return {"device": "d2d_same", "pinned": "d2h_pinned", "pageable": "d2h_pageable"}[dest.kind]
+
+
+def check_request(model, contexts, destinations, device, n_gpu_buffers: int | None = None,
+                  policy: str = "eager") -> list:
+    """Refuse, before allocating, contexts the model cannot take or the device cannot hold, and a send
+    policy the model or a destination cannot take (a policy other than "eager" needs a GPU destination or
+    pinned host: pageable sends go through a worker that lands layers in order as they come).
+
+    Returns the parsed destinations. Memory estimate per context: the source KV buffer, one buffer per
+    GPU destination, one decode-side copy for host destinations, activations of the widest layer
+    (≈ tokens × (3·intermediate + 8·hidden) elements) — against the device's free memory.
+    """
+    device = torch.device(device)
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    max_pos = getattr(cfg, "max_position_embeddings", None)
+    if not contexts:
+        raise ValueError("contexts is empty: give at least one prompt length in tokens")
+    for c in contexts:
+        if not isinstance(c, int) or c < 2:
+            raise ValueError(f"context {c!r} is not valid: give an int ≥ 2 (tokens)")
+        if max_pos is not None and c > max_pos:
+            raise ValueError(f"context {c} exceeds the model's max positions ({max_pos}); valid: 2…{max_pos}")
+    dests = [Destination.parse(d, device) for d in destinations]
+    policy = check_policy(policy)
+    layers = getattr(cfg, "num_hidden_layers", None)
+    if policy.startswith("batch:") and layers is not None and int(policy[6:]) > layers:
+        raise ValueError(f"policy {policy!r}: N must be an int in 1…{layers} (the model has {layers} layers)")
+    if policy != "eager":
+        bad = [d.label for d in dests if d.kind == "pageable"]
+        if bad:
+            raise ValueError(f"policy {policy!r} cannot send to {bad[0]}: a policy other than 'eager' needs a GPU "
+                             "destination or pinned host; drop pageable from the destinations or use policy='eager'")
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        elem = torch.empty((), dtype=model.dtype).element_size()
+        gpu_dests = sum(d.kind == "device" for d in dests)
+        host_dests = sum(d.kind in ("pinned", "pageable") for d in dests)
+        for c in contexts:
+            kv = layout_for(model, c).nbytes
+            acts = c * (3 * cfg.intermediate_size + 8 * cfg.hidden_size) * elem
+            # the source, one buffer per GPU destination, a staging or reference buffer while one
+            # destination is measured (the bulk copy's paired reference copy lands beside it)
+            buffers = 1 + gpu_dests + (1 if host_dests or gpu_dests else 0)
+            need = kv * buffers + acts
+            if need > 0.9 * free:
+                raise ValueError(
+                    f"context {c} needs about {need / 2**30:.1f} GiB on {device} (KV {kv / 2**30:.2f} GiB × "
+                    f"{buffers} buffers + activations), but {free / 2**30:.1f} GiB is free: "
+                    f"use a shorter context or fewer GPU destinations")
+    return dests

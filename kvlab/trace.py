@@ -327,7 +327,7 @@ def event_handoff(model, context: int, destination: str = "pinned", rounds: int 
     """
     import torch
 
-    from .handoff import check_request
+    from .steps import check_request
     from .steps import make_prompt, model_device, prefill_or_abort, time_layerwise_round, warm_prefill
     from .hooks import LayerHooks
     from .kvcache import KVBuffer, layout_for

@@ -20,6 +20,7 @@ from kvlab import ceilings as C
 from kvlab import ceilings_fit as CF
 from kvlab.ceilings import measure, parse_size
 from kvlab.ceilings_fit import Ceilings, fit, fit_model
+from kvlab.studies.link_ceilings import command as ceilings_command
 from kvlab.units import GiB, KiB, MiB
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -380,7 +381,7 @@ def test_ceilings_main_writes_a_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("KVLAB_FIGURES", str(tmp_path / "figures"))
     monkeypatch.setenv("KVLAB_PRESET", "cpu")
     run_dir = tmp_path / "run"
-    rc = C.ceilings_main(["--paths", "h2h", "--sizes", "4K,16K", "-n", "3", "--warmup", "1",
+    rc = ceilings_command.main(["--paths", "h2h", "--sizes", "4K,16K", "-n", "3", "--warmup", "1",
                           "--device", "cpu", "--run-dir", str(run_dir)])
     assert rc == 0
     out = capsys.readouterr().out
@@ -393,10 +394,10 @@ def test_ceilings_main_writes_a_run(tmp_path, monkeypatch, capsys):
 
 
 def test_ceilings_main_bad_input(tmp_path, capsys):
-    assert C.ceilings_main(["--paths", "nope", "--no-save"]) == 2
+    assert ceilings_command.main(["--paths", "nope", "--no-save"]) == 2
     assert "unknown path 'nope'" in capsys.readouterr().err
-    assert C.ceilings_main(["--copies", "x", "--no-save"]) == 2
-    assert C.ceilings_main(["--sizes", "-3", "--no-save"]) == 2
+    assert ceilings_command.main(["--copies", "x", "--no-save"]) == 2
+    assert ceilings_command.main(["--sizes", "-3", "--no-save"]) == 2
 
 
 def test_notebook_is_committed_clean():

@@ -247,13 +247,13 @@ def test_never_worse_than_bulk_is_decided_by_the_interval(lo, hi, want):
 
 def test_bad_requests_are_refused_before_allocating(tiny):
     with pytest.raises(ValueError, match="exceeds the model's max positions"):
-        handoff.check_request(tiny, [1024], ["same-gpu"], "cpu")
+        steps.check_request(tiny, [1024], ["same-gpu"], "cpu")
     with pytest.raises(ValueError, match="unknown destination 'nvme'"):
-        handoff.check_request(tiny, [16], ["nvme"], "cpu")
+        steps.check_request(tiny, [16], ["nvme"], "cpu")
     with pytest.raises(ValueError, match="does not exist"):
-        handoff.check_request(tiny, [16], ["cuda:7"], "cpu")
+        steps.check_request(tiny, [16], ["cuda:7"], "cpu")
     with pytest.raises(ValueError, match="context 0"):
-        handoff.check_request(tiny, [0], ["same-gpu"], "cpu")
+        steps.check_request(tiny, [0], ["same-gpu"], "cpu")
 
 
 def test_destination_parse_and_cpu_limits():
@@ -385,9 +385,9 @@ def test_the_peer_goals_follow_the_interval_rule(lo, hi, exp_max, want, want_exp
 
 def test_a_policy_is_checked_before_anything_runs(tiny):
     with pytest.raises(ValueError, match="cannot send to pageable-host"):
-        handoff.check_request(tiny, [8], ["same-gpu", "pageable"], "cpu", policy="deadline")
+        steps.check_request(tiny, [8], ["same-gpu", "pageable"], "cpu", policy="deadline")
     with pytest.raises(ValueError, match="N must be an int in 1…3"):
-        handoff.check_request(tiny, [8], ["same-gpu"], "cpu", policy="batch:4")
+        steps.check_request(tiny, [8], ["same-gpu"], "cpu", policy="batch:4")
     with pytest.raises(ValueError, match="unknown send policy 'lazy'"):
-        handoff.check_request(tiny, [8], ["same-gpu"], "cpu", policy="lazy")
-    assert handoff.check_request(tiny, [8], ["same-gpu", "pageable"], "cpu", policy="eager")
+        steps.check_request(tiny, [8], ["same-gpu"], "cpu", policy="lazy")
+    assert steps.check_request(tiny, [8], ["same-gpu", "pageable"], "cpu", policy="eager")
