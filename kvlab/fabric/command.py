@@ -31,9 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--gpus-per-node", type=int, default=t.gpus_per_node, help="GPUs on one NVSwitch (default %(default)s)")
     g.add_argument("--nodes-per-leaf", type=int, default=t.nodes_per_leaf, help="nodes under one leaf (default %(default)s)")
     g.add_argument("--nic", default=f"{t.nic_gbit_s:g}G",
-                   help="each GPU's NIC, per direction: 100G, 400Gb/s, 50GB/s, or Gb/s (default %(default)s)")
-    g.add_argument("--nvlink", default=f"{t.nvlink_gbyte_s:g}GB/s", help="NVLink per GPU per direction (default %(default)s)")
-    g.add_argument("--pcie", default=None, help="each GPU's PCIe link per direction, e.g. 64GB/s (default: not modelled)")
+                   help="each GPU's NIC, per direction: 100G, 400Gb/s, 50GB/s; a bare number is Gb/s (default %(default)s)")
+    g.add_argument("--nvlink", default=f"{t.nvlink_gbyte_s:g}GB/s",
+                   help="NVLink per GPU per direction, with its unit: 450GB/s (a bare number is Gb/s; default %(default)s)")
+    g.add_argument("--pcie", default=None,
+                   help="each GPU's PCIe link per direction, with its unit: 64GB/s (default: not modelled)")
     g.add_argument("--oversubscription", type=float, default=t.oversubscription,
                    help="leaf downlink over uplink capacity, ≥ 1 (default %(default)s)")
     w = parser.add_argument_group("workload")

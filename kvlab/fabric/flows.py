@@ -83,8 +83,11 @@ class Fabric:
         self.max_hops = max_hops
         self._shortcuts = bool(shortcuts)
         self._route_bytes: dict[tuple[int, ...], float] = {}  # bytes landed per route, summed on demand
-        self._count = np.zeros(cap.size, dtype=np.int64)  # active flows on each link
-        self._load = np.zeros(cap.size)                     # their summed rates, bytes/s
+        # per-link state touched a few links at a time: plain lists beat numpy's fancy indexing there
+        self._capl = cap.tolist()
+        self._count = [0] * cap.size   # active flows on each link
+        self._load = [0.0] * cap.size  # their summed rates, bytes/s
+        self._rows: dict[tuple[int, ...], np.ndarray] = {}  # each route as a padded row of _routes
         size = 64
         self._routes = np.full((size, max_hops), -1, dtype=np.int64)
         self._left = np.zeros(size)   # bytes still to move
@@ -127,10 +130,14 @@ class Fabric:
         ``flow_cap``: the flow's own ceiling, bytes/s (inf: only the links limit it).
         """
         route = list(route)
-        if not 1 <= len(route) <= self.max_hops or len(set(route)) != len(route):
-            raise ValueError(f"route={route!r}: expected 1…{self.max_hops} distinct link indices")
-        if min(route) < 0 or max(route) >= self.capacity.size:
-            raise ValueError(f"route={route!r}: link indices must be in 0…{self.capacity.size - 1}")
+        row = self._rows.get(tuple(route))
+        if row is None:
+            if not 1 <= len(route) <= self.max_hops or len(set(route)) != len(route):
+                raise ValueError(f"route={route!r}: expected 1…{self.max_hops} distinct link indices")
+            if not all(isinstance(x, (int, np.integer)) and 0 <= x < self.capacity.size for x in route):
+                raise ValueError(f"route={route!r}: link indices must be integers in 0…{self.capacity.size - 1}")
+            route = [int(x) for x in route]
+            row = self._rows[tuple(route)] = np.array(route + [-1] * (self.max_hops - len(route)))
         if not (isinstance(nbytes, (int, float, np.floating, np.integer)) and math.isfinite(nbytes) and nbytes >= 0):
             raise ValueError(f"nbytes={nbytes!r}: must be a finite number of bytes ≥ 0")
         if not flow_cap > 0:
@@ -147,16 +154,19 @@ class Fabric:
             self._grow()
         self._flows.append(flow)
         flow.slot = slot
-        self._routes[slot, :] = -1
-        self._routes[slot, :len(route)] = route
+        self._routes[slot] = row
         self._left[slot] = nbytes
         self._cap[slot] = flow_cap
-        self._count[route] += 1
-        x = self._fits(slot, route, flow_cap)
+        count = self._count
+        for link in route:
+            count[link] += 1
+        x = self._fits(route, flow_cap)
         if x > 0:
             self.shortcuts += 1
             self._rate[slot] = x
-            self._load[route] += x
+            load = self._load
+            for link in route:
+                load[link] += x
             # no other rate moved: the scheduled completion stands unless this flow ends first
             end = env.now + flow.nbytes / x
             if self._next is None or end < self._next_at:
@@ -183,19 +193,19 @@ class Fabric:
 
     # ---- internals ---------------------------------------------------------------------------
 
-    def _fits(self, slot: int, route: list[int], flow_cap: float) -> float:
+    def _fits(self, route: list[int], flow_cap: float) -> float:
         """The new flow's max-min rate when no other rate changes (see the module docstring), else 0."""
         if self._pending or not self._shortcuts:
             return 0.0
-        spare = self.capacity[route] - self._load[route]
-        k = int(np.argmin(spare))
-        x = min(float(spare[k]), flow_cap)
-        if x <= _FULL * float(self.capacity[route].min()):
+        capl, load = self._capl, self._load
+        tight, spare = min(((link, capl[link] - load[link]) for link in route), key=lambda pair: pair[1])
+        x = min(spare, flow_cap)
+        if x <= _FULL * min(capl[link] for link in route):
             return 0.0
-        if x == flow_cap or self._count[route[k]] == 1:
+        if x == flow_cap or self._count[tight] == 1:
             return x
         n = len(self._flows) - 1  # the others: every active flow but this one (the last slot)
-        on = (self._routes[:n] == route[k]).any(axis=1)
+        on = (self._routes[:n] == tight).any(axis=1)
         return x if x >= float(self._rate[:n][on].max()) * (1 - _FULL) else 0.0
 
     def _grow(self) -> None:
@@ -239,7 +249,7 @@ class Fabric:
             hops = self._routes[:n]
             used = hops >= 0
             self._load = np.bincount(hops[used], weights=np.broadcast_to(rates[:, None], hops.shape)[used],
-                                     minlength=self.capacity.size)
+                                     minlength=self.capacity.size).tolist()
         self._reschedule()
 
     def _reschedule(self) -> None:
@@ -265,14 +275,18 @@ class Fabric:
         n = len(self._flows)
         done = self._left[:n] <= self._rate[:n] * _DONE_S
         done[self._next.slot] = True
-        ended = [self._flows[slot] for slot in np.flatnonzero(done)[::-1]]
+        ended = [self._flows[slot] for slot in np.flatnonzero(done)[::-1].tolist()]
+        count, load, capl = self._count, self._load, self._capl
         for flow in ended:
-            self._count[flow.route] -= 1
+            for link in flow.route:
+                count[link] -= 1
         # a link that still carries flows and was saturated: some remaining flow may speed up
-        recompute = not self._shortcuts or any(((self._count[f.route] > 0)
-                         & (self._load[f.route] >= self.capacity[f.route] * (1 - _FULL))).any() for f in ended)
+        recompute = not self._shortcuts or any(count[link] > 0 and load[link] >= capl[link] * (1 - _FULL)
+                                               for flow in ended for link in flow.route)
         for flow in ended:
-            self._load[flow.route] -= self._rate[flow.slot]
+            rate = float(self._rate[flow.slot])
+            for link in flow.route:
+                load[link] -= rate
             self._remove(flow.slot)
             self._land(flow)
         if recompute:

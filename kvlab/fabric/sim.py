@@ -3,7 +3,8 @@
 What happens to a request (all on one SimPy clock):
 
 1. it arrives (Poisson or in bursts) and waits in one FIFO queue for a free prefill worker (lowest
-   index first); a worker serves one request at a time;
+   index first); a worker serves one request at a time, and takes the next as soon as a prefill ends
+   (the KV it still sends does not hold up compute);
 2. when its prefill starts, a decode worker is chosen (round-robin, or least-loaded: the fewest handoffs
    assigned and not yet landed);
 3. its KV leaves by the send policy: ``bulk`` — all bytes in one flow once prefill ends; ``layerwise`` —
