@@ -24,6 +24,7 @@ run, and returns which one ran.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -227,11 +228,14 @@ def launch_heads(src, src_geom, src_rows, src_head, dst, dst_geom, dst_rows, dst
     dh, dt = dst_geom.strides
     interpret = src.device.type == "cpu" and dst.device.type == "cpu"
     grid = ((n + rpp - 1) // rpp, (heads + ht - 1) // ht)
-    _kernel(interpret)[grid](s, d, src_rows, dst_rows, n,
-                             S_ROW=words(src_geom.row_elems), S_H=words(sh), S_T=words(st), S_H0=src_head,
-                             D_ROW=words(dst_geom.row_elems), D_H=words(dh), D_T=words(dt), D_H0=dst_head,
-                             HEADS=heads, BS=src_geom.block_size, W=w, HT=ht, BSP=bsp, WP=wp, RPP=rpp,
-                             num_warps=config.num_warps)
+    dev = src.device if src.device.type == "cuda" else dst.device
+    # Triton launches on the current CUDA device: make it the kernel's (the one holding the row indices)
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        _kernel(interpret)[grid](s, d, src_rows, dst_rows, n,
+                                 S_ROW=words(src_geom.row_elems), S_H=words(sh), S_T=words(st), S_H0=src_head,
+                                 D_ROW=words(dst_geom.row_elems), D_H=words(dh), D_T=words(dt), D_H0=dst_head,
+                                 HEADS=heads, BS=src_geom.block_size, W=w, HT=ht, BSP=bsp, WP=wp, RPP=rpp,
+                                 num_warps=config.num_warps)
 
 
 def copy_heads(src: torch.Tensor, src_geom: Geometry, src_rows: torch.Tensor, src_head: int,
