@@ -16,9 +16,10 @@ fewer heads needs only its projections and its `num_key_value_groups` changed.
 
 `run` is the whole CPU check: one process prefills (the prefill side, which also decodes colocated for the
 reference), splits its cache into P prefill pools, re-shards them into D decode pools with a kvlab.reshard method
-(verified bit for bit), then D spawned processes — each with its own copy of the model, built from the same config
-and seed (kvlab.models.build) — read their pools and decode `steps` tokens together. The pass rule: tokens equal to
-the colocated decode at every step, logits within `logits_tolerance`, every shard byte-exact, no poison left.
+(verified bit for bit), then D new processes (forked for gloo, spawned for NCCL) — each with its own copy of the
+model, built from the same config and seed (kvlab.models.build) — read their pools and decode `steps` tokens
+together. The pass rule: tokens equal to the colocated decode at every step, logits within `logits_tolerance`, every
+shard byte-exact, no poison left.
 """
 
 from __future__ import annotations
@@ -202,7 +203,7 @@ def compare(ref_tokens, ref_logits, tokens, logits, atol: float) -> dict:
 
 
 def _rank_main(rank: int, world: int, port: int, folder: str) -> None:
-    """One decode rank (a spawned process): join the group, then `_decode_rank`."""
+    """One decode rank (a process of its own): join the group, then `_decode_rank`."""
     job = json.loads((Path(folder) / "job.json").read_text())
     torch.set_num_threads(1)  # D processes share the host's cores
     dev = torch.device("cuda", rank) if job["backend"] == "nccl" else torch.device("cpu")
@@ -237,7 +238,7 @@ def run(model: str = "kvlab-tiny", prefill_tp: int = 1, decode_tp: int = 2, cont
         src_layout: str = "hnd", dst_layout: str = "hnd", method: str = "fused", impl: str = "auto",
         block_size: int = 16, dtype: str = "float32", seed: int = 0, backend: str = "gloo",
         mover_backend: str = "auto", timeout_s: float = 120.0) -> dict:
-    """Prefill here, re-shard P → D with `method`, decode in `decode_tp` spawned processes (one rank: here), compare.
+    """Prefill here, re-shard P → D with `method`, decode in `decode_tp` new processes (one rank: here), compare.
 
     backend: "gloo" (CPU) or "nccl" (one GPU per decode rank; not run on kvlab's CPU machines). Returns a summary:
     prefill_tp, decode_tp, tokens_match (every rank), logits_max_abs_diff, logits_tolerance and its rule, shards_exact,

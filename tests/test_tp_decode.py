@@ -1,12 +1,12 @@
 """Decode with TP on the decode side (kvlab.tp_decode): real multi-process runs over gloo on kvlab-tiny in float32
-with a 128-token prompt — one process prefills and decodes colocated, re-shards its cache P → D, D spawned processes
+with a 128-token prompt — one process prefills and decodes colocated, re-shards its cache P → D, D forked processes
 (each its own model from the same seed) decode 20 steps together — against the pass rule: tokens equal at every
 step, logits within the reduction-order tolerance, every shard byte-exact, no poison left.
 
 Runs: (1, 2) with transformers' own tensor-parallel plan (kvlab-tiny's 2 KV heads split over 2 ranks), the fused
 kernel, hnd → nhd; (2, 4) with kvlab's split (4 ranks > 2 KV heads: each head replicated), staging, nhd → hnd;
 (2, 1) one decode rank (no collectives, decoded in this process), torch-index. TRITON_INTERPRET=1 is set so the
-fused and staging paths run the Triton kernel through its interpreter (the spawned ranks inherit it and never use it).
+fused and staging paths run the Triton kernel through its interpreter (the decode ranks inherit it and never use it).
 """
 
 from __future__ import annotations
