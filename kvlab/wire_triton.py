@@ -107,13 +107,14 @@ def dequantize_scatter_kernel(pay_ptr, sc_ptr, dst_ptr, ids_ptr, n_blocks, pool_
         scale = tl.load(sc_ptr + rs * H + h, mask=pmask, other=1.0)
     else:
         scale = tl.load(sc_ptr + rs + p * 0, mask=pmask, other=1.0)
-    # e4m3fn → float32 exactly: normals by their bits (rebias 7 → 127), subnormals as m · 2^-9
+    # e4m3fn → float32 exactly: normals by their bits (rebias 7 → 127), subnormals as m · 2^-9; the sign goes on
+    # the bits in both cases (a float negation of +0.0 gave +0.0, not -0.0, with Triton 3.6 on an H200)
+    sign = (q & 0x80) << 24
     e = (q >> 3) & 0xF
     m = q & 7
-    nb = ((q & 0x80) << 24) | ((e + 120) << 23) | (m << 20)
-    sub = m.to(tl.float32) * 0.001953125
-    sub = tl.where((q & 0x80) != 0, -sub, sub)
-    val = tl.where(e == 0, sub, nb.to(tl.float32, bitcast=True))
+    nb = sign | ((e + 120) << 23) | (m << 20)
+    sub = (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True) | sign
+    val = tl.where(e == 0, sub, nb).to(tl.float32, bitcast=True)
     out = val * scale[:, None]
     # float32 → bf16, round to nearest even on the bits (finite values; NaN is set below)
     oi = out.to(tl.int32, bitcast=True)
