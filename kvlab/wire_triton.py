@@ -17,7 +17,8 @@ def max_combine(a, b):
 @triton.jit
 def quantize_gather_kernel(src_ptr, ids_ptr, pay_ptr, sc_out_ptr, sc_in_ptr, n_blocks, pool_blocks, rs0, n_chunks,
                            BS: tl.constexpr, H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                           TP: tl.constexpr, HND: tl.constexpr, MODE: tl.constexpr):
+                           TP: tl.constexpr, HND: tl.constexpr, MODE: tl.constexpr,
+                           HW: tl.constexpr):
     # program → (packet row side rs, table block j, chunk c of the block's BS·H pairs)
     pid = tl.program_id(0)
     c = pid % n_chunks
@@ -59,21 +60,25 @@ def quantize_gather_kernel(src_ptr, ids_ptr, pay_ptr, sc_out_ptr, sc_in_ptr, n_b
     y = x * inv[:, None]
     ynan = y != y
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    # float32 → e4m3fn, round to nearest even, |y| ≤ 448. Normal (|y| ≥ 2^-6): round away 20 mantissa bits
-    # (the carry may bump the exponent) and rebias 127 → 7 (120 << 3 = 960). Subnormal: m · 2^(e-150) · 2^9
-    # rounded to an integer 0 … 8 (8 is the smallest normal's encoding).
-    yi = y.to(tl.int32, bitcast=True)
-    a = yi & 0x7FFFFFFF
-    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - 960
-    e = a >> 23
-    m = tl.where(e > 0, (a & 0x7FFFFF) | 0x800000, a)
-    sh = tl.minimum(tl.maximum(141 - tl.maximum(e, 1), 1), 31)
-    one = sh * 0 + 1
-    qs = m >> sh
-    rem = m & ((one << sh) - 1)
-    half = one << (sh - 1)
-    qs = qs + ((rem > half) | ((rem == half) & ((qs & 1) == 1))).to(tl.int32)
-    q = tl.where(a >= 0x3C800000, normal, qs) | ((yi >> 24) & 0x80)
+    if HW:
+        # the GPU's own conversion (cvt.rn.satfinite on Hopper): round to nearest even as well
+        q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        # float32 → e4m3fn, round to nearest even, |y| ≤ 448. Normal (|y| ≥ 2^-6): round away 20 mantissa bits
+        # (the carry may bump the exponent) and rebias 127 → 7 (120 << 3 = 960). Subnormal: m · 2^(e-150) · 2^9
+        # rounded to an integer 0 … 8 (8 is the smallest normal's encoding).
+        yi = y.to(tl.int32, bitcast=True)
+        a = yi & 0x7FFFFFFF
+        normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - 960
+        e = a >> 23
+        m = tl.where(e > 0, (a & 0x7FFFFF) | 0x800000, a)
+        sh = tl.minimum(tl.maximum(141 - tl.maximum(e, 1), 1), 31)
+        one = sh * 0 + 1
+        qs = m >> sh
+        rem = m & ((one << sh) - 1)
+        half = one << (sh - 1)
+        qs = qs + ((rem > half) | ((rem == half) & ((qs & 1) == 1))).to(tl.int32)
+        q = tl.where(a >= 0x3C800000, normal, qs) | ((yi >> 24) & 0x80)
     q = tl.where(ynan, 0x7F, q)
     tl.store(pay_ptr + pair[:, None] * D + d[None, :], q.to(tl.uint8), mask=mask)
 
@@ -81,7 +86,8 @@ def quantize_gather_kernel(src_ptr, ids_ptr, pay_ptr, sc_out_ptr, sc_in_ptr, n_b
 @triton.jit
 def dequantize_scatter_kernel(pay_ptr, sc_ptr, dst_ptr, ids_ptr, n_blocks, pool_blocks, rs0, n_chunks,
                               BS: tl.constexpr, H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                              TP: tl.constexpr, HND: tl.constexpr, MODE: tl.constexpr):
+                              TP: tl.constexpr, HND: tl.constexpr, MODE: tl.constexpr,
+                              HW: tl.constexpr):
     pid = tl.program_id(0)
     c = pid % n_chunks
     rest = pid // n_chunks
@@ -107,17 +113,24 @@ def dequantize_scatter_kernel(pay_ptr, sc_ptr, dst_ptr, ids_ptr, n_blocks, pool_
         scale = tl.load(sc_ptr + rs * H + h, mask=pmask, other=1.0)
     else:
         scale = tl.load(sc_ptr + rs + p * 0, mask=pmask, other=1.0)
-    # e4m3fn → float32 exactly: normals by their bits (rebias 7 → 127), subnormals as m · 2^-9; the sign goes on
-    # the bits in both cases (a float negation of +0.0 gave +0.0, not -0.0, with Triton 3.6 on an H200)
-    sign = (q & 0x80) << 24
-    e = (q >> 3) & 0xF
-    m = q & 7
-    nb = sign | ((e + 120) << 23) | (m << 20)
-    sub = (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True) | sign
-    val = tl.where(e == 0, sub, nb).to(tl.float32, bitcast=True)
+    if HW:
+        val = q.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        # e4m3fn → float32 exactly: normals by their bits (rebias 7 → 127), subnormals as m · 2^-9; the sign goes on
+        # the bits in both cases (negating the subnormal as a float made the kernel differ from torch at 32k tokens
+        # on an H200 with Triton 3.6; -0.0 becoming +0.0 is the likely case)
+        sign = (q & 0x80) << 24
+        e = (q >> 3) & 0xF
+        m = q & 7
+        nb = sign | ((e + 120) << 23) | (m << 20)
+        sub = (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True) | sign
+        val = tl.where(e == 0, sub, nb).to(tl.float32, bitcast=True)
     out = val * scale[:, None]
-    # float32 → bf16, round to nearest even on the bits (finite values; NaN is set below)
-    oi = out.to(tl.int32, bitcast=True)
-    r = ((oi + 0x7FFF + ((oi >> 16) & 1)) >> 16) & 0xFFFF
+    if HW:
+        r = out.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    else:
+        # float32 → bf16, round to nearest even on the bits (finite values; NaN is set below)
+        oi = out.to(tl.int32, bitcast=True)
+        r = ((oi + 0x7FFF + ((oi >> 16) & 1)) >> 16) & 0xFFFF
     r = tl.where(((q & 0x7F) == 0x7F) | (out != out), 0x7FC0, r)
     tl.store(dst_ptr + row * (BS * H * D) + p[:, None] * D + d[None, :], r.to(tl.int16), mask=mask)

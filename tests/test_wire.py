@@ -363,6 +363,7 @@ def test_bench_wire_cpu_path_gives_tidy_rows():
             assert r["bytes"] == bf16
         else:
             assert r["bytes"] == wire.wire_bytes(pool.spec, 8, r["scales"]) and r["backend"] == "triton"
+            assert r["convert"] == "int"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -435,6 +436,8 @@ def _bad_quantize(case, pool, table, out):
         kw["out"] = wire.empty_packet(pool.spec, table, "per-tensor")
     elif case == "config":
         kw["config"] = {"pairs": 4}
+    elif case == "hw_on_cpu":
+        kw["config"] = wk.WireConfig(convert="hw")
     if case != "out_shape" and case != "out_mode":
         kw["out"] = out
     return wk.quantize_gather(pool, table, mode, st, backend="triton", **kw)
@@ -442,7 +445,7 @@ def _bad_quantize(case, pool, table, out):
 
 @pytest.mark.parametrize("case", ["mode", "missing_static", "static_for_dynamic", "static_shape", "static_zero",
                                   "static_nan", "fp16_pool", "table_range", "layers", "out_shape", "out_mode",
-                                  "config"])
+                                  "config", "hw_on_cpu"])
 def test_bad_quantize_input_raises_before_writing(case):
     pool = _pool()
     table = BlockTable([1, 0], 8, 4)
@@ -482,9 +485,13 @@ def test_packet_and_config_validate():
         wire.WirePacket(torch.zeros(1, 2, 8, 2, 4, dtype=torch.uint8), torch.zeros(1, 2, 8), "per-token-head", 8, 4)
     with pytest.raises(ValueError):
         wire.WirePacket(torch.zeros(1, 2, 8, 2, 4, dtype=torch.uint8), torch.zeros(1, 2, 2), "per-head", 3, 4)
-    for kw in (dict(pairs=3), dict(num_warps=3), dict(pairs=-2)):
+    for kw in (dict(pairs=3), dict(num_warps=3), dict(pairs=-2), dict(convert="fast")):
         with pytest.raises(ValueError):
             wk.WireConfig(**kw)
+    # the default tile is a whole block, at most 8192 elements: 64 pairs of 128 for the Qwen2.5-7B shape
+    assert wk.WireConfig().resolved(16 * 4, 128) == 64 and wk.WireConfig().resolved(16 * 8, 128) == 64
+    assert wk.WireConfig().resolved(15, 16) == 16 and wk.WireConfig(pairs=4).resolved(64, 128) == 4
+    assert wk.WireConfig().hw_convert("cpu") is False
     for bad in (((28, 4), 1, "per-head"), ((28, 4, 128), 0, "per-head"), ((28, 4, 128), 1, "per-block")):
         with pytest.raises(ValueError):
             wire.wire_bytes(*bad)
@@ -505,5 +512,6 @@ def test_gpu_kernels_match_the_reference_to_device_and_pinned(monkeypatch, layou
     table = BlockTable(torch.randperm(64)[:40], 40 * 16 - 5, 16)
     dest = BlockPool(PoolSpec(4, 16, 4, 128, torch.bfloat16, "nhd" if layout == "hnd" else "hnd"), 48,
                      device=dev).poison()
-    rows = wk.bench_wire(pool, table, dest, repeats=2, warmup=1, check=True)   # check: bit-exact or RuntimeError
-    assert {r["backend"] for r in rows if "quantize" in r["kernel"]} == {"triton"}
+    for convert in ("int", "hw"):                # check=True: bit-exact with the torch reference or RuntimeError
+        rows = wk.bench_wire(pool, table, dest, repeats=2, warmup=1, check=True, config=wk.WireConfig(convert=convert))
+        assert {(r["backend"], r["convert"]) for r in rows if "quantize" in r["kernel"]} == {("triton", convert)}
