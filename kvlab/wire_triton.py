@@ -116,9 +116,9 @@ def dequantize_scatter_kernel(pay_ptr, sc_ptr, dst_ptr, ids_ptr, n_blocks, pool_
     if HW:
         val = q.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
-        # e4m3fn → float32 exactly: normals by their bits (rebias 7 → 127), subnormals as m · 2^-9; the sign goes on
-        # the bits in both cases (negating the subnormal as a float made the kernel differ from torch at 32k tokens
-        # on an H200 with Triton 3.6; -0.0 becoming +0.0 is the likely case)
+        # e4m3fn → float32 exactly: normals by their bits (rebias 7 → 127), subnormals as m · 2^-9; the sign goes
+        # on the bits in both cases (negating the subnormal as a float made the kernel differ from torch at 32k
+        # tokens on an H200 with Triton 3.6; -0.0 becoming +0.0 is the likely case)
         sign = (q & 0x80) << 24
         e = (q >> 3) & 0xF
         m = q & 7
