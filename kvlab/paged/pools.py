@@ -34,10 +34,18 @@ from ..landing import TransferError
 from ..steps import cache_kw
 
 __all__ = ["LAYOUTS", "PoolSpec", "BlockTable", "BlockAllocator", "BlockPool", "paged_prefill_cache",
-           "prefill_into_pages", "verify_transfer", "positive_int"]
+           "prefill_into_pages", "verify_transfer", "positive_int", "indexable"]
 
 LAYOUTS = ("nhd", "hnd")
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                if hasattr(torch, n))
+
+
+def indexable(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or for a float8 tensor a uint8 view of the same bytes: torch has no index_copy_ (nor normal_) kernel
+    for the float8 dtypes, and moving bytes needs none of their arithmetic."""
+    return t.view(torch.uint8) if t.dtype in _FLOAT8 else t
 
 
 def positive_int(name: str, value) -> int:
@@ -390,10 +398,15 @@ class BlockPool:
         return self
 
     def fill_random(self, seed: int = 0) -> "BlockPool":
-        """Standard-normal values from a seeded generator, layer by layer (no full-size float32 temporary)."""
+        """Standard-normal values from a seeded generator, layer by layer (no full-size float32 temporary); a
+        float8 pool draws each layer in bfloat16 and rounds it to its dtype (torch has no float8 normal_)."""
         gen = torch.Generator(device=self.device).manual_seed(seed)
         for layer in range(self.spec.layers):
-            self.data[layer].normal_(generator=gen)
+            if self.spec.dtype in _FLOAT8:
+                self.data[layer].copy_(torch.empty(self.data[layer].shape, dtype=torch.bfloat16,
+                                                   device=self.device).normal_(generator=gen))
+            else:
+                self.data[layer].normal_(generator=gen)
         if self._written is not None:
             self._written[:] = True
         return self
@@ -459,7 +472,7 @@ class BlockPool:
         self.claim(table)  # refused if another live sequence holds any of the blocks
         x = buffer.data[:, :, 0].to(self.device)
         pages = self._to_pages(x, table.num_blocks)
-        self.data.index_copy_(2, table.tensor(self.device), pages)
+        indexable(self.data).index_copy_(2, table.tensor(self.device), indexable(pages))
         self._wrote(table.ids)
 
     def write_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor, table: BlockTable) -> None:
@@ -473,7 +486,8 @@ class BlockPool:
             if tuple(t.shape) != want or t.dtype != s.dtype:
                 raise ValueError(f"{name} of layer {layer} is {t.dtype} {tuple(t.shape)}; the pool needs {s.dtype} {want}")
         x = torch.stack((keys[0], values[0])).to(self.device)
-        self.data[layer].index_copy_(1, table.tensor(self.device), self._to_pages(x, table.num_blocks))
+        pages = self._to_pages(x, table.num_blocks)
+        indexable(self.data[layer]).index_copy_(1, table.tensor(self.device), indexable(pages))
         self._wrote(table.ids)
 
     def read(self, table: BlockTable, device: torch.device | str | None = None) -> KVBuffer:
