@@ -1,5 +1,5 @@
 """Decode with tensor parallelism on the decode side: D ranks decode one sequence together, each holding its shard
-of the weights and of the KV cache (the shard kvlab.reshard moved to it), their collectives over torch.distributed
+of the weights and of the KV cache (the shard kvlab.paged.reshard moved to it), their collectives over torch.distributed
 (gloo on a CPU; NCCL across GPUs).
 
 How a model is split (`shard_model`):
@@ -8,14 +8,14 @@ How a model is split (`shard_model`):
   applied with transformers' `apply_tensor_parallelism` on a DeviceMesh over the process group. Used where the class
   has a plan and D divides both the query and the KV heads (a column split of k_proj cannot replicate a head).
 - "kvlab": kvlab's own split, for the rest (KV heads < D): each rank keeps query heads [r·H/D, (r+1)·H/D) and the KV
-  heads kvlab.reshard.plan gives decode rank r (sharded, or one head replicated), o_proj's matching input columns;
+  heads kvlab.paged.reshard.plan gives decode rank r (sharded, or one head replicated), o_proj's matching input columns;
   gate/up keep rows [r·I/D, (r+1)·I/D), down_proj the matching columns; o_proj and down_proj are row-parallel
   (`RowParallel`: a local matmul, an all-reduce, the bias once); embedding, norms and lm_head are replicated.
 "auto" picks the first that applies. Both keep transformers' attention: it reshapes with -1 heads, so a layer with
 fewer heads needs only its projections and its `num_key_value_groups` changed.
 
 `run` is the whole CPU check: one process prefills (the prefill side, which also decodes colocated for the
-reference), splits its cache into P prefill pools, re-shards them into D decode pools with a kvlab.reshard method
+reference), splits its cache into P prefill pools, re-shards them into D decode pools with a kvlab.paged.reshard method
 (verified bit for bit), then D new processes (forked for gloo, spawned for NCCL) — each with its own copy of the
 model, built from the same config and seed (kvlab.models.build) — read their pools and decode `steps` tokens
 together. The pass rule: tokens equal to the colocated decode at every step, logits within `logits_tolerance`, every
@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import models, reshard
+from . import models
+from .paged import reshard
 from .kvcache import KVBuffer, layout_for
 from .paged import BlockPool, BlockTable, PoolSpec
 from .steps import decode, make_prompt, model_device, prefill, text_config
@@ -173,7 +174,7 @@ def logits_tolerance(model, context: int, steps: int, dtype: torch.dtype | None 
     measured on a CPU differ by 1–2e-7, far inside it (the bound is worst case; random rounding errors mostly cancel).
     What it still catches (kvlab-tiny, measured): two KV heads swapped move the logits by 0.87, one token's V of one
     head in one layer zeroed by 3e-3; a 1e-3 nudge of one token's K and V moves them by 4e-5, inside the tolerance —
-    small corruptions of the cache are what the byte-exact shard check (kvlab.reshard.verify) is for.
+    small corruptions of the cache are what the byte-exact shard check (kvlab.paged.reshard.verify) is for.
     """
     cfg = text_config(model)
     heads, _, hd, inter = _shape(model)

@@ -1,9 +1,9 @@
-"""Re-sharding a paged cache between prefill TP and decode TP (kvlab.reshard, kvlab.reshard_kernels,
-kvlab.reshard_bench): the plan and its refusals, bytes that agree with calculator.tp_shard_bytes, pieces that each
+"""Re-sharding a paged cache between prefill TP and decode TP (kvlab.paged.reshard, kvlab.paged.reshard_kernels,
+kvlab.paged.reshard_bench): the plan and its refusals, bytes that agree with calculator.tp_shard_bytes, pieces that each
 mover counts as it issues them, every method byte-exact against the source's head slice with the destinations
 poisoned first, the Triton kernel against its torch reference, predictions, and the benchmark's CPU path.
 
-TRITON_INTERPRET=1 is set for every test by an autouse fixture (kvlab.reshard_kernels decorates its kernel lazily,
+TRITON_INTERPRET=1 is set for every test by an autouse fixture (kvlab.paged.reshard_kernels decorates its kernel lazily,
 pinning the mode wanted at that moment), so the fused and staging paths run the real kernel through Triton's
 interpreter, at tiny sizes.
 """
@@ -19,9 +19,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlab import calculator, models, reshard, reshard_bench
+from kvlab import calculator, models
+from kvlab.paged import reshard, reshard_bench
 from kvlab.ceilings_fit import Ceilings
-from kvlab.reshard_kernels import Geometry, HeadsConfig, copy_heads
+from kvlab.paged.reshard_kernels import Geometry, HeadsConfig, copy_heads
 
 pytest.importorskip("triton")
 

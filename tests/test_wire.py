@@ -1,9 +1,9 @@
-"""The FP8 wire (kvlab.wire, kvlab.wire_kernels): its byte count, the Triton kernels against the torch references
+"""The FP8 wire (kvlab.paged.wire, kvlab.paged.wire_kernels): its byte count, the Triton kernels against the torch references
 bit for bit on CPU through Triton's interpreter, the rounding on every bf16 input and every e4m3 pattern, the
 error metrics, the break-even arithmetic, the CPU path of the benchmark, and FP8 pools (kvlab.paged).
 
-TRITON_INTERPRET=1 is set for every test by an autouse fixture (kvlab.wire_kernels builds its kernels lazily
-and pins the mode while decorating, as kvlab.kernels does). Pools are tiny: the interpreter runs each program
+TRITON_INTERPRET=1 is set for every test by an autouse fixture (kvlab.paged.wire_kernels builds its kernels lazily
+and pins the mode while decorating, as kvlab.paged.kernels does). Pools are tiny: the interpreter runs each program
 in Python.
 """
 
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvlab import kernels, wire
-from kvlab import wire_kernels as wk
+from kvlab.paged import kernels, wire
+from kvlab.paged import wire_kernels as wk
 from kvlab.kvcache import KVBuffer, KVLayout
 from kvlab.paged import BlockPool, BlockTable, PoolSpec, verify_transfer
 

@@ -1,9 +1,9 @@
-"""Timing the re-shard movers (kvlab.reshard) beside the same-TP transfer, on one device.
+"""Timing the re-shard movers (kvlab.paged.reshard) beside the same-TP transfer, on one device.
 
 `bench(P, D, layout)` builds P prefill pools of a model's shape (random values, blocks drawn at random) and D decode
 pools on one device, checks every method's shards once (reshard.verify: bit for bit, no poison left, nothing written
 outside), then times each method's move of the whole sequence and the yardstick — the homogeneous P → P transfer of
-the same cache on the same path and layout: one whole-row copy per rank with kvlab.kernels' row kernel, the copy
+the same cache on the same path and layout: one whole-row copy per rank with kvlab.paged.kernels' row kernel, the copy
 kvlab disagg's ipc path makes for a paged cache — in interleaved rounds (kvlab.timing.interleave: CUDA events on a
 GPU, each call waited for before the next; balanced orders). Every rank's pool sits on one GPU in one process, so
 the times are the kernels' and copies' own, with no link between ranks.
@@ -15,7 +15,7 @@ CPU path runs the same code at tiny sizes (tests: kvlab-tiny, TRITON_INTERPRET=1
 from __future__ import annotations
 
 from . import kernels, reshard
-from .timing import free_device, interleave, resolve_device, sync_device
+from ..timing import free_device, interleave, resolve_device, sync_device
 
 __all__ = ["bench", "DEFAULT_METHODS"]
 

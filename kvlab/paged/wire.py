@@ -1,7 +1,7 @@
 """FP8 on the wire: the format of a quantized paged KV transfer, its exact byte count, torch references of the
 quantize-gather and the dequantize-scatter, scale calibration, error metrics and the break-even link bandwidth.
 
-The Triton kernels that do the same in one pass each, and their benchmark, are in kvlab.wire_kernels.
+The Triton kernels that do the same in one pass each, and their benchmark, are in kvlab.paged.wire_kernels.
 
 Wire format of one request
 --------------------------
@@ -44,8 +44,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .kvcache import KVBuffer
-from .paged import BlockPool, BlockTable, PoolSpec, positive_int
+from ..kvcache import KVBuffer
+from .pools import BlockPool, BlockTable, PoolSpec, positive_int
 
 __all__ = ["E4M3_MAX", "SCALE_MODES", "E4M3_NAN", "BF16_NAN", "check_mode", "wire_bytes", "raw_bytes",
            "scale_shape", "WirePacket", "empty_packet", "check_static_scales", "calibrate_scales", "layer_range",
@@ -504,7 +504,7 @@ def breakeven_gbps(quant_gbps_input, dequant_gbps_input, ratio, overlap: bool = 
     sending bf16.
 
     B bf16 bytes cross a link of W; the quantize runs at Q and the dequantize at R, both in bytes of bf16 input
-    per second (kvlab.wire_kernels.bench_wire's input_gbps), and B / ratio bytes cross the wire.
+    per second (kvlab.paged.wire_kernels.bench_wire's input_gbps), and B / ratio bytes cross the wire.
     Serial (quantize, then send, then dequantize): FP8 wins iff B/Q + B/(ratio·W) + B/R < B/W, i.e.
         W < W* = (1 - 1/ratio) / (1/Q + 1/R).
     Overlapped (the passes pipelined with the copy in fine chunks, or fused into it: each resource busy at once,

@@ -7,9 +7,9 @@ possibly at another head offset and in the other layout:
     dst[dst_rows[i], dst_head + h, t, :] = src[src_rows[i], src_head + h, t, :]    i < R, h < heads, t < block_size
 
 where a row of a `Geometry` is one block of one layer side, stored `nhd` ([block_size, heads, head_dim], vLLM's
-layout) or `hnd` ([heads, block_size, head_dim]). `copy_heads` is that one operation; kvlab.reshard builds its
+layout) or `hnd` ([heads, block_size, head_dim]). `copy_heads` is that one operation; kvlab.paged.reshard builds its
 fused path (source pool → each destination pool) and its staging path (pool → staging buffer, buffer → pool) from
-it. The row kernel of kvlab.kernels moves whole rows and cannot split heads or transpose; this one can.
+it. The row kernel of kvlab.paged.kernels moves whole rows and cannot split heads or transpose; this one can.
 
 How the kernel is laid out: one program per (row, chunk of heads); it reads every word of its (heads × tokens ×
 head_dim) tile, masked to the real sizes (tile dims are padded to powers of two), then writes them, so loads are
@@ -18,7 +18,7 @@ bf16 head_dim 128: 32 words), so NaN poison and any payload bits travel unchange
 contiguous on both sides. Row ids are int64 and multiply constexpr row sizes, so pools past 2^31 words do not wrap.
 
 CPU: Triton's interpreter runs the same kernel when TRITON_INTERPRET=1 (the tests set it, at tiny sizes).
-`copy_heads(backend="auto")` falls back to the torch reference when kvlab.kernels.triton_status says Triton cannot
+`copy_heads(backend="auto")` falls back to the torch reference when kvlab.paged.kernels.triton_status says Triton cannot
 run, and returns which one ran.
 """
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernels import triton_status, word_dtype
-from .paged import LAYOUTS, positive_int
+from .pools import LAYOUTS, positive_int
 
 __all__ = ["Geometry", "HeadsConfig", "copy_heads", "copy_heads_reference", "launch_heads"]
 
@@ -200,7 +200,7 @@ def _pow2(n: int) -> int:
 
 def launch_heads(src, src_geom, src_rows, src_head, dst, dst_geom, dst_rows, dst_head, heads,
                  config: HeadsConfig | None = None) -> None:
-    """Launch the Triton kernel without argument checks (kvlab.reshard checks its plans once, up front). Same
+    """Launch the Triton kernel without argument checks (kvlab.paged.reshard checks its plans once, up front). Same
     contract as `copy_heads`; R = 0 is a no-op. Enqueues on the current stream of the kernel's device."""
     n = int(src_rows.shape[0])
     if n == 0:
@@ -248,7 +248,7 @@ def copy_heads(src: torch.Tensor, src_geom: Geometry, src_rows: torch.Tensor, sr
     on). src_rows, dst_rows: [R] int64 on that device. block_size and head_dim must agree; the layouts may differ
     (nhd ↔ hnd is converted in the same pass). heads: how many consecutive heads each row contributes.
     check=False skips the bounds checks (each is a host sync), for callers whose indices were checked on the host.
-    backend: "auto" (Triton when kvlab.kernels.triton_status allows, else torch), "triton" or "torch".
+    backend: "auto" (Triton when kvlab.paged.kernels.triton_status allows, else torch), "triton" or "torch".
     Returns the backend used.
     """
     if backend not in ("auto", "triton", "torch"):

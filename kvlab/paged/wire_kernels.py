@@ -1,4 +1,4 @@
-"""Triton kernels of the FP8 wire (format and rounding: kvlab.wire's module doc), one pass each:
+"""Triton kernels of the FP8 wire (format and rounding: kvlab.paged.wire's module doc), one pass each:
 
     quantize_gather     bf16 pool blocks of a block table → e4m3 payload + float32 scales, per-token-head scales
                         computed in the kernel; the packet may be GPU memory or pinned host memory, which the
@@ -20,7 +20,7 @@ and `tl.div_rn` divisions (one per scale), which round identically everywhere. O
 which also round to nearest even; both agreed with torch bit for bit on an H200 (Triton 3.6), every scale mode,
 both layouts, 32k tokens of the Qwen2.5-7B shape.
 CPU: the kernels run under TRITON_INTERPRET=1 (tests, tiny sizes); without it backend="auto" runs the torch
-reference (kvlab.wire) and `wire_backend` says so.
+reference (kvlab.paged.wire) and `wire_backend` says so.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kernels, timing
-from .paged import BlockPool, BlockTable, positive_int
+from .. import timing
+from . import kernels
+from .pools import BlockPool, BlockTable, positive_int
 from .wire import (SCALE_MODES, WirePacket, calibrate_scales, check_mode, check_packet_for_pool,
                    check_static_scales, dequantize_scatter_reference, empty_packet, layer_range,
                    quantize_gather_reference)
@@ -85,7 +86,7 @@ class WireConfig:
 
 
 def wire_backend(device: torch.device | str, backend: str = "auto") -> tuple[str, str]:
-    """("triton" | "torch", why) for kernels on `device` (kvlab.kernels.triton_status decides "auto")."""
+    """("triton" | "torch", why) for kernels on `device` (kvlab.paged.kernels.triton_status decides "auto")."""
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend {backend!r} is not valid; use 'auto', 'triton' or 'torch'")
     ok, why = kernels.triton_status(device)
@@ -104,7 +105,7 @@ _KERNELS: dict = {}
 
 def _kernels(interpret: bool):
     """(quantize-gather, dequantize-scatter) kernels, built on first use per mode; TRITON_INTERPRET is pinned
-    while decorating (Triton reads it then), as kvlab.kernels does, so a CPU test cannot make a GPU kernel Python."""
+    while decorating (Triton reads it then), as kvlab.paged.kernels does, so a CPU test cannot make a GPU kernel Python."""
     k = _KERNELS.get(interpret)
     if k is None:
         saved = os.environ.get("TRITON_INTERPRET")
@@ -120,7 +121,7 @@ def _kernels(interpret: bool):
 
 
 def _decorate():
-    # a fresh copy of kvlab/wire_triton.py per mode: its jit functions are decorated while TRITON_INTERPRET is
+    # a fresh copy of kvlab/paged/wire_triton.py per mode: its jit functions are decorated while TRITON_INTERPRET is
     # pinned, and each copy's kernels call that copy's combine function
     import importlib.util
 
@@ -156,12 +157,12 @@ def _reachable(t: torch.Tensor, kernel_device: torch.device) -> bool:
 def quantize_gather(pool: BlockPool, table: BlockTable, scales_mode: str, static_scales=None, *,
                     out: WirePacket | None = None, layers=None, backend: str = "auto",
                     config: WireConfig | None = None) -> WirePacket:
-    """`table`'s blocks of a bf16 pool as a WirePacket (kvlab.wire's format), in one kernel pass.
+    """`table`'s blocks of a bf16 pool as a WirePacket (kvlab.paged.wire's format), in one kernel pass.
 
-    static_scales: per-head [layers, 2, kv_heads] / per-tensor [layers, 2] float32 (kvlab.wire.calibrate_scales),
-    None for per-token-head. out: a packet to write (kvlab.wire.empty_packet: GPU memory, or pinned host memory
+    static_scales: per-head [layers, 2, kv_heads] / per-tensor [layers, 2] float32 (kvlab.paged.wire.calibrate_scales),
+    None for per-token-head. out: a packet to write (kvlab.paged.wire.empty_packet: GPU memory, or pinned host memory
     written through UVA); default a new one on the pool's device. layers: None or (first, end).
-    backend: "auto" | "triton" | "torch" (kvlab.wire.quantize_gather_reference). Enqueued on the current stream
+    backend: "auto" | "triton" | "torch" (kvlab.paged.wire.quantize_gather_reference). Enqueued on the current stream
     of the pool's device. Bad input raises ValueError before anything is written.
     """
     if not isinstance(pool, BlockPool) or pool.spec.dtype != torch.bfloat16:
@@ -181,7 +182,7 @@ def quantize_gather(pool: BlockPool, table: BlockTable, scales_mode: str, static
         if not isinstance(out, WirePacket) or out.mode != scales_mode or out.payload.shape != want.payload.shape or \
                 out.first_layer != lo or out.tokens != table.tokens or out.block_size != table.block_size:
             raise ValueError(f"out must be a {scales_mode} WirePacket of payload {tuple(want.payload.shape)} for "
-                             f"layers {lo} … {hi - 1} and {table.tokens} tokens (kvlab.wire.empty_packet)")
+                             f"layers {lo} … {hi - 1} and {table.tokens} tokens (kvlab.paged.wire.empty_packet)")
         for name, t in (("payload", out.payload), ("scales", out.scales)):
             if not _reachable(t, pool.device):
                 raise ValueError(f"out.{name} on {t.device}{' (pageable)' if t.device.type == 'cpu' else ''} cannot "
@@ -259,11 +260,11 @@ def bench_wire(pool: BlockPool, table: BlockTable, dest: BlockPool, repeats: int
         dequantize-scatter d2d        GPU packet → dest blocks
         dequantize-scatter h2d        pinned packet → dest blocks (the kernel's loads cross the link)
         bf16-copy          d2d / d2h / h2d   copy_ of a contiguous bf16 tensor of the cache's bytes (the yardstick)
-        bf16-gather        d2d / d2h  kvlab.kernels' row copy of the blocks into a contiguous GPU / pinned buffer
+        bf16-gather        d2d / d2h  kvlab.paged.kernels' row copy of the blocks into a contiguous GPU / pinned buffer
 
     Rows: kernel, direction, context (tokens), scales ("none" for bf16 rows), round, ms, bytes (what crosses the
     wire: packet bytes with scales, or bf16 bytes), bf16_bytes, input_gbps (bf16_bytes / s / 1e9: every rate is
-    in bytes of bf16 input, as kvlab.wire.breakeven_gbps takes them), backend, convert (the FP8 kernels'
+    in bytes of bf16 input, as kvlab.paged.wire.breakeven_gbps takes them), backend, convert (the FP8 kernels'
     WireConfig conversion: "hw" | "int", "reference" for the torch path, "none" for bf16 rows), device. On a CPU
     "pinned" buffers are ordinary host memory (pinning needs CUDA); the device column says cpu.
     """

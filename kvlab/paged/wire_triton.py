@@ -1,5 +1,5 @@
-"""The Triton source of kvlab.wire_kernels' two kernels (see that module for what they do and why the rounding is
-integer arithmetic). Not imported as a module: kvlab.wire_kernels loads this file once per mode (Triton's
+"""The Triton source of kvlab.paged.wire_kernels' two kernels (see that module for what they do and why the rounding is
+integer arithmetic). Not imported as a module: kvlab.paged.wire_kernels loads this file once per mode (Triton's
 interpreter for CPU tensors, compiled for GPU tensors) under its own name with TRITON_INTERPRET pinned, because
 Triton fixes a jit function's mode when it is decorated and a kernel finds the jit functions it calls (the amax
 reduction's combine function) among its module's globals.

@@ -10,7 +10,7 @@ Movers take P source and D destination (BlockPool, BlockTable) pairs (each rank 
 layout on either side) and move one sequence:
 
     torch-index   the reference: index_select the blocks, slice the heads, index_copy_ into the head-sliced view
-    fused         kvlab.reshard_kernels' Triton kernel: gather + head split (+ layout change) in one pass, one
+    fused         kvlab.paged.reshard_kernels' Triton kernel: gather + head split (+ layout change) in one pass, one
                   launch per (prefill rank, decode rank) piece, straight into the destination pool
     staging       SGLang's way: per decode rank, source rank and layer side one contiguous buffer (the kernel
                   gathers into it), one send per buffer (`send_fn`, a copy_ here), a scatter on arrival
@@ -20,7 +20,7 @@ layout on either side) and move one sequence:
 `account`: bytes per decode rank (calculator.kv_cache_bytes per head: it agrees with calculator.tp_shard_bytes),
 replica bytes, pieces (separate copies / sends / descriptors a rank's data arrives in) per method; each mover counts
 the pieces it issues. `verify`: every shard bit for bit against the source's head slice, no NaN poison left in it,
-nothing written outside it. `predict`: time from pieces and bytes. GPU benchmark: kvlab.reshard_bench.
+nothing written outside it. `predict`: time from pieces and bytes. GPU benchmark: kvlab.paged.reshard_bench.
 Bad input is refused in one line (ValueError) before anything is allocated or written.
 """
 
@@ -32,9 +32,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from . import calculator, models
-from .kvcache import KVBuffer, KVLayout, as_dtype
-from .paged import LAYOUTS, BlockAllocator, BlockPool, BlockTable, PoolSpec, positive_int
+from .. import calculator, models
+from ..kvcache import KVBuffer, KVLayout, as_dtype
+from .pools import LAYOUTS, BlockAllocator, BlockPool, BlockTable, PoolSpec, positive_int
 from .reshard_kernels import Geometry, HeadsConfig, copy_heads
 
 __all__ = ["METHODS", "Piece", "Plan", "plan", "Accounting", "account", "shard_pools", "make_pools",
@@ -472,7 +472,7 @@ class TorchIndex(Mover):
 
 
 class Fused(Mover):
-    """kvlab.reshard_kernels.copy_heads from the source pool straight into the destination pool: one launch per
+    """kvlab.paged.reshard_kernels.copy_heads from the source pool straight into the destination pool: one launch per
     piece moves every layer, side and block of its head slice, converting the layout in the same pass."""
 
     method = "fused"
@@ -522,7 +522,7 @@ class Staging(Mover):
 class BlockSlices(Mover):
     """One copy per contiguous run of a block's head slice (vLLM's descriptors): hnd, or the whole block, is one
     run per block; an nhd head split is block_size runs. Slow by construction (a host loop of copies): CPU tests
-    use it to count descriptors; kvlab.reshard_bench predicts it rather than timing it."""
+    use it to count descriptors; kvlab.paged.reshard_bench predicts it rather than timing it."""
 
     method = "block-slices"
 
