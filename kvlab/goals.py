@@ -12,17 +12,28 @@ Every verdict in kvlab, in notebooks, in `kvlab analyse`, in the README, comes f
 
 Goals are fixed: when a better yardstick appears after a run, it is a new goal beside the old one (`beside`),
 and the old one keeps its verdict. `GOALS` holds every goal; `for_study(study)` a study's, in order.
+
+The ledger (kvlab/goals_ledger.json) keeps, for every goal ever declared, what may never change — its study,
+metric, direction, threshold or yardstick, and interval columns — with the date it was fixed (`in_force_from`,
+the date its declaration names: an issue's goals were fixed when the issue was written) and the first commit that
+carried it. A test holds GOALS to the ledger and the ledger to its own history, so a changed goal must be a new id.
+Every run records the goals in force when it started (run.json `goals`, `recorded`); a run is judged by those
+(`for_run`), and a goal declared later is judged beside them, marked as such, never instead. A run from before
+run.json recorded goals is judged by the ledger as it stood on the day it started.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import pandas as pd
 
-__all__ = ["Goal", "GOALS", "VERDICTS", "judge", "evaluate", "for_study", "state"]
+__all__ = ["Goal", "GOALS", "VERDICTS", "judge", "evaluate", "for_study", "state", "LEDGER", "FIXED", "ledger",
+           "fixed", "recorded", "for_run", "evaluate_run", "GOAL_STUDIES"]
 
 VERDICTS = ("met", "missed", "not resolved")
 _OPS = ("<=", ">=")
@@ -323,3 +334,61 @@ def for_study(study: str) -> list[Goal]:
     if not out:
         raise ValueError(f"no goals for study {study!r}; studies with goals: {sorted({g.study for g in GOALS.values()})}")
     return out
+
+
+# ============================================================================== the ledger, and goals per run
+
+LEDGER = Path(__file__).with_name("goals_ledger.json")
+FIXED = ("study", "metric", "op", "threshold", "lo", "hi")  # what a goal may never change: a new id instead
+# the goal studies a study's runs are judged by (a disagg run may also be a fault campaign)
+GOAL_STUDIES = {"disagg": ("disagg", "faults")}
+
+
+def ledger() -> dict[str, dict]:
+    """Every goal ever declared, by id: its fixed parts (FIXED), text, declaration, in_force_from, first_commit."""
+    return json.loads(LEDGER.read_text(encoding="utf-8"))
+
+
+def fixed(goal: Goal) -> dict:
+    """The parts of `goal` the ledger holds fixed."""
+    return {k: getattr(goal, k) for k in FIXED}
+
+
+def recorded(study: str) -> list[dict]:
+    """What run.json records as the goals in force for a run of `study` starting now: each goal's id, fixed parts,
+    interval and the date it has been in force from (empty for a study without goals)."""
+    book = ledger()
+    return [dict(id=g.id, **fixed(g), interval=g.interval, in_force_from=book.get(g.id, {}).get("in_force_from"))
+            for s in GOAL_STUDIES.get(study, (study,)) for g in GOALS.values() if g.study == s]
+
+
+def for_run(study: str, record: dict) -> tuple[list[Goal], list[Goal]]:
+    """(the goals of `study` in force when the run of `record` started, those declared later): by the run's own
+    record of its goals, or — for a run from before runs recorded them — by the ledger's in_force_from against the
+    day the run started. A recorded goal whose fixed parts differ from today's is a ValueError (the ledger's test
+    makes that impossible; a hand-edited run.json is not)."""
+    ours = [g for g in GOALS.values() if g.study == study]
+    rec = record.get("goals")
+    if isinstance(rec, list) and rec:
+        ids = {r.get("id") for r in rec if isinstance(r, dict)}
+        for r in rec:
+            g = GOALS.get(r.get("id"))
+            if g is not None and {k: r.get(k) for k in FIXED} != fixed(g):
+                raise ValueError(f"run {record.get('run_id')}: goal {g.id} as recorded ({ {k: r.get(k) for k in FIXED} }) "
+                                 f"differs from its declaration ({fixed(g)}): a goal is never changed")
+        return [g for g in ours if g.id in ids], [g for g in ours if g.id not in ids]
+    day = str(record.get("started_utc") or "")[:10]
+    book = ledger()
+    now = [g for g in ours if not day or book.get(g.id, {}).get("in_force_from", "") <= day]
+    return now, [g for g in ours if g not in now]
+
+
+def evaluate_run(study: str, record: dict, table: pd.DataFrame, keys=("context", "destination")) -> pd.DataFrame:
+    """`evaluate` of a run's summary by the goals in force when it started, then those declared later (column
+    `later`: True for a goal judged beside, never instead)."""
+    now, later = for_run(study, record)
+    parts = [evaluate(now, table, keys).assign(later=False)]
+    if later:
+        parts.append(evaluate(later, table, keys).assign(later=True))
+    out = pd.concat(parts, ignore_index=True)
+    return out.astype({"later": bool}) if len(out) else out

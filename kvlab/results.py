@@ -33,7 +33,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from . import __version__, devices, paths, provenance
+from . import __version__, devices, goals, paths, provenance
 
 RUN_JSON = "run.json"
 STOPPED = "STOPPED.txt"  # written into a run folder whose notebook failed or was interrupted
@@ -50,7 +50,7 @@ _PROTECTED = frozenset(
         "schema", "run_id", "study", "status", "started_utc", "finished_utc", "duration_s", "git",
         "kvlab_version", "device_kind", "device_tag", "host", "devices", "p2p", "topology", "driver_version",
         "cuda_runtime", "versions", "parameters", "argv", "invocation", "tables", "host_state_start",
-        "host_state_end", "host_usage", "pid",
+        "host_state_end", "host_usage", "pid", "goals",
     }
 )
 
@@ -310,7 +310,8 @@ def start(study: str, params: Mapping, run_dir: str | os.PathLike = "") -> Run:
     run.json holds: schema, run_id, study, status ("running" until ``finish()``), started_utc,
     finished_utc, duration_s, git (commit, dirty flag, every dirty path, code_sha256; git.diff and its hash where the code is not the commit's), kvlab_version, device_kind
     ("cuda" | "cpu"), device_tag, host, devices (GPUs), p2p, driver_version, cuda_runtime,
-    versions, parameters, argv, invocation, host_state_start (devices.host_state()); ``finish()`` adds
+    versions, parameters, goals (those in force now, kvlab.goals.recorded), argv, invocation, host_state_start
+    (devices.host_state()); ``finish()`` adds
     host_state_end and host_usage (busy / iowait / steal % of the machine's CPU time during the run).
     """
     paths.check_study(study)
@@ -350,6 +351,8 @@ def start(study: str, params: Mapping, run_dir: str | os.PathLike = "") -> Run:
         "kvlab_version": __version__,
         **hardware,
         "parameters": parameters,
+        # the goals in force as the run starts (kvlab.goals): it is judged by these; a goal declared later, beside
+        "goals": goals.recorded(study),
         "argv": argv,
         "invocation": invocation,
         "host_state_start": devices.host_state(),

@@ -1,14 +1,47 @@
-"""Mutation check of kvlab.goals (issue 12): flip each comparison of the evaluator, one at a time, and run the
-tests that judge goals; every mutant should make them fail. Run from the repository root:
+"""Mutation check of kvlab.goals (issues 12 and 25): flip each comparison of the evaluator, and bend each kind of
+goal (a threshold, a metric, a yardstick, an interval column; in goals.py alone, and in goals.py and its ledger
+together), one at a time, and run the tests that judge goals; every mutant should make them fail. The unmutated
+suite runs first: where it already fails, every mutant would count as killed, so the check stops. Run from the
+repository root:
     python tools/mutate_goals.py
-It edits kvlab/goals.py in place while it runs and puts it back at the end (also on Ctrl-C)."""
+It edits kvlab/goals.py (and kvlab/goals_ledger.json) in place while it runs and puts them back at the end (also
+on Ctrl-C)."""
+import json
 import pathlib
 import subprocess
 import sys
 
 root = pathlib.Path(__file__).resolve().parent.parent
 src = root / "kvlab" / "goals.py"
+book = root / "kvlab" / "goals_ledger.json"
 orig = src.read_text()
+orig_book = book.read_text()
+TESTS = ["tests/test_goals.py", "tests/test_goals_ledger.py", "tests/test_handoff.py", "tests/test_paged.py",
+         "tests/test_analyse.py"]
+# a goal bent in goals.py: (what it says today, what the mutant says, the goal id and ledger field to bend with it)
+BENT = [
+ ('"ipc and nccl bulk send ≥ 90 % of the peer copy of the same bytes, two GPUs",\n         "pct_of_ceiling", ">=", 90.0,',
+  '"ipc and nccl bulk send ≥ 90 % of the peer copy of the same bytes, two GPUs",\n         "pct_of_ceiling", ">=", 89.0,',
+  "disagg.peer_send", "threshold", 89.0),
+ ('"pct_of_ceiling", ">=", 90.0, lo="pct_lo", hi="pct_hi", unit=" %", digits=1,\n         applies=_disagg_paged_32k_one_gpu',
+  '"pct_of_ceiling", ">=", 82.0, lo="pct_lo", hi="pct_hi", unit=" %", digits=1,\n         applies=_disagg_paged_32k_one_gpu',
+  "disagg.ipc_paged", "threshold", 82.0),
+ ('"layerwise_extra_ms", "<=",\n         "copy_ms",', '"layerwise_extra_ms", "<=",\n         "copy_tensor_ms",',
+  "handoff.never_worse_than_bulk", "threshold", "copy_tensor_ms"),
+ ('Goal("handoff.bulk_link", "handoff", "bulk ≥ 95 % of the link ceiling", "copy_pct_ceiling", ">=", 95.0,',
+  'Goal("handoff.bulk_link", "handoff", "bulk ≥ 95 % of the link ceiling", "copy_pct_ref", ">=", 95.0,',
+  "handoff.bulk_link", "metric", "copy_pct_ref"),
+ ('"exposed_ms", "<=",\n         "copy_layer_ms", lo="exposed_ci_lo_ms"', '"exposed_ms", "<=",\n         "copy_ms", lo="exposed_ci_lo_ms"',
+  "handoff.exposed_one_layer", "threshold", "copy_ms"),
+ ('"faults.deadline", "faults", "no fault waits longer than its deadline + 1 s", "over_deadline_ms", "<=", 1000.0,',
+  '"faults.deadline", "faults", "no fault waits longer than its deadline + 1 s", "over_deadline_ms", "<=", 2000.0,',
+  "faults.deadline", "threshold", 2000.0),
+ ('"tracing adds ≤ 5 % to prefill", "tracing_pct", "<=", 5.0,', '"tracing adds ≤ 5 % to prefill", "tracing_pct", ">=", 5.0,',
+  "overlap.tracing", "op", ">="),
+ ('lo="pct_lo", hi="pct_hi", unit=" %", digits=1, applies=_paged("triton", "same-gpu")',
+  'lo="pct_hi", hi="pct_hi", unit=" %", digits=1, applies=_paged("triton", "same-gpu")',
+  "paged.triton_same_gpu", "lo", "pct_hi"),
+]
 muts = [
  ('return ("met" if b <= t else "missed" if a > t else "not resolved"), "interval"', 'return ("met" if b >= t else "missed" if a > t else "not resolved"), "interval"'),
  ('return ("met" if b <= t else "missed" if a > t else "not resolved"), "interval"', 'return ("met" if b <= t else "missed" if a < t else "not resolved"), "interval"'),
@@ -42,19 +75,47 @@ muts = [
  ('            lo = getattr(r, g.lo, None) if g.lo else None\n            hi = getattr(r, g.hi, None) if g.hi else None',
   '            lo = getattr(r, g.lo, nan) if g.lo else nan\n            hi = getattr(r, g.hi, nan) if g.hi else nan'),
 ]
+
+
+def suite() -> bool:
+    """Do the goal tests pass (on the files as they are now)?"""
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TESTS], cwd=root,
+                       capture_output=True, text=True)
+    return r.returncode == 0
+
+
+def ledger_with(gid: str, field: str, value) -> str:
+    entries = json.loads(orig_book)
+    entries[gid][field] = value
+    return json.dumps(entries, indent=1, ensure_ascii=False) + "\n"
+
+
+# (label, goals.py text, ledger text) of every mutant
+cases = [(b.strip()[:90], orig.replace(a, b, 1), orig_book) for a, b in muts if a in orig]
+missing = [a[:60] for a, b in muts if a not in orig]
+for a, b, gid, field, value in BENT:
+    if a not in orig:
+        missing.append(a[:60])
+        continue
+    cases.append((f"{gid}.{field} -> {value!r} in goals.py", orig.replace(a, b, 1), orig_book))
+    cases.append((f"{gid}.{field} -> {value!r} in goals.py and its ledger", orig.replace(a, b, 1),
+                  ledger_with(gid, field, value)))
+if missing:
+    sys.exit("mutants whose text is no longer in goals.py (update this list): " + "; ".join(missing))
+print("baseline (no mutant):", end=" ", flush=True)
+if not suite():
+    sys.exit("FAILS — the goal tests fail without a mutant, so no mutant could be told apart; fix them first")
+print("passes")
 killed = 0
 try:
-    for i, (a, b) in enumerate(muts):
-        if a not in orig:
-            print(i, "NOT FOUND", a[:60]); continue
-        src.write_text(orig.replace(a, b, 1))
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                            "tests/test_goals.py", "tests/test_handoff.py", "tests/test_paged.py", "tests/test_analyse.py"],
-                           cwd=root, capture_output=True, text=True)
-        dead = r.returncode != 0
+    for i, (label, code, ledger) in enumerate(cases):
+        src.write_text(code)
+        book.write_text(ledger)
+        dead = not suite()
         killed += dead
-        print(i, "killed" if dead else "SURVIVED", "|", b.strip()[:90], flush=True)
+        print(i, "killed" if dead else "SURVIVED", "|", label, flush=True)
 finally:
     src.write_text(orig)
-print(f"{killed}/{len(muts)} killed")
+    book.write_text(orig_book)
+print(f"{killed}/{len(cases)} killed")
 
