@@ -23,7 +23,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from . import goals, provenance, report_legacy, studies
+from . import docgen, goals, provenance, report_legacy, studies
 from .paths import read_json, repo_root
 from .study import ctx_label, md_table, run_link
 
@@ -233,6 +233,8 @@ def render(name: str, prefix: str = "") -> str:
     file whose way up to the repository is `prefix` ("" for the README, "../../" for docs/results/*.md)."""
     if name in META_BLOCKS:
         return META_BLOCKS[name](prefix)
+    if docgen.is_generated(name):
+        return docgen.render_generated(name, manifest(), analysis, goals_of, prefix)
     if name not in manifest()["blocks"]:
         raise ValueError(f"unknown report block {name!r}; known: {sorted([*manifest()['blocks'], *META_BLOCKS])}")
     return _render_block(name, prefix)
@@ -263,7 +265,14 @@ def update(text: str, prefix: str = "") -> tuple[str, list[str]]:
             changed.append(m.group(2))
         return m.group(1) + new + m.group(4)
 
-    return BLOCK_RE.sub(sub, text), changed
+    text = BLOCK_RE.sub(sub, text)
+    text, values = docgen.update_values(text, manifest(), analysis)
+    return text, changed + values
+
+
+def documents() -> list[Path]:
+    """The documents kvlab report keeps: the README and every page under docs/results/."""
+    return [repo_root() / "README.md", *sorted((repo_root() / "docs" / "results").glob("*.md"))]
 
 
 def shallow() -> bool:
@@ -286,26 +295,36 @@ def check(readme: str | Path | None = None) -> list[str]:
 
 def add_arguments(parser) -> None:
     parser.add_argument("--check", action="store_true", help="only say which blocks differ; exit 1 if any")
-    parser.add_argument("--readme", default=None, help="the README to read (default: the repository's)")
+    parser.add_argument("--readme", default=None, help="one document to read (default: the README and every page "
+                                                       "of docs/results/)")
 
 
-def run_args(args) -> int:
-    path = Path(args.readme) if args.readme else repo_root() / "README.md"
+def _one(path: Path, check_only: bool) -> int:
     text = path.read_text(encoding="utf-8")
-    found = [m.group(2) for m in BLOCK_RE.finditer(text)]
+    found = [m.group(2) for m in BLOCK_RE.finditer(text)] + [f"{a}.{b}" for a, b, _ in docgen.VALUE_RE.findall(text)]
     if not found:  # nothing to compare is not a match
-        raise ValueError(f"{path} has no <!-- kvlab-report:NAME --> blocks; give the README whose tables kvlab "
+        raise ValueError(f"{path} has no <!-- kvlab-report:NAME --> blocks; give a document whose tables kvlab "
                          "report makes")
     new, changed = update(text, _prefix_for(path))
-    if args.check:
+    typed = docgen.typed_numbers(new)
+    where = path.relative_to(repo_root()) if path.is_relative_to(repo_root()) else path
+    if check_only:
         if shallow():
             skipped = [c for c in changed if c in NEEDS_HISTORY]
             changed = [c for c in changed if c not in NEEDS_HISTORY]
             if skipped:
-                print(f"shallow clone: not compared: {', '.join(skipped)} (it checks the runs' commits)")
-        print(f"{len(found)} blocks; {'differ: ' + ', '.join(changed) if changed else 'all match the committed runs'}")
-        return 1 if changed else 0
+                print(f"{where}: shallow clone: not compared: {', '.join(skipped)} (it checks the runs' commits)")
+        print(f"{where}: {len(found)} blocks and values; "
+              f"{'differ: ' + ', '.join(changed) if changed else 'all match the committed runs'}"
+              + (f"; numbers typed by hand: {'; '.join(typed[:5])}" if typed else ""))
+        return 1 if changed or typed else 0
     if changed:
         path.write_text(new, encoding="utf-8")
-    print(f"{len(found)} blocks; rewritten: {', '.join(changed) or 'none'}")
+    print(f"{where}: {len(found)} blocks and values; rewritten: {', '.join(changed) or 'none'}"
+          + (f"; numbers typed by hand (write them through a marker): {'; '.join(typed[:5])}" if typed else ""))
     return 0
+
+
+def run_args(args) -> int:
+    docs = [Path(args.readme)] if args.readme else documents()
+    return max(_one(p, args.check) for p in docs)
