@@ -44,6 +44,9 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) )"$(TORCH)"
 	$(BIN)/python -m pip install -e '.[dev]'
+	# notebooks stay committed without outputs: nbstripout as this clone's git filter (.gitattributes names it), so
+	# saving a notebook in JupyterLab and committing it keeps outputs out of git
+	if git rev-parse --git-dir >/dev/null 2>&1; then $(BIN)/nbstripout --install; fi
 	touch $@
 
 run: $(STAMP)

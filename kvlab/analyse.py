@@ -292,8 +292,7 @@ def analyse(run_dir, out: str | Path | None = None, publish: bool = False, suffi
         _DISPATCH[study](run, record, tables, o)
     where = o.done()
     if publish:
-        for p in o.publish(run, suffix, only):
-            print(f"published {p}")
+        o.publish(run, suffix, only)  # each published figure says what it replaced (kvlab.plots.publish_files)
     return where
 
 

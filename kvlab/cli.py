@@ -150,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as err:
         if os.environ.get("KVLAB_DEBUG"):
             raise
-        print(f"kvlab {args.command}: {results.stop_reason(err)}; a run folder it had started says it stopped",
+        where = getattr(err, "run_dir", None)
+        print(f"kvlab {args.command}: {results.stop_reason(err)}; "
+              + (f"{where} says it stopped ({results.STOPPED})" if where else "a run folder it had started says it stopped"),
               file=sys.stderr)
         return 143 if isinstance(err, results.Terminated) else 130
     except OSError as err:  # PermissionError, NotADirectoryError, a full disk: one line, the path named
@@ -288,6 +290,7 @@ def execute(notebook: Path, params: Mapping, run_dir: str | os.PathLike | None =
             error = f"{err.ename}: {err.evalue} (cell {err.exec_count})"
         except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (main() turns it into results.Terminated)
             results.record_execution(folder, notebook.name, False, time.monotonic() - t0, results.stop_reason(err))
+            err.run_dir = folder  # main's one line names the folder that says it stopped
             raise
         except Exception as err:  # the kernel died, would not start or timed out: still a failed run
             first = (str(err).strip().splitlines() or [""])[0]

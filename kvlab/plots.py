@@ -327,6 +327,7 @@ def publish_files(files: list[Path], name: str, run, mode: str = "yes", drawn: d
     drawn = drawn if drawn is not None else provenance.drawing()
     target = paths.figures_root() / study
     sidecar = target / f"{name}.json"
+    published = {}
     if sidecar.is_file():
         try:
             published = json.loads(sidecar.read_text(encoding="utf-8"))
@@ -354,6 +355,10 @@ def publish_files(files: list[Path], name: str, run, mode: str = "yes", drawn: d
         copies.append(dst)
         if suffix in (".svg", ".svgz"):
             _drop_other_svg(target, name, suffix)
+    # say what was replaced, and from which run: published figures change only on purpose, and visibly
+    was = published.get("run_id")
+    print(f"published {target / name}.png from run {run_id}"
+          + (f", replacing the one from run {was}" if was and was != run_id else " (redrawn)" if was else " (new)"))
     sidecar.write_text(
         json.dumps({"figure": name, "study": study, "run_id": run_id, "is_gpu": is_gpu,
                     "device": device, "run": f"{study}/{run_id}", "parameters": params, "drawn_by": drawn, **extra},

@@ -474,12 +474,7 @@ def record_execution(run_dir: str | os.PathLike, notebook: str, ok: bool, second
             (Path(run_dir) / STOPPED).unlink(missing_ok=True)  # an earlier attempt into the same folder failed
         elif Path(run_dir).is_dir():
             # whoever lists the folder sees at once that it is not a result, run.json or not
-            (Path(run_dir) / STOPPED).write_text(
-                f"This run stopped before it finished ({error or 'failed'}).\n"
-                f"Its tables and figures are partial; kvlab's readers skip it (run.json status: failed).\n"
-                + (f"The executed notebook, {notebook}, shows where it stopped.\n" if notebook.endswith(".ipynb") else
-                   f"{notebook} printed where it stopped; its workers' logs, if any, are in this folder.\n"),
-                encoding="utf-8")
+            (Path(run_dir) / STOPPED).write_text(stopped_text(run_dir, notebook, error), encoding="utf-8")
         if not path.is_file():
             return False
         record = paths.read_json(path)
@@ -489,6 +484,19 @@ def record_execution(run_dir: str | os.PathLike, notebook: str, ok: bool, second
             record["status"] = "failed"
         paths.write_json(path, record)
         return True
+
+
+def stopped_text(run_dir: str | os.PathLike, notebook: str, error: str | None) -> str:
+    """What STOPPED.txt says: why the run stopped, which folder, what is in it (run.json or not), and where to look."""
+    folder = Path(run_dir)
+    have = sorted(p.name for p in folder.iterdir() if p.name != STOPPED) if folder.is_dir() else []
+    state = ("run.json says status: failed, and kvlab's readers skip the folder" if (folder / RUN_JSON).is_file() else
+             "it stopped before run.json was written (the notebook failed before results.start)")
+    return (f"This run stopped before it finished ({error or 'failed'}).\n"
+            f"Folder: {folder.resolve()}\n"
+            f"What is here: {', '.join(have) or 'nothing else'}; any tables and figures are partial; {state}.\n"
+            + (f"The executed notebook, {notebook}, shows where it stopped.\n" if notebook.endswith(".ipynb") else
+               f"{notebook} printed where it stopped; its workers' logs, if any, are in this folder.\n"))
 
 
 class Terminated(KeyboardInterrupt):

@@ -308,7 +308,7 @@ def test_sigterm_during_a_notebook_leaves_a_run_that_says_it_stopped(tmp_path, m
             p.kill()
     record = json.loads((chosen / "run.json").read_text())
     assert p.returncode == 143, err
-    assert "terminated (SIGTERM)" in err
+    assert "terminated (SIGTERM)" in err and f"{chosen} says it stopped (STOPPED.txt)" in err
     assert record["status"] == "failed" and record["execution"]["error"] == "terminated (SIGTERM)"
     assert "SIGTERM" in (chosen / results.STOPPED).read_text()
 

@@ -202,7 +202,10 @@ def test_record_execution_marks_a_crashed_run_failed(kvlab_dirs):
     early = kvlab_dirs.data / "toy" / "20261130-000000-cpu"  # failed before start(): no run.json
     early.mkdir(parents=True)
     assert not results.record_execution(early, "00_toy.ipynb", False, 0.2, "interrupted")
-    assert "(interrupted)" in (early / results.STOPPED).read_text()
+    said = (early / results.STOPPED).read_text()
+    assert "(interrupted)" in said and f"Folder: {early.resolve()}" in said
+    assert "before run.json was written" in said and "run.json says status: failed" not in said
+    assert "run.json says status: failed" in (run.dir / results.STOPPED).read_text()
     fine = results.start("toy", {})
     results.record_execution(fine.dir, "00_toy.ipynb", True, 1.0)
     assert not (fine.dir / results.STOPPED).exists()
@@ -387,6 +390,18 @@ def test_save_writes_run_copy_and_publishes_with_footer(kvlab_dirs):
     plots.save(fig, "line", run)
     assert not (run.dir / "figures" / "line.svg").exists() and (run.dir / "figures" / "line.svgz").is_file()
     assert len(fig.texts) == 1
+    plt.close(fig)
+
+
+def test_publishing_says_what_it_replaced_and_from_which_run(kvlab_dirs, capsys):
+    fig = _figure()
+    first = results.start("toy", {})
+    plots.save(fig, "line", first, publish=True)
+    assert f"published {kvlab_dirs.figures / 'toy' / 'line'}.png from run {first.run_id} (new)" in capsys.readouterr().out
+    second = results.start("toy", {})
+    plots.save(fig, "line", second, publish=True)
+    out = capsys.readouterr().out
+    assert f"from run {second.run_id}, replacing the one from run {first.run_id}" in out
     plt.close(fig)
 
 
