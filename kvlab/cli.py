@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
-from kvlab import __version__, paths, results
+from kvlab import __version__, claims, paths, results
 from kvlab.parse import OneLineParser, UsageError, token_list, yaml_load
 from kvlab.params import (RUN_DIR_IS_SET, Parameter, check_names, coerce, find_notebook,
                           list_notebooks, notebooks_dir, parse_params, runnable_parameters)
@@ -261,7 +261,12 @@ def execute(notebook: Path, params: Mapping, run_dir: str | os.PathLike | None =
     notebook = Path(notebook)
     study = paths.check_study(paths.study_of(notebook))
     folder = Path(run_dir).expanduser().resolve() if run_dir else results.new_run_dir(study)
-    folder.mkdir(parents=True, exist_ok=True)
+    if run_dir:  # claimed here, before the kernel starts, and handed on to it (KVLAB_CLAIM): one run a folder
+        try:
+            claims.claim(folder, "--run-dir", set_aside=results.set_aside_stopped)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+    token = (claims.held(folder) or {}).get("token", "")
     results.set_aside_stopped(folder)  # an earlier attempt that stopped here: its files kept apart, not mixed in
     output = folder / notebook.name
     invocation = dict(invocation or {"argv": sys.argv})
@@ -275,7 +280,7 @@ def execute(notebook: Path, params: Mapping, run_dir: str | os.PathLike | None =
     for name in _PAPERMILL_LOGGERS:
         logging.getLogger(name).addFilter(quiet)
     with _environment(KVLAB_BATCH="1", KVLAB_INVOCATION=json.dumps(invocation),
-                      PYTHONPATH=python_path):
+                      PYTHONPATH=python_path, **{claims.ENV: token}):
         try:
             nbexec.execute_notebook(
                 str(notebook), str(output), parameters={**params, "run_dir": str(folder)},

@@ -32,7 +32,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from . import paths
+from . import claims, paths
 
 __all__ = ["CODE_PATTERNS", "PUBLISHABLE", "git_state", "code_paths", "tree_hash", "commit_hash", "code_diff",
            "rebuilt_hash", "status", "drawing", "short", "add_arguments", "run_args"]
@@ -305,7 +305,10 @@ def run_args(args) -> int:
         record = paths.read_json(f)
         st, detail = status(record, d)
         bad += st not in PUBLISHABLE
-        ran = record.get("status")
+        ran = record.get("status") if isinstance(record, dict) else "unreadable"
+        if ran == "running":  # its claim says whether the process that writes it is still there
+            c = claims.held(d)
+            ran = ("running" if claims.alive(c) else "killed: its process is gone") if c else "running, or killed"
         print(f"{st:<11} {d}  {detail}" + ("" if ran == "finished" else f" (the run itself: {ran}, not a result)"))
     if args.check and bad:
         print(f"{bad} of {len(dirs)} runs cannot be reconstructed")

@@ -33,7 +33,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from . import __version__, devices, goals, paths, provenance
+from . import __version__, claims, devices, goals, paths, provenance
 
 RUN_JSON = "run.json"
 STOPPED = "STOPPED.txt"  # written into a run folder whose notebook failed or was interrupted
@@ -97,6 +97,7 @@ def new_run_dir(study: str) -> Path:
             path.mkdir()
         except FileExistsError:
             continue
+        claims.claim(path)  # a new folder: ours, and marked so before anything else is written
         return path
     raise RuntimeError(f"could not find a free run folder for {base} under {parent}")
 
@@ -332,7 +333,9 @@ def start(study: str, params: Mapping, run_dir: str | os.PathLike = "") -> Run:
         path = new_run_dir(study)
     else:
         path = Path(run_dir).expanduser().resolve()
-        path.mkdir(parents=True, exist_ok=True)
+        if not claims.owns(path):  # kvlab run claimed it for this kernel already, and handed the claim on
+            check_run_folder(path)
+            claims.claim(path, set_aside=set_aside_stopped)
         set_aside_stopped(path)
 
     argv, invocation = _invocation()
@@ -408,21 +411,52 @@ def check_run_folder(folder: str | os.PathLike, flag: str = "--run-dir") -> None
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"{flag} {str(folder)!r} is a file, not a folder")
     record = folder / RUN_JSON
+    c = claims.held(folder) if folder.is_dir() else None
+    if c is not None and claims.alive(c) and not claims.owns(folder):
+        who = "a claim file kvlab cannot read" if c.get("unreadable") else f"process {c.get('pid')} on {c.get('host')}"
+        raise ValueError(f"{flag} {str(folder)!r} is being written by another run ({who}); give another folder — two "
+                         "runs in one folder would overwrite each other's tables")
     if record.is_file():
         try:
             earlier = json.loads(record.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
-            earlier = {"status": "unreadable"}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            earlier = None
+        if not isinstance(earlier, dict):  # truncated (a full disk), or JSON that is not a record: never taken over
+            raise ValueError(f"{flag} {str(folder)!r} holds a run.json that cannot be read as a run's record; kvlab "
+                             "does not take such a folder over: give another folder (or move that one away first)")
         status = earlier.get("status")
         if status == "finished":
             raise ValueError(f"{flag} {str(folder)!r} holds a finished run; give a new folder (or delete that one "
                              "first) — kvlab does not overwrite a result")
-        if status == "running" and (pid := _live_writer(earlier)) is not None:
+        if status == "running" and c is None and (pid := _live_writer(earlier)) is not None:
             raise ValueError(f"{flag} {str(folder)!r} holds a run still in progress (process {pid} on this host); "
                              "give another folder — two runs in one folder overwrite each other's tables")
     elif folder.is_dir() and any(folder.iterdir()) and not (folder / STOPPED).is_file():
         raise ValueError(f"{flag} {str(folder)!r} is a folder with other files in it and no run.json; give a new "
                          "or empty folder")
+
+
+def run_state(folder: str | os.PathLike) -> str:
+    """What a run folder is: "finished", "failed", "running" (its process is alive), "killed" (run.json says running
+    and the process that claimed the folder, or started the run, is gone: a SIGKILL, a reboot), "stopped" (a
+    STOPPED.txt and no run.json), "unreadable" (a run.json that is not a run's record) or "none" (no run)."""
+    folder = Path(folder)
+    meta = folder / RUN_JSON
+    if not meta.is_file():
+        return "stopped" if (folder / STOPPED).is_file() else "none"
+    try:
+        record = paths.read_json(meta)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return "unreadable"
+    if not isinstance(record, dict):
+        return "unreadable"
+    status = record.get("status")
+    if status != "running":
+        return status if status in ("finished", "failed") else "unreadable"
+    c = claims.held(folder)
+    if c is not None:
+        return "running" if claims.alive(c) else "killed"
+    return "running" if _live_writer(record) is not None or record.get("pid") == os.getpid() else "killed"
 
 
 def _live_writer(record: dict) -> int | None:
@@ -445,17 +479,30 @@ def _live_writer(record: dict) -> int | None:
 
 
 def set_aside_stopped(folder: str | os.PathLike) -> Path | None:
-    """A folder whose earlier run stopped (STOPPED.txt) is about to hold a new run: the earlier attempt's files move
-    into `stopped-<UTC time>/` inside it, so the new run's tables never mix with a partial run's and nothing is
-    deleted. Returns that subfolder (None when there was nothing to set aside)."""
+    """A folder whose earlier run stopped (STOPPED.txt, or a claim whose process is gone: a run killed without a
+    word) is about to hold a new run: the earlier attempt's files move into `stopped-<UTC time>/` inside it, so the
+    new run's tables never mix with a partial run's and nothing is deleted; a killed attempt's files get a
+    STOPPED.txt there saying so. The stale claim moves first, by one atomic rename, so of two runs taking the folder
+    over at once only one sets it aside. Returns that subfolder (None when there was nothing to set aside)."""
     folder = Path(folder)
-    if not (folder / STOPPED).is_file():
+    c = claims.held(folder)
+    killed = c is not None and not claims.alive(c)
+    if not killed and not (folder / STOPPED).is_file():
         return None
     aside = folder / f"stopped-{_utc_now().strftime('%Y%m%d-%H%M%S')}"
     aside.mkdir(exist_ok=True)
-    for p in list(folder.iterdir()):
-        if p != aside and not p.name.startswith("stopped-"):
+    if killed:
+        try:
+            (folder / claims.CLAIM).rename(aside / claims.CLAIM)
+        except FileNotFoundError:  # another run took the folder over first
+            aside.rmdir() if not any(aside.iterdir()) else None
+            return None
+    for p in list(folder.iterdir()):  # the live claim, if any, is the new run's: it stays
+        if p != aside and not p.name.startswith("stopped-") and p.name != claims.CLAIM:
             p.rename(aside / p.name)
+    if killed and not (aside / STOPPED).is_file():
+        (aside / STOPPED).write_text(stopped_text(aside, "the run", f"its process {c.get('pid')} was gone: killed"),
+                                     encoding="utf-8")
     return aside
 
 
