@@ -246,11 +246,13 @@ class Run:
         if any(level is not None for level in df.index.names):
             df = df.reset_index()
         path = self.dir / (f"{stem}.csv.gz" if compress else f"{stem}.csv")
-        df.to_csv(path, index=False, compression="gzip" if compress else None)
+        # gzip without a timestamp, so the same table gives the same bytes (and sha256)
+        df.to_csv(path, index=False, compression={"method": "gzip", "mtime": 0} if compress else None)
         self._record.setdefault("tables", {})[stem] = {
             "file": path.name,
             "rows": int(len(df)),
             "columns": [str(c) for c in df.columns],
+            "sha256": _sha256(path),  # what every reader checks the file against (`load`)
         }
         self._write()
         return path
@@ -656,15 +658,69 @@ def latest(study: str, gpu: bool = True) -> Path:
     return found[0]
 
 
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class DamagedTable(ValueError):
+    """A run's table is not what its run.json recorded (cut short, edited, replaced): its readers refuse it."""
+
+
+def verify_table(run_dir: Path, name: str, entry: dict, df) -> str:
+    """Check table `name` of a run against its run.json entry: its sha256 where the run recorded one, else (a run
+    from before tables were hashed) its rows and columns. Returns how it was checked ("sha256" | "rows and
+    columns"); DamagedTable naming the file and what differs otherwise."""
+    file = Path(run_dir) / str(entry.get("file", f"{name}.csv"))
+    digest = entry.get("sha256")
+    if digest:
+        got = _sha256(file)
+        if got != digest:
+            raise DamagedTable(f"{file}: its sha256 is {got[:12]}…, run.json recorded {digest[:12]}… — the table was "
+                               "changed or cut short after the run wrote it; kvlab does not read it")
+        return "sha256"
+    rows, cols = entry.get("rows"), entry.get("columns")
+    if rows is not None and int(rows) != len(df):
+        raise DamagedTable(f"{file}: {len(df):,} rows, run.json recorded {int(rows):,} — the table was cut short or "
+                           "changed after the run wrote it; kvlab does not read it")
+    if cols is not None and [str(c) for c in df.columns] != [str(c) for c in cols]:
+        raise DamagedTable(f"{file}: its columns are not the {len(cols)} run.json recorded; kvlab does not read it")
+    return "rows and columns"
+
+
 def load(run_dir: str | os.PathLike) -> tuple[dict, dict]:
     """``(record, tables)`` of a run: run.json as a dict, and ``{name: DataFrame}`` for every
-    ``<name>.csv`` and ``<name>.csv.gz`` in the run folder."""
+    ``<name>.csv`` and ``<name>.csv.gz`` in the run folder. Every table run.json lists is checked against it first
+    (`verify_table`: its sha256, or for older runs its rows and columns): a table cut short, edited or missing is a
+    DamagedTable (one line, naming the file), never read as if whole."""
     import pandas as pd
 
     path = Path(run_dir)
     meta = path / RUN_JSON
     if not meta.is_file():
         raise FileNotFoundError(f"{path} is not a run folder: it has no {RUN_JSON}")
-    tables = {csv.name.removesuffix(".gz").removesuffix(".csv"): pd.read_csv(csv)
-              for csv in sorted([*path.glob("*.csv"), *path.glob("*.csv.gz")])}
-    return paths.read_json(meta), tables
+    record = paths.read_json(meta)
+    if not isinstance(record, dict):
+        raise ValueError(f"{meta}: not a run's record (a JSON object)")
+    listed = record.get("tables") if isinstance(record.get("tables"), dict) else {}
+    tables = {}
+    for csv in sorted([*path.glob("*.csv"), *path.glob("*.csv.gz")]):
+        name = csv.name.removesuffix(".gz").removesuffix(".csv")
+        entry = listed.get(name)
+        if entry is not None and entry.get("sha256"):
+            verify_table(path, name, entry, None)  # before pandas reads it: a gzip cut short is refused by hash
+        try:
+            tables[name] = pd.read_csv(csv)
+        except (EOFError, OSError, UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as err:
+            raise DamagedTable(f"{csv}: cannot be read as a table ({type(err).__name__}: {str(err)[:120]})") from None
+        if entry is not None and not entry.get("sha256"):
+            verify_table(path, name, entry, tables[name])
+    missing = [n for n, e in listed.items() if n not in tables and isinstance(e, dict)]
+    if missing:
+        raise DamagedTable(f"{path}: run.json lists table(s) {', '.join(missing)}, which are not in the folder")
+    return record, tables
