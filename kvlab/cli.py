@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from kvlab import __version__, claims, paths, results
-from kvlab.parse import OneLineParser, UsageError, token_list, yaml_load
+from kvlab.parse import MAX_YAML_BYTES, OneLineParser, UsageError, token_list, yaml_load
 from kvlab.params import (RUN_DIR_IS_SET, Parameter, check_names, coerce, find_notebook,
                           list_notebooks, notebooks_dir, parse_params, runnable_parameters)
 from kvlab.units import fmt_bytes
@@ -467,6 +467,16 @@ A failed notebook does not stop the rest; the exit code is 1 if any failed. `mak
 MAX_GRID_POINTS = 10_000  # each point is a notebook run: more is a typing mistake, and expanding it could fill memory
 
 
+def _no_repeated_keys(path):
+    def hook(pairs):
+        keys = [k for k, _ in pairs]
+        dup = next((k for k in keys if keys.count(k) > 1), None)
+        if dup is not None:
+            raise ValueError(f"grid file {path}: key {dup!r} is given twice; give each key once")
+        return dict(pairs)
+    return hook
+
+
 def load_grid(path: str | os.PathLike) -> list[dict]:
     """The points of a sweep grid file (YAML, or JSON for a ``.json`` file).
 
@@ -474,16 +484,24 @@ def load_grid(path: str | os.PathLike) -> list[dict]:
     list of mappings (one point each). A value that is itself a list is written as a list of lists:
     ``contexts: [[1024], [1024, 4096]]`` is two points.
     """
-    import yaml
-
     path = Path(path)
     if not path.is_file():
-        raise UsageError(f"grid file {str(path)!r} does not exist")
-    text = path.read_text(encoding="utf-8")
+        raise UsageError(f"grid file {str(path)!r} does not exist (or is not a regular file)")
+    if path.stat().st_size > MAX_YAML_BYTES:
+        raise UsageError(f"grid file {path} is {path.stat().st_size:,} bytes; a grid is at most {MAX_YAML_BYTES:,}")
     try:
-        grid = json.loads(text) if path.suffix == ".json" else yaml_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as err:
-        raise UsageError(f"grid file {path} cannot be parsed: {err}") from None
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"grid file {path} is not text (UTF-8)") from None
+    try:
+        if path.suffix == ".json":
+            grid = json.loads(text, object_pairs_hook=_no_repeated_keys(path))
+        else:
+            grid = yaml_load(text, f"grid file {path}")
+    except json.JSONDecodeError as err:
+        raise UsageError(f"grid file {path} is not valid JSON ({err.msg} at line {err.lineno})") from None
+    except (ValueError, RecursionError) as err:  # YAMLInputError, a repeated key, nesting too deep
+        raise UsageError(str(err) if str(err).startswith("grid file") else f"grid file {path}: {err}") from None
     forms = ("a mapping of parameter name to a list of values (every combination), or a list of "
              "mappings (one point each)")
     if isinstance(grid, dict):

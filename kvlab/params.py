@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from . import paths
-from .parse import UsageError, yaml_load
+from .parse import UsageError, YAMLInputError, yaml_load
 
 __all__ = ["UsageError", "Parameter", "parameter_cells", "parse_parameter_cell", "notebook_parameters",
            "runnable_parameters", "coerce", "check_names", "parse_params", "notebooks_dir", "list_notebooks",
@@ -94,6 +94,9 @@ def notebook_parameters(path: str | os.PathLike) -> dict[str, Parameter]:
     cells = parameter_cells(nb)
     if not cells:
         return {}
+    if len(cells) > 1:  # papermill injects after the first, so the second would win in the kernel, unrecorded
+        raise UsageError(f"{Path(path).name} has {len(cells)} cells tagged parameters; a notebook has exactly one "
+                         "(remove the tag from the others)")
     return parse_parameter_cell(cells[0].source, f"the parameters cell of {Path(path).name}")
 
 
@@ -197,8 +200,6 @@ def parse_params(pairs, declared: Mapping[str, Parameter], notebook: str) -> dic
     """``-p NAME VALUE`` pairs → ``{name: value}``: names checked against ``declared``, values
     parsed as YAML (``-p contexts "[1024, 4096]"`` gives a list) and checked against the
     annotations."""
-    import yaml
-
     check_names([name for name, _ in pairs], declared, notebook)
     values = {}
     for name, raw in pairs:
@@ -206,13 +207,10 @@ def parse_params(pairs, declared: Mapping[str, Parameter], notebook: str) -> dic
             values[name] = raw
             continue
         try:
-            value = yaml_load(raw)
-        except yaml.YAMLError as err:
-            where = getattr(err, "problem_mark", None)
-            what = getattr(err, "problem", None) or str(err).splitlines()[0]
-            at = f" at column {where.column + 1}" if where is not None else ""
-            raise UsageError(f"-p {name} {raw!r} is not valid YAML ({what}{at}); a list is written "
-                             "[1024, 4096] or 1024,4096") from None
+            value = yaml_load(raw, f"-p {name} {raw!r}")
+        except YAMLInputError as err:
+            hint = "; a list is written [1024, 4096] or 1024,4096" if "not valid YAML" in str(err) else ""
+            raise UsageError(f"{err}{hint}") from None
         values[name] = coerce(declared[name], value, raw)
     return values
 

@@ -12,7 +12,8 @@ import argparse
 import difflib
 import re
 
-__all__ = ["UsageError", "name_list", "token_list", "suggest", "yaml_load", "OneLineParser"]
+__all__ = ["UsageError", "name_list", "token_list", "suggest", "yaml_load", "YAMLInputError", "MAX_YAML_BYTES",
+           "OneLineParser"]
 
 
 class UsageError(Exception):
@@ -60,20 +61,72 @@ def suggest(name: str, known) -> str:
     return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
-def yaml_load(text: str):
-    """YAML as a user means it: only true/false are booleans. PyYAML follows YAML 1.1, where on/off/yes/no are too,
-    so a grid's `attribution: [off]` became the text "False" (issue 16)."""
+MAX_YAML_BYTES = 1 << 20  # a parameter value or a sweep grid: larger is not typed by a person
+MAX_YAML_DEPTH = 32
+
+
+class YAMLInputError(ValueError):
+    """YAML that kvlab does not take: not valid, too large or deep, with anchors or aliases, or a key twice."""
+
+
+def yaml_load(text: str, where: str = "YAML"):
+    """YAML as a user means it: only true/false are booleans (PyYAML follows YAML 1.1, where on/off/yes/no are too,
+    so a grid's `attribution: [off]` became the text "False", issue 16); no anchors or aliases (a 600-byte grid of
+    nested aliases expanded into 138 MB of error text); a key given twice is refused, not silently the last; at most
+    MAX_YAML_BYTES of text and MAX_YAML_DEPTH levels. Anything else is a YAMLInputError naming `where` and the line."""
     import yaml
 
+    if not isinstance(text, str):
+        raise YAMLInputError(f"{where}: expected text, got {type(text).__name__}")
+    if len(text.encode("utf-8", "replace")) > MAX_YAML_BYTES:
+        raise YAMLInputError(f"{where}: {len(text):,} characters of YAML; kvlab takes at most {MAX_YAML_BYTES:,} bytes")
+
     class Loader(yaml.SafeLoader):
-        pass
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent) or getattr(self.peek_event(), "anchor", None):
+                mark = self.peek_event().start_mark
+                raise YAMLInputError(f"{where}: line {mark.line + 1}: YAML anchors and aliases (&x, *x) are not "
+                                     "accepted; write each value out")
+            self._depth = getattr(self, "_depth", 0) + 1
+            try:
+                if self._depth > MAX_YAML_DEPTH:
+                    mark = self.peek_event().start_mark
+                    raise YAMLInputError(f"{where}: line {mark.line + 1}: nested deeper than {MAX_YAML_DEPTH} levels")
+                return super().compose_node(parent, index)
+            finally:
+                self._depth -= 1
+
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    dup = key in seen
+                    seen.add(key)
+                except TypeError:
+                    raise YAMLInputError(f"{where}: line {key_node.start_mark.line + 1}: a key must be a plain value, "
+                                         f"not {type(key).__name__}") from None
+                if dup:
+                    raise YAMLInputError(f"{where}: line {key_node.start_mark.line + 1}: key {key!r} is given twice; "
+                                         "give each key once")
+            return super().construct_mapping(node, deep)
 
     Loader.yaml_implicit_resolvers = {
         k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
         for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
     Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
                                  list("tTfF"))
-    return yaml.load(text, Loader=Loader)
+    try:
+        return yaml.load(text, Loader=Loader)
+    except YAMLInputError:
+        raise
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        what = getattr(err, "problem", None) or str(err).splitlines()[0]
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise YAMLInputError(f"{where} is not valid YAML ({what}{at})") from None
+    except (RecursionError, ValueError, OverflowError) as err:  # a number too large for a float, deep recursion
+        raise YAMLInputError(f"{where}: cannot be read ({type(err).__name__}: {str(err)[:80]})") from None
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -259,3 +259,46 @@ def test_a_folder_a_live_run_is_writing_is_refused(tmp_path):
     results.check_run_folder(folder, "--out")  # its process is gone (killed without a word): the folder may be reused
     run = results.start("calculator", {}, tmp_path / "mine")
     assert json.loads((tmp_path / "mine" / "run.json").read_text())["pid"] == run._record["pid"]
+
+
+# --------------------------------------------------------------------------------- issue 26: YAML and notebooks
+
+
+@pytest.mark.parametrize("text, says", [
+    ("contexts: [1024]\ncontexts: [4096]\n", "key 'contexts' is given twice"),
+    ("a: &x [1, 2]\nb: [*x, *x]\n", "anchors and aliases"),
+    ("x: " + "[" * 40 + "]" * 40 + "\n", "nested deeper than"),
+    ("x: [1, 2\n", "is not valid YAML"),
+])
+def test_a_grid_kvlab_cannot_take_is_refused_in_one_line(tmp_path, text, says):
+    from kvlab import cli
+
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(text)
+    with pytest.raises(cli.UsageError, match=says) as err:
+        cli.load_grid(grid)
+    assert "\n" not in str(err.value) and str(grid) in str(err.value)
+
+
+def test_a_json_grid_with_a_repeated_key_is_refused(tmp_path):
+    from kvlab import cli
+
+    grid = tmp_path / "grid.json"
+    grid.write_text('{"policy": ["eager"], "policy": ["deadline"]}')
+    with pytest.raises(cli.UsageError, match="key 'policy' is given twice"):
+        cli.load_grid(grid)
+
+
+def test_a_notebook_with_two_parameters_cells_is_refused(tmp_path, make_notebook):
+    import nbformat
+
+    from kvlab import params
+
+    nb_path = make_notebook(tmp_path / "02_two.ipynb", 'x: int = 1  # one\nrun_dir: str = ""  # the folder\n')
+    nb = nbformat.read(str(nb_path), as_version=4)
+    second = nbformat.v4.new_code_cell("x: int = 2  # again")
+    second.metadata["tags"] = ["parameters"]
+    nb.cells.append(second)
+    nbformat.write(nb, str(nb_path))
+    with pytest.raises(params.UsageError, match="has 2 cells tagged parameters; a notebook has exactly one"):
+        params.notebook_parameters(nb_path)

@@ -397,7 +397,7 @@ def write(path: Path, text: str) -> Path:
     ("[]\n", "empty list"),
     ("- 3\n", "not a mapping"),
     ("just text\n", "holds str"),
-    ("size: [1, 2\n", "cannot be parsed"),
+    ("size: [1, 2\n", "is not valid YAML"),
     ("- {run_dir: /tmp}\n", "--run-dir"),
 ])
 def test_sweep_validates_every_point_before_running(toy_project, kvlab_dirs, tmp_path, capsys,
