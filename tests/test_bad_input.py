@@ -302,3 +302,64 @@ def test_a_notebook_with_two_parameters_cells_is_refused(tmp_path, make_notebook
     nbformat.write(nb, str(nb_path))
     with pytest.raises(params.UsageError, match="has 2 cells tagged parameters; a notebook has exactly one"):
         params.notebook_parameters(nb_path)
+
+
+# --------------------------------------------------------------------------------- issue 26: traces
+
+
+def _trace(tmp_path, events) -> Path:
+    import json as _json
+
+    path = tmp_path / "t.json"
+    path.write_text(_json.dumps({"traceEvents": events}))
+    return path
+
+
+def test_a_fifo_or_a_device_is_refused_not_waited_on(tmp_path):
+    import os
+
+    from kvlab.tracefmt import TraceError, load_kineto
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for where in (fifo, Path("/dev/zero")):
+        with pytest.raises(TraceError, match="is not a regular file"):
+            load_kineto(where)
+
+
+def test_a_gzip_bomb_stops_at_the_limit(tmp_path, monkeypatch):
+    import gzip
+
+    from kvlab.tracefmt import TraceError, load_kineto
+
+    bomb = tmp_path / "bomb.json.gz"
+    bomb.write_bytes(gzip.compress(b" " * (64 << 20)))  # 64 MiB of spaces in about 64 KiB
+    monkeypatch.setenv("KVLAB_MAX_TRACE_BYTES", str(8 << 20))
+    with pytest.raises(TraceError, match="inflates to more than 8,388,608 bytes"):
+        load_kineto(bomb)
+    cut = tmp_path / "cut.json.gz"
+    cut.write_bytes(gzip.compress(b'{"traceEvents": []}')[:-6])
+    with pytest.raises(TraceError, match="is truncated"):
+        load_kineto(cut)
+
+
+@pytest.mark.parametrize("event, says", [
+    ({"ph": "X", "cat": "kernel", "name": "k", "ts": 1e300, "dur": 1}, "beyond any clock"),
+    ({"ph": "X", "cat": "kernel", "name": "k", "ts": "soon", "dur": 1}, "gives both as numbers"),
+])
+def test_times_no_clock_can_hold_are_named(tmp_path, event, says):
+    from kvlab.tracefmt import TraceError, load_kineto
+
+    with pytest.raises(TraceError, match=says):
+        load_kineto(_trace(tmp_path, [event]))
+
+
+def test_a_list_for_args_and_deep_nesting_do_not_crash(tmp_path):
+    from kvlab.tracefmt import TraceError, load_kineto
+
+    ok = load_kineto(_trace(tmp_path, [{"ph": "X", "cat": "kernel", "name": "k", "ts": 1, "dur": 2, "args": [1, 2]}]))
+    assert len(ok) == 1
+    deep = tmp_path / "deep.json"
+    deep.write_text('{"traceEvents": ' + "[" * 100000 + "]" * 100000 + "}")
+    with pytest.raises(TraceError, match="nests too deep|not a Kineto"):
+        load_kineto(deep)

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 import zlib
 from pathlib import Path
@@ -31,21 +32,61 @@ _KINETO_KIND = {
 _MEMCPY_NAME_RE = re.compile(r"^Memcpy\s+([A-Za-z]to[A-Za-z])\b")
 
 
+# a trace kvlab reads at most this many bytes, compressed or not (a 32k prefill's Kineto export is a few hundred
+# MB; a gzip bomb of 1 MB would otherwise inflate to tens of GB); KVLAB_MAX_TRACE_BYTES raises it
+MAX_TRACE_BYTES = 4 << 30
+
+
+def _max_bytes() -> int:
+    raw = os.environ.get("KVLAB_MAX_TRACE_BYTES", "").strip()
+    if not raw:
+        return MAX_TRACE_BYTES
+    try:
+        n = int(raw)
+    except ValueError:
+        raise TraceError(f"KVLAB_MAX_TRACE_BYTES = {raw!r}: give a number of bytes > 0") from None
+    if n <= 0:
+        raise TraceError(f"KVLAB_MAX_TRACE_BYTES = {raw!r}: give a number of bytes > 0")
+    return n
+
+
 def _read_bytes(path: Path) -> bytes:
+    """The trace's bytes, gunzipped as they stream in: only a regular file (a FIFO or a device would block or never
+    end), and at most MAX_TRACE_BYTES of it before or after decompression."""
     if not path.exists():
         raise FileNotFoundError(f"no trace at {path}")
     if path.is_dir():
         raise TraceError(f"{path} is a directory, not a trace file")
-    raw = path.read_bytes()
-    if raw[:2] == b"\x1f\x8b":
-        try:
-            return gzip.decompress(raw)
-        except EOFError:
-            raise TraceError(f"{path} is truncated: the gzip stream ends before its end marker "
-                             "(was the trace still being written?)") from None
-        except (OSError, zlib.error) as e:
-            raise TraceError(f"{path} looks gzip-compressed but cannot be read: {e}") from None
-    return raw
+    if not stat.S_ISREG(path.stat().st_mode):
+        raise TraceError(f"{path} is not a regular file (a pipe, a device or a socket): give a trace file")
+    limit = _max_bytes()
+    if path.stat().st_size > limit:
+        raise TraceError(f"{path} is {path.stat().st_size:,} bytes; kvlab reads traces of at most {limit:,} "
+                         "(KVLAB_MAX_TRACE_BYTES raises it)")
+    with open(path, "rb") as f:
+        raw = f.read(limit + 1)
+    if raw[:2] != b"\x1f\x8b":
+        return raw
+    out, d = bytearray(), zlib.decompressobj(16 + zlib.MAX_WBITS)
+    data = raw
+    try:
+        while data:
+            out += d.decompress(data, limit + 1 - len(out))
+            if len(out) > limit:
+                raise TraceError(f"{path} inflates to more than {limit:,} bytes; kvlab stops there "
+                                 "(KVLAB_MAX_TRACE_BYTES raises it)")
+            data = d.unconsumed_tail
+            if d.eof:
+                break
+    except zlib.error as e:
+        raise TraceError(f"{path} looks gzip-compressed but cannot be read: {e}") from None
+    if not d.eof:
+        raise TraceError(f"{path} is truncated: the gzip stream ends before its end marker "
+                         "(was the trace still being written?)")
+    return bytes(out)
+
+
+_NS_LIMIT = 2 ** 63 // 2  # a time in ns whose sums still fit the table's int64 columns
 
 
 def _ns(value) -> int:
@@ -90,6 +131,8 @@ def load_kineto(path: str | os.PathLike) -> pd.DataFrame:
                          f"(starts with {text[:20]!r}); expected a .json or .json.gz from torch.profiler")
     try:
         doc = json.loads(text, parse_float=decimal.Decimal)
+    except RecursionError:
+        raise TraceError(f"{path} is not a Kineto/Chrome trace: its JSON nests too deep to read") from None
     except json.JSONDecodeError as e:
         # an export cut short (a killed process, a partial copy) stops mid-structure: it does not end
         # with the closing bracket, or the parser ran out of text
@@ -120,12 +163,15 @@ def load_kineto(path: str | os.PathLike) -> pd.DataFrame:
         if "ts" not in e or "dur" not in e:
             continue
         kind = _KINETO_KIND[cat]
-        args = e.get("args") or {}
+        args = e.get("args") if isinstance(e.get("args"), dict) else {}
         try:
             start, dur = _ns(e["ts"]), _ns(e["dur"])
-        except (decimal.InvalidOperation, TypeError, ValueError):
-            raise TraceError(f"{path}: event {str(e.get('name', ''))[:60]!r} has ts={e['ts']!r}, dur={e['dur']!r}; "
-                             "a Kineto trace gives both as numbers of µs") from None
+        except (decimal.InvalidOperation, TypeError, ValueError, OverflowError):
+            raise TraceError(f"{path}: event {str(e.get('name', ''))[:60]!r} has ts={str(e['ts'])[:30]}, "
+                             f"dur={str(e['dur'])[:30]}; a Kineto trace gives both as numbers of µs") from None
+        if not (abs(start) < _NS_LIMIT and abs(dur) < _NS_LIMIT):
+            raise TraceError(f"{path}: event {str(e.get('name', ''))[:60]!r} has ts={str(e['ts'])[:30]} µs, "
+                             f"dur={str(e['dur'])[:30]} µs: beyond any clock (at most about 292 years in ns)")
         if dur < 0:  # a broken trace: say so rather than clamp it to zero and draw a wrong timeline
             raise TraceError(f"{path}: event {str(e.get('name', ''))[:60]!r} has a negative duration "
                              f"(dur={e['dur']!r} µs); the trace is corrupt")
