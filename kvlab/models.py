@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -285,6 +286,9 @@ def _first(cfg: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
     return None
 
 
+_MAX_CONFIG_BYTES = 16 << 20  # a config.json is kilobytes; more is not a config
+
+
 def _to_dict(x: Any) -> tuple[dict[str, Any], str]:
     """Normalise the accepted inputs to (config dict, where it came from)."""
     if isinstance(x, ModelSpec):
@@ -298,10 +302,15 @@ def _to_dict(x: Any) -> tuple[dict[str, Any], str]:
         if not p.is_file():
             raise ValueError(f"config path {str(x)!r}: no such file (expected a config.json or a "
                              "directory holding one)")
+        if p.stat().st_size > _MAX_CONFIG_BYTES:
+            raise ValueError(f"config file {str(p)!r} is {p.stat().st_size:,} bytes; a config.json is at most "
+                             f"{_MAX_CONFIG_BYTES:,}")
         try:
-            d = json.loads(p.read_text())
+            d = json.loads(p.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
-            raise ValueError(f"config file {str(p)!r} is not valid JSON: {e}") from e
+            raise ValueError(f"config file {str(p)!r} is not valid JSON: {e}") from None
+        except (RecursionError, UnicodeDecodeError) as e:
+            raise ValueError(f"config file {str(p)!r} cannot be read as a config ({type(e).__name__})") from None
         if not isinstance(d, dict):
             raise ValueError(f"config file {str(p)!r} holds a {type(d).__name__}, not a JSON "
                              "object")
@@ -576,11 +585,22 @@ def from_hf_config(x: Any, *, name: str | None = None, source: str | None = None
     if missing:
         raise ValueError(f"model config ({where}) is missing required field(s): "
                          f"{', '.join(missing)}")
+    if not isinstance(cfg["model_type"], str):
+        raise ValueError(f"model config ({where}): model_type={cfg['model_type']!r} must be a string such as 'qwen2'")
+    if cfg.get("tie_word_embeddings") is not None and not isinstance(cfg["tie_word_embeddings"], bool):
+        raise ValueError(f"model config ({where}): tie_word_embeddings={cfg['tie_word_embeddings']!r} must be true "
+                         "or false (JSON booleans)")
+    for key in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"):
+        v = cfg.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1):
+            raise ValueError(f"model config ({where}): {key}={v!r} must be a number in (0, 1) (a norm's epsilon; "
+                             "anything else gives NaN or meaningless logits)")
 
     def as_int(key_or_keys: str | tuple[str, ...]) -> int:
         keys = (key_or_keys,) if isinstance(key_or_keys, str) else key_or_keys
         v = _first(cfg, keys)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v or v < 1:
+        if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or int(v) != v
+                or v < 1):
             raise ValueError(f"model config ({where}): {keys[0]}={v!r} must be a positive integer")
         return int(v)
 
@@ -612,6 +632,7 @@ def from_hf_config(x: Any, *, name: str | None = None, source: str | None = None
         kv_lora_rank = rope_dim = None
 
     _refuse_hybrid(cfg)
+    inter = as_int("intermediate_size" if cfg.get("intermediate_size") is not None else "moe_intermediate_size")
     window, sliding_layers = _sliding(_with_layer_types(cfg, where), layers)
     total, active = param_count(cfg)
     how = "params: computed from the config"
@@ -622,7 +643,8 @@ def from_hf_config(x: Any, *, name: str | None = None, source: str | None = None
     elif active_params is not None:
         active = int(active_params)
 
-    max_pos = cfg.get("max_position_embeddings") or cfg.get("n_positions")
+    max_pos = (as_int(("max_position_embeddings", "n_positions"))
+               if _first(cfg, ("max_position_embeddings", "n_positions")) is not None else None)
     spec_name = name or cfg.get("_name_or_path") or cfg["model_type"]
     return ModelSpec(
         name=spec_name,
@@ -632,7 +654,7 @@ def from_hf_config(x: Any, *, name: str | None = None, source: str | None = None
         heads=heads,
         kv_heads=kv_heads,
         head_dim=head_dim,
-        intermediate_size=int(cfg.get("intermediate_size") or cfg.get("moe_intermediate_size")),
+        intermediate_size=inter,
         vocab_size=vocab,
         params=total,
         active_params=active,
@@ -641,7 +663,7 @@ def from_hf_config(x: Any, *, name: str | None = None, source: str | None = None
         qk_rope_head_dim=rope_dim,
         sliding_window=window,
         sliding_layers=sliding_layers,
-        max_positions=int(max_pos) if max_pos else None,
+        max_positions=max_pos,
         source=source if source is not None else f"{where}; {how}",
         hf_config=cfg,
     )

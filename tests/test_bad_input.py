@@ -363,3 +363,37 @@ def test_a_list_for_args_and_deep_nesting_do_not_crash(tmp_path):
     deep.write_text('{"traceEvents": ' + "[" * 100000 + "]" * 100000 + "}")
     with pytest.raises(TraceError, match="nests too deep|not a Kineto"):
         load_kineto(deep)
+
+
+# --------------------------------------------------------------------------------- issue 26: config.json
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"intermediate_size": 1.5}, "intermediate_size=1.5 must be a positive integer"),
+    ({"intermediate_size": True}, "intermediate_size=True must be a positive integer"),
+    ({"intermediate_size": 0}, "intermediate_size=0 must be a positive integer"),
+    ({"tie_word_embeddings": "no"}, "tie_word_embeddings='no' must be true or false"),
+    ({"model_type": ["qwen2"]}, "model_type=\\['qwen2'\\] must be a string"),
+    ({"rms_norm_eps": -1}, "rms_norm_eps=-1 must be a number in \\(0, 1\\)"),
+    ({"max_position_embeddings": 1e400}, "max_position_embeddings=inf must be a positive integer"),
+    ({"num_hidden_layers": float("inf")}, "num_hidden_layers=inf must be a positive integer"),
+])
+def test_a_config_value_kvlab_would_misread_is_refused_by_name(tmp_path, change, says):
+    import json as _json
+
+    from kvlab import models
+
+    cfg = dict(models.get("kvlab-tiny").hf_config, **change)
+    path = tmp_path / "config.json"
+    path.write_text(_json.dumps(cfg))  # Infinity as JSON writes it
+    with pytest.raises(ValueError, match=says):
+        models.from_hf_config(path)
+
+
+def test_a_config_nested_past_any_config_is_refused(tmp_path):
+    from kvlab import models
+
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "qwen2", "x": ' + "[" * 100000 + "]" * 100000 + "}")
+    with pytest.raises(ValueError, match="cannot be read as a config"):
+        models.from_hf_config(path)
