@@ -834,8 +834,20 @@ def model_ref(value, what: str = "model") -> str:
 
 
 def check_weights(value, what: str = "weights") -> None:
-    """'random', a local checkpoint folder or a hub id (org/name); else ValueError naming the value."""
+    """'random', a local checkpoint folder, or a hub id (org/name) already in this machine's Hugging Face cache — kvlab
+    loads weights offline, so an id it would have to download is refused here, before a run folder exists, rather
+    than in the workers; else ValueError naming the value."""
     v = str(value).strip()
-    if v == "random" or Path(v).expanduser().is_dir() or ("/" in v and not Path(v).exists() and v.count("/") == 1):
+    if v == "random" or Path(v).expanduser().is_dir():
         return
-    raise ValueError(f"weights = {v!r}: give 'random', a local checkpoint folder, or a hub id such as org/name")
+    if "/" in v and not Path(v).exists() and v.count("/") == 1:
+        try:
+            from huggingface_hub import snapshot_download
+
+            snapshot_download(v, local_files_only=True)
+            return
+        except Exception as err:  # noqa: BLE001 - not cached (LocalEntryNotFoundError), or not a valid repo id
+            raise ValueError(f"{what} = {v!r}: not in this machine's Hugging Face cache ({type(err).__name__}); "
+                             "kvlab loads weights offline: give a local checkpoint folder, or download it "
+                             "first") from None
+    raise ValueError(f"{what} = {v!r}: give 'random', a local checkpoint folder, or a hub id such as org/name")

@@ -397,3 +397,21 @@ def test_a_config_nested_past_any_config_is_refused(tmp_path):
     path.write_text('{"model_type": "qwen2", "x": ' + "[" * 100000 + "]" * 100000 + "}")
     with pytest.raises(ValueError, match="cannot be read as a config"):
         models.from_hf_config(path)
+
+
+# --------------------------------------------------------------------------------- issue 26: checked before a folder
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"seed": 2**64}, "seed = 18446744073709551616: give an int ≥ 0 and ≤ 4,294,967,295"),
+    ({"decode_tokens": 10**9}, "decode-tokens = 1000000000: give an int ≥ 1 and ≤ 4,096"),
+    ({"decode_tokens": 2000, "contexts": (4096,)}, "decode-tokens = 2000: the longest context"),
+    ({"weights": "nobody/no-such-model-kvlab"}, "not in this machine's Hugging Face cache"),
+    ({"repeats": 10**7}, "repeats = 10000000: give an int ≥ 1 and ≤ 100,000"),
+])
+def test_disagg_values_that_would_fail_in_the_workers_are_refused_first(change, says, tmp_path):
+    from kvlab import disagg
+
+    with pytest.raises(ValueError, match=says):
+        disagg.check(disagg.DisaggConfig(**change))
+    assert not (tmp_path / "data").exists()

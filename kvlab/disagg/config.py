@@ -126,6 +126,7 @@ def _device_ok(name: str, what: str) -> None:
 _MAX_BLOCK = 4096  # tokens a block: past it a pool is mostly padding (1,000,000 made 244 MiB of a 12 KiB cache)
 _MAX_WAIT_S = 86400.0  # a deadline longer than a day is a typo (and past what the control store's timer takes)
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(DisaggConfig)}
+_MAX_DECODE_TOKENS = 4096  # a correctness check decodes 20; thousands more only take time
 
 
 def _differs(value, default) -> bool:
@@ -155,11 +156,15 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
         if len(set(items)) != len(items):
             raise ValueError(f"{what} lists {list(items)} with a repeat; give each once")
     cfg.kv_dtype = kv_dtype_name(cfg.kv_dtype)
-    for name, low in (("block_size", 1), ("repeats", 1), ("warmup", 0), ("decode_tokens", 1),
-                      ("bench_repeats", 3), ("seed", 0), ("threads", 0)):
+    # every count between a floor and a ceiling: past the ceiling is a typing mistake that would otherwise fail in the
+    # workers, after the run folder exists (a seed past 2**32 - 1 is refused by numpy's generators there)
+    for name, low, high in (("block_size", 1, None), ("repeats", 1, 100_000), ("warmup", 0, 10_000),
+                            ("decode_tokens", 1, _MAX_DECODE_TOKENS), ("bench_repeats", 3, 100_000),
+                            ("seed", 0, 2**32 - 1), ("threads", 0, 4096)):
         v = getattr(cfg, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise ValueError(f"{name.replace('_', '-')} = {v!r}: give an int ≥ {low}")
+        if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
+            raise ValueError(f"{name.replace('_', '-')} = {v!r}: give an int ≥ {low}"
+                             + (f" and ≤ {high:,}" if high is not None else ""))
     if not isinstance(cfg.port, int) or not 0 <= cfg.port <= 65535:
         raise ValueError(f"port = {cfg.port!r}: give 0 (a free port) or 1 … 65535")
     for what, v in (("timeout", cfg.timeout_s), ("fault-timeout", cfg.fault_timeout_s)):
@@ -170,6 +175,10 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
     if cfg.weights == "random" and spec.max_positions and longest > spec.max_positions:  # a checkpoint: its own
         raise ValueError(f"context = {longest}: longer than {cfg.model}'s {spec.max_positions} positions "
                          "(max_position_embeddings); give at most that")
+    if cfg.weights == "random" and spec.max_positions and longest + cfg.decode_tokens > spec.max_positions:
+        raise ValueError(f"decode-tokens = {cfg.decode_tokens}: the longest context ({longest}) and the tokens decoded "
+                         f"after it need {longest + cfg.decode_tokens} positions, past {cfg.model}'s "
+                         f"{spec.max_positions}; give at most {max(spec.max_positions - longest, 0)}")
     if "paged" in cfg.layouts and cfg.block_size > _MAX_BLOCK:  # one partial block is fine; a million-token one
         raise ValueError(f"block-size = {cfg.block_size}: give at most {_MAX_BLOCK} tokens a block (serving engines "
                          "use 16 to 256)")
