@@ -35,6 +35,7 @@ import json
 import logging
 import math
 import os
+import reprlib
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -493,8 +494,13 @@ def load_grid(path: str | os.PathLike) -> list[dict]:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise UsageError(f"grid file {path} is not text (UTF-8)") from None
+    return parse_grid(text, path, as_json=path.suffix == ".json")
+
+
+def parse_grid(text: str, path: str | os.PathLike = "grid", as_json: bool = False) -> list[dict]:
+    """`load_grid` of a grid's text: its points, or a one-line UsageError naming `path`."""
     try:
-        if path.suffix == ".json":
+        if as_json:
             grid = json.loads(text, object_pairs_hook=_no_repeated_keys(path))
         else:
             grid = yaml_load(text, f"grid file {path}")
@@ -510,8 +516,8 @@ def load_grid(path: str | os.PathLike) -> list[dict]:
         for name, values in grid.items():
             if not isinstance(values, list) or not values:
                 raise UsageError(
-                    f"grid {path}: {name!r} must map to a non-empty list of values, got "
-                    f"{values!r}; write e.g. {name}: [{values!r}]")
+                    f"grid {path}: {reprlib.repr(name)} must map to a non-empty list of values, got "
+                    f"{reprlib.repr(values)}; write e.g. {reprlib.repr(name)}: [{reprlib.repr(values)}]")
         names = list(grid)
         size = 1
         for values in grid.values():
@@ -524,9 +530,11 @@ def load_grid(path: str | os.PathLike) -> list[dict]:
     if isinstance(grid, list):
         if not grid:
             raise UsageError(f"grid file {path} is an empty list; write {forms}")
+        if len(grid) > MAX_GRID_POINTS:
+            raise UsageError(f"grid {path} lists {len(grid):,} points; kvlab sweep takes at most {MAX_GRID_POINTS:,}")
         for i, point in enumerate(grid):
             if not isinstance(point, dict):
-                raise UsageError(f"grid {path}: point {i} is {point!r}, not a mapping of "
+                raise UsageError(f"grid {path}: point {i} is {reprlib.repr(point)}, not a mapping of "
                                  "parameter name to value")
         return [{str(n): v for n, v in point.items()} for point in grid]
     raise UsageError(f"grid file {path} holds {type(grid).__name__}; write {forms}")
@@ -542,9 +550,11 @@ def check_points(points: list[dict], declared: Mapping[str, Parameter],
             check_names([str(n) for n in point], declared, notebook)
             checked.append({n: coerce(declared[n], v) for n, v in point.items()})
         except UsageError as err:
-            problems.append(f"point {i} {point}: {err}")
+            problems.append(f"point {i} {reprlib.repr(point)}: {err}")
     if problems:
-        raise UsageError("the grid has points the notebook cannot take:\n" + "\n".join(problems))
+        more = f"\n… and {len(problems) - 10:,} more" if len(problems) > 10 else ""
+        raise UsageError(f"the grid has {len(problems):,} point(s) the notebook cannot take:\n"
+                         + "\n".join(problems[:10]) + more)
     return checked
 
 

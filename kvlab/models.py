@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import reprlib
 import os
 import re
 from collections.abc import Mapping
@@ -402,10 +403,14 @@ def _sliding(cfg: Mapping[str, Any], layers: int) -> tuple[int | None, tuple[int
       4. otherwise a non-null ``sliding_window`` applies to every layer (Mistral v0.1).
     """
     window = cfg.get("sliding_window")
-    if window is not None and not isinstance(window, bool) and isinstance(window, (int, float)) and window < 0:
-        raise ValueError(f"sliding_window = {window!r}: a window is a positive number of tokens (0 or null: none)")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, (int, float))
+                               or not math.isfinite(window) or window < 0 or int(window) != window):
+        raise ValueError(f"sliding_window = {window!r}: a window is a whole number of tokens ≥ 0 (0 or null: none)")
     layer_types = cfg.get("layer_types")
     if layer_types is not None:
+        if not isinstance(layer_types, (list, tuple)) or not all(isinstance(t, str) for t in layer_types):
+            raise ValueError(f"layer_types = {reprlib.repr(layer_types)}: give a list of layer kinds such as "
+                             "'full_attention', one per layer")
         if len(layer_types) != layers:
             raise ValueError(f"layer_types has {len(layer_types)} entries for {layers} layers")
         other = sorted({str(t) for t in layer_types} - {"full_attention", "sliding_attention"})
@@ -429,7 +434,9 @@ def _sliding(cfg: Mapping[str, Any], layers: int) -> tuple[int | None, tuple[int
     if "use_sliding_window" in cfg:
         if not cfg["use_sliding_window"]:
             return None, ()
-        first = int(cfg.get("max_window_layers", 0) or 0)
+        first = cfg.get("max_window_layers", 0) or 0
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise ValueError(f"max_window_layers = {first!r}: give a whole number of layers ≥ 0")
         idx = tuple(range(first, layers))
         return (int(window) if idx else None), idx
     return int(window), tuple(range(layers))

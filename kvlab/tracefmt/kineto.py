@@ -9,6 +9,7 @@ import gzip
 import json
 import os
 import re
+import reprlib
 import shutil
 import stat
 import tempfile
@@ -19,7 +20,7 @@ import pandas as pd
 
 from .events import COPY_KINDS, GPU_KINDS, TraceError, attribute_ranges, make_table
 
-__all__ = ["load_kineto", "capture", "profiler_range", "native_stderr_muted"]
+__all__ = ["load_kineto", "parse_kineto", "capture", "profiler_range", "native_stderr_muted"]
 
 # ============================================================================== Kineto traces
 
@@ -123,7 +124,11 @@ def load_kineto(path: str | os.PathLike) -> pd.DataFrame:
     is not a trace (no "traceEvents"), or a trace without a single event of those categories.
     """
     path = Path(path)
-    raw = _read_bytes(path)
+    return parse_kineto(_read_bytes(path), path)
+
+
+def parse_kineto(raw: bytes, path: str | os.PathLike = "the trace") -> pd.DataFrame:
+    """`load_kineto` of a trace's (uncompressed) bytes already in memory; `path` names it in errors."""
     text = raw.decode("utf-8", errors="replace")
     head = text.lstrip()[:1]
     if head not in ("{", "["):
@@ -167,11 +172,11 @@ def load_kineto(path: str | os.PathLike) -> pd.DataFrame:
         try:
             start, dur = _ns(e["ts"]), _ns(e["dur"])
         except (decimal.InvalidOperation, TypeError, ValueError, OverflowError):
-            raise TraceError(f"{path}: event {str(e.get('name', ''))[:60]!r} has ts={str(e['ts'])[:30]}, "
-                             f"dur={str(e['dur'])[:30]}; a Kineto trace gives both as numbers of µs") from None
+            raise TraceError(f"{path}: event {str(e.get('name', ''))[:60]!r} has ts={reprlib.repr(e['ts'])}, "
+                             f"dur={reprlib.repr(e['dur'])}; a Kineto trace gives both as numbers of µs") from None
         if not (abs(start) < _NS_LIMIT and abs(dur) < _NS_LIMIT):
-            raise TraceError(f"{path}: event {str(e.get('name', ''))[:60]!r} has ts={str(e['ts'])[:30]} µs, "
-                             f"dur={str(e['dur'])[:30]} µs: beyond any clock (at most about 292 years in ns)")
+            raise TraceError(f"{path}: event {str(e.get('name', ''))[:60]!r} has ts={reprlib.repr(e['ts'])} µs, "
+                             f"dur={reprlib.repr(e['dur'])} µs: beyond any clock (at most about 292 years in ns)")
         if dur < 0:  # a broken trace: say so rather than clamp it to zero and draw a wrong timeline
             raise TraceError(f"{path}: event {str(e.get('name', ''))[:60]!r} has a negative duration "
                              f"(dur={e['dur']!r} µs); the trace is corrupt")
