@@ -30,8 +30,7 @@ __all__ = ["analyse", "STUDIES", "FIGURES", "add_arguments", "run_args"]
 
 STUDIES = ("overlap_timeline", "handoff", "paged_transfer", "link_ceilings", "disagg", "swapin")
 # the figures each study's analysis can draw (which of them it draws depends on the run's tables)
-FIGURES = {"overlap_timeline": ("decomposition", "event_timeline", "patterns", "clock_timeline"),
-           "handoff": ("handoff_ttft",), "paged_transfer": ("gbps_vs_block_size", "access_patterns"),
+FIGURES = {"handoff": ("handoff_ttft",), "paged_transfer": ("gbps_vs_block_size", "access_patterns"),
            "disagg": ("disagg_ttft",), "swapin": ("swapin_pct",)}
 
 
@@ -99,81 +98,6 @@ class _Out:
         return self.dir
 
 
-def _prefill_gpu(record: dict) -> int:
-    """The prefill GPU's index from run.json (its resolved device, or the pattern run's first GPU)."""
-    meta = record.get("patterns_meta") or {}
-    if meta.get("gpus"):
-        return int(meta["gpus"][0])
-    dev = str((record.get("resolved") or {}).get("device", "cuda:0"))
-    return int(dev.split(":")[1]) if ":" in dev else 0
-
-
-def _overlap_timeline(run: Path, record: dict, tables: dict, out: _Out) -> None:
-    from . import clocks, overlap, overlap_report, plots
-
-    plots.style()
-    walls = _need(tables, run, "walls")
-    timeline = tables.get("timeline")
-    samples = tables.get("clock_samples")
-    kept = record.get("analysed_repeat")
-    gpu = _prefill_gpu(record)
-    totals = None
-    if timeline is not None and kept is not None and "variant" in timeline.columns:
-        co = timeline[timeline.variant == "colocated"].drop(columns="variant")
-        lw = timeline[timeline.variant == "layerwise"].drop(columns="variant")
-        if overlap.has_gpu_activity(lw):
-            w = walls[walls.traced & (walls["repeat"] == kept)].set_index("variant")
-            kw = {}
-            if samples is not None and len(samples) and "t0_ns" in walls.columns:
-                kw = dict(clock_co=overlap.clock_on_trace(samples, gpu, int(w.t0_ns["colocated"]), co),
-                          clock_lw=overlap.clock_on_trace(samples, gpu, int(w.t0_ns["layerwise"]), lw))
-            dec = overlap.decompose(co, lw, ceiling_gbps=record.get("ceiling_gbps"),
-                                    wall_co_ns=int(round(w.wall_ms["colocated"] * 1e6)),
-                                    wall_lw_ns=int(round(w.wall_ms["layerwise"] * 1e6)), **kw)
-            backlog = overlap_report.backlog_comparison(dec, layer_copy_ms=record.get("layer_copy_ms"))
-            out.table(dec.summary(), "decomposition")
-            out.table(dec.segments, "segments")
-            out.table(overlap.causes(dec), "causes")
-            out.table(backlog, "backlog")
-            out.meta["decomposition_totals"] = {k: v for k, v in dec.totals.items() if not isinstance(v, tuple)}
-            totals = dec.totals
-            out.meta["findings"] += overlap.findings(dec, backlog)
-            res = record.get("resolved") or {}
-            # the notebook's title: the model and the context are in `resolved` (run.json has no top-level context)
-            ax = overlap_report.decomposition_chart(dec, title=f"Δ time per layer vs colocated: {res.get('model', '')}, "
-                                                        f"{int(res.get('context', 0)):,} tokens → "
-                                                        f"{record.get('destination_label', '')}")
-            out.figure(ax.figure, "decomposition")
-    layers = tables.get("event_layers")
-    if layers is not None and len(layers):
-        res = record.get("resolved") or {}
-        out.figure(overlap_report.event_gantt(
-            layers, overlap_report.prefill_end_of(layers),
-            title=f"{res.get('model', '')}, {int(res.get('context', 0)):,} tokens → {record.get('destination_label', '')}: "
-                  "per-layer timeline from CUDA events (no profiler)"), "event_timeline")
-    goal_table = overlap_report.goals(overlap_report.goal_summary(overlap_report.tracing_overhead(walls), totals,
-                                                                  tables.get("event_overhead")))
-    out.table(goal_table, "goals")
-    rounds = tables.get("pattern_rounds")
-    if rounds is not None and len(rounds):
-        meta = record.get("patterns_meta") or {}
-        summ = clocks.pattern_summary(rounds)
-        out.table(summ, "patterns")
-        out.meta["findings"] += clocks.pattern_findings(summ, meta)
-        ctx = meta.get("context", "")
-        out.figure(clocks.plot_patterns(summ, title=f"{ctx:,} tokens → {meta.get('destination', '')}: what each send "
-                                                    "pattern costs prefill, beside what its SM clock predicts"
-                                        if isinstance(ctx, int) else ""), "patterns")
-        ps = tables.get("pattern_samples")
-        tl = tables.get("pattern_timeline")
-        if ps is not None and len(ps):
-            out.figure(clocks.plot_clock_timeline(ps, rounds, tl if tl is not None else pd.DataFrame(),
-                                                  gpu=gpu,
-                                                  title=f"{ctx:,} tokens: the prefill GPU's SM clock and power, "
-                                                        f"colocated vs every layer to the peer"
-                                                  if isinstance(ctx, int) else ""), "clock_timeline")
-
-
 def _handoff(run: Path, record: dict, tables: dict, out: _Out) -> None:
     from . import handoff_report, plots
 
@@ -235,7 +159,7 @@ def _swapin(run: Path, record: dict, tables: dict, out: _Out) -> None:
     out.figure(fig, "swapin_pct")
 
 
-_DISPATCH = {"overlap_timeline": _overlap_timeline, "handoff": _handoff, "paged_transfer": _paged,
+_DISPATCH = {"handoff": _handoff, "paged_transfer": _paged,
              "disagg": _disagg, "swapin": _swapin}
 
 
@@ -285,6 +209,8 @@ def analyse(run_dir, out: str | Path | None = None, publish: bool = False, suffi
             o.table(a.goals, "goals")
         o.meta["findings"] += a.findings
         o.meta["values"] = a.values
+        # the run.json fields the analysis adds (e.g. decomposition_totals), as its run would keep them
+        o.meta.update({k: v for k, v in a.fields.items() if k not in o.meta})
         plots.style()
         for name, fig in face.figures(a).items():
             o.figure(fig, name)

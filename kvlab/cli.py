@@ -771,9 +771,9 @@ def _cmd_provenance(args) -> int:
 def _cmd_trace(args) -> int:
     """Take or read a timeline into kvlab's events table. Where Nsight Systems cannot make a report,
     it says so: torch.profiler (kvlab.tracefmt.capture, notebook 03) is the path that always works."""
-    from kvlab import trace
+    from kvlab.tracefmt import command
 
-    return trace.trace_main(args.rest or ["--help"])
+    return command.trace_main(args.rest or ["--help"])
 
 
 @subcommand(

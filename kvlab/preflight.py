@@ -37,12 +37,6 @@ def _destinations(value, what="destinations"):
                              "'pageable'") from None
 
 
-def _one(items: list, value, what: str):
-    if len(items) != 1:
-        raise ValueError(f"{what} = {value!r}: give one value, not {len(items)} (this notebook takes a single {what})")
-    return items
-
-
 def _policy(value, what="policy"):
     from .sends import check_policy
 
@@ -97,16 +91,6 @@ def _layout(value, what="layout"):
     check_layout(value)
 
 
-def _patterns(value, what="patterns"):
-    from .clocks import PATTERNS
-
-    if str(value) == "off":
-        return
-    for p in [x.strip() for x in str(value).split(";") if x.strip()]:
-        if p not in PATTERNS:
-            raise ValueError(f"{what}: unknown pattern {p!r}; valid: {', '.join(PATTERNS)}{suggest(p, PATTERNS)}")
-
-
 def _model_names(value, what="models"):
     if value == "all":
         return
@@ -142,11 +126,6 @@ CHECKS: dict[str, dict[str, Callable]] = {
                 "attribution": _choice("auto", "off"), "ceiling_sizes": _sizes, "repeats": _int_at_least(1),
                 "warmup": _int_at_least(0), "decode_tokens": _int_at_least(1), "interleave": _int_at_least(1),
                 "interleave_short": _int_at_least(1), "attribution_rounds": _int_at_least(1)},
-    "overlap_timeline": {"model": lambda v, w: models.model_ref(v, w), "context": lambda v, w: _one(token_list(v, w, 2), v, w),
-                         "destination": lambda v, w: (_one(name_list(v, w), v, w), _destinations(v, w)), "transport": _choice("copy"),
-                         "send_mode": _choice("auto", "event"), "repeats": _int_at_least(1),
-                         "events": _choice("auto", "off"), "event_rounds": _int_at_least(1), "patterns": _patterns,
-                         "pattern_rounds": _int_at_least(1)},
     "paged_transfer": {"contexts": lambda v, w: token_list(v, w, 1), "block_sizes": lambda v, w: token_list(v, w, 1),
                        "methods": _methods, "destinations": _destinations, "layout": _layout,
                        "pool_layout": _choice("nhd", "hnd"), "repeats": _int_at_least(1), "warmup": _int_at_least(0),

@@ -81,9 +81,6 @@ _LEGACY = {
     ("handoff", "attribution"): lambda runs, labels: report_legacy.attribution(runs[0]),
     ("handoff", "goals_side_by_side"): lambda runs, labels: report_legacy.goals_side_by_side(
         {f"{label} ({run.split('/')[1].split('-')[1]})": run for run, label in zip(runs, labels)}),
-    ("overlap_timeline", "patterns"): lambda runs, labels: report_legacy.patterns(runs[0]),
-    ("overlap_timeline", "event_overhead"): lambda runs, labels: report_legacy.event_overhead(runs),
-    ("overlap_timeline", "runs"): lambda runs, labels: report_legacy.overlap_runs(runs),
     ("paged_transfer", "table"): lambda runs, labels: report_legacy.paged(runs[0]),
     ("paged_transfer", "access_patterns"): lambda runs, labels: report_legacy.access_patterns(runs[0]),
     ("disagg", "ttft"): lambda runs, labels: report_legacy.disagg(runs),

@@ -102,23 +102,6 @@ def policies(eager: str, deadline: str, deadline_32k: str) -> str:
     return _md(pd.DataFrame(rows))
 
 
-def patterns(path: str) -> str:
-    from . import clocks
-
-    s = clocks.pattern_summary(_table(path, "pattern_rounds"))
-    order = {v: i for i, v in enumerate(clocks.PATTERNS)}
-    s = s[s.variant != "colocated"].sort_values("variant", key=lambda v: v.map(order))
-    out = pd.DataFrame({
-        "sent during prefill": s.variant,
-        "extra prefill ms [95 % interval]": [f"{a:+.1f} [{lo:+.1f}, {hi:+.1f}]" for a, lo, hi in
-                                             zip(s.extra_ms, s.extra_lo_ms, s.extra_hi_ms)],
-        "GPU 0 SM clock vs colocated": [f"{-x:+.0f} MHz" for x in s.clock_drop_mhz],
-        "the clock alone predicts ms": [f"{a:+.1f} [{lo:+.1f}, {hi:+.1f}]" for a, lo, hi in
-                                        zip(s.clock_pred_ms, s.clock_pred_lo_ms, s.clock_pred_hi_ms)],
-        "NVLink GB out of GPU 0": s.nvlink_tx_gb.map(lambda v: _s(v, ".2f"))})
-    return _md(out)
-
-
 def paged(path: str) -> str:
     from . import paged_report
 
@@ -160,51 +143,6 @@ def access_patterns(path: str) -> str:
                         "% of contiguous copy": s.pct_of_contiguous.map(lambda v: f"{v:.1f} %"),
                         "repeats": s.repeats, "tuned kernel": s.config.map(cfg)})
     return _md(out)
-
-
-def _params(record: dict) -> tuple:
-    r = record.get("resolved") or {}
-    p = record.get("parameters") or {}
-    ctx = r.get("context", p.get("context"))
-    dest = record.get("destination_label") or r.get("destination") or p.get("destination")
-    return ctx, dest
-
-
-def event_overhead(paths: list[str]) -> str:
-    rows = []
-    for path in paths:
-        record, _ = _run(path)
-        ctx, dest = _params(record)
-        ev = _table(path, "event_overhead").iloc[0]
-        base = float(ev.untimed_ms)
-        rows.append({"run": _link(path), "context": _ctx(ctx), "destination": dest,
-                     "prefill without events (ms)": f"{ev.untimed_ms:.1f}", "with events (ms)": f"{ev.evented_ms:.1f}",
-                     "events add, ms [95 % interval]": f"{ev.extra_ms:+.2f} [{ev.extra_ci_lo_ms:+.2f}, {ev.extra_ci_hi_ms:+.2f}]",
-                     "% of prefill [95 % interval]": (f"{100 * ev.extra_ms / base:.1f} % [{100 * ev.extra_ci_lo_ms / base:.1f}, "
-                                                      f"{100 * ev.extra_ci_hi_ms / base:.1f}]"),
-                     "rounds": int(ev.rounds)})
-    return _md(pd.DataFrame(rows))
-
-
-def overlap_runs(paths: list[str]) -> str:
-    rows = []
-    for path in paths:
-        record, _ = _run(path)
-        ctx, dest = _params(record)
-        dec = _table(path, "decomposition").set_index("term").ms
-        oh = _table(path, "overhead").set_index("variant")
-        dw = float(dec["Δwall"])
-        explained = 1 - abs(float(dec["unexplained remainder"])) / abs(dw) if dw else float("nan")
-        rows.append({"run": _link(path), "context": _ctx(ctx), "destination": dest,
-                     "send mode": record.get("send_mode") or (record.get("parameters") or {}).get("send_mode", "—"),
-                     "Δwall traced (ms)": f"{dw:+.2f}",
-                     "GPU idle gaps (ms)": f"{dec['GPU idle gaps (waiting for the host)']:+.2f}",
-                     "lead-in host (ms)": f"{dec['host work before the first kernel (lead-in)']:+.2f}",
-                     "kernels stretched in / out of copy windows (ms)": (
-                         f"{dec['kernels stretched inside copy windows']:+.2f} / {dec['kernels stretched outside copy windows']:+.2f}"),
-                     "explained": f"{100 * explained:.0f} %",
-                     "tracing overhead (colocated)": f"{oh.loc['colocated', 'overhead_pct']:.1f} %"})
-    return _md(pd.DataFrame(rows))
 
 
 def disagg(paths: list[str]) -> str:
@@ -410,7 +348,7 @@ def goals_side_by_side(runs: dict[str, str]) -> str:
 
 
 def goals_of(study: str, path: str) -> pd.DataFrame:
-    from . import goals, handoff_report, overlap_report, paged_report
+    from . import goals, handoff_report, paged_report
 
     if study == "disagg":
         from .disagg import report as dr
@@ -426,16 +364,7 @@ def goals_of(study: str, path: str) -> pd.DataFrame:
     elif study == "paged_transfer":
         g = paged_report.goals(_table(path, "results"))
     else:
-        walls = _table(path, "walls")
-        dec = _table(path, "decomposition").set_index("term").ms
-        totals = None
-        if "Δwall" in dec.index and dec["Δwall"]:
-            totals = {"explained_frac": 1 - abs(dec["unexplained remainder"]) / abs(dec["Δwall"])}
-        try:
-            events = _table(path, "event_overhead")
-        except FileNotFoundError:
-            events = None
-        g = overlap_report.goals(overlap_report.goal_summary(overlap_report.tracing_overhead(walls), totals, events))
+        raise ValueError(f"no goal table for study {study!r} here: a study of the one shape has its own goal_table")
     return g
 
 

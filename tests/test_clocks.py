@@ -1,5 +1,5 @@
-"""kvlab.clocks (NVML samples and the send-pattern experiment's analysis), the send policies of
-kvlab.sends.release_plan and the calculator's deadline, all on a CPU; the two-GPU runs are in
+"""kvlab.clocks (NVML samples), the send-pattern experiment's analysis (kvlab.studies.overlap_timeline), the send
+policies of kvlab.sends.release_plan and the calculator's deadline, all on a CPU; the two-GPU runs are in
 test_peer.py."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvlab import calculator, clocks, handoff, steps
+from kvlab.studies.overlap_timeline import pattern_report, patterns
 from kvlab.hooks import LayerHooks
 from kvlab.kvcache import KVBuffer, layout_for
 from kvlab.sends import release_plan
@@ -219,16 +220,16 @@ def _rounds(extra_ms: dict, clock: dict, n=9, base=1000.0, base_mhz=1600.0, seed
 def test_pattern_summary_sets_the_clock_beside_the_cost():
     # "peer" is 20 ms slower and its clock 2 % lower (which predicts ~20 ms); "pings" 5 ms slower, same clock
     rounds = _rounds({"peer": 20.4, "pings": 5.0}, {"peer": 1600 / 1.0204})
-    s = clocks.pattern_summary(rounds).set_index("variant")
+    s = pattern_report.pattern_summary(rounds).set_index("variant")
     assert s.loc["peer", "clock_pred_ms"] == pytest.approx(20.4, rel=0.02)
     assert s.loc["peer", "extra_lo_ms"] <= s.loc["peer", "extra_ms"] <= s.loc["peer", "extra_hi_ms"]
     assert abs(s.loc["peer", "extra_ms"] - 20.4) < 1.0
     assert s.loc["pings", "clock_pred_ms"] == 0 and s.loc["pings", "extra_ms"] == pytest.approx(5.0, abs=1.0)
     assert s.loc["colocated", "extra_ms"] == 0
     assert s.loc["peer", "nvlink_tx_gb"] == pytest.approx(1.024)
-    lines = clocks.pattern_findings(s.reset_index(), {"context": 32768})
+    lines = pattern_report.pattern_findings(s.reset_index(), {"context": 32768})
     assert lines[0].startswith("Colocated prefill at 32,768 tokens") and lines[1].startswith("peer: prefill +20")
-    fig = clocks.plot_patterns(s.reset_index())
+    fig = pattern_report.plot_patterns(s.reset_index())
     assert len(fig.axes[0].patches) == 4
     import matplotlib.pyplot as plt
 
@@ -243,7 +244,7 @@ def test_clock_timeline_figure_from_samples():
                             "power_capped": True, "nvlink_tx_kib": 0.0, "nvlink_rx_kib": 0.0})
     timeline = pd.DataFrame({"layer": [0, 1], "copy_start_ms": [10.0, 500.0], "copy_end_ms": [10.2, 500.2],
                              "prefill_ms": 1000.0})
-    fig = clocks.plot_clock_timeline(samples, rounds, timeline, gpu=0)
+    fig = pattern_report.plot_clock_timeline(samples, rounds, timeline, gpu=0)
     ticks, clock, power = fig.axes
     assert len(ticks.collections[0].get_segments()) == 2  # one tick per copy
     assert clock.get_ylabel() == "SM clock (MHz)" and power.get_ylabel() == "power (W)"
@@ -255,9 +256,9 @@ def test_clock_timeline_figure_from_samples():
 
 def test_send_patterns_refuses_a_cpu(tiny):
     with pytest.raises(ValueError, match="needs a CUDA prefill device"):
-        clocks.send_patterns(tiny, 16, device="cpu")
+        patterns.send_patterns(tiny, 16, device="cpu")
     with pytest.raises(ValueError, match="unknown send pattern"):
-        clocks.send_patterns(tiny, 16, variants=["peer, carrier pigeon"], device="cpu")
+        patterns.send_patterns(tiny, 16, variants=["peer, carrier pigeon"], device="cpu")
 
 
 @pytest.mark.parametrize("call, says", [

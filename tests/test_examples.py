@@ -34,7 +34,8 @@ def _help_examples() -> list[str]:
     import contextlib
     import io
 
-    from kvlab import cli, trace
+    from kvlab import cli
+    from kvlab.tracefmt import command
 
     found = []
     for argv in [[c, "--help"] for c in cli.command_names()] + [["trace", "load", "--help"],
@@ -42,7 +43,7 @@ def _help_examples() -> list[str]:
         out = io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
             if argv[0] == "trace" and len(argv) == 3:
-                trace.trace_main(argv[1:])
+                command.trace_main(argv[1:])
             else:
                 cli.main(argv)
         found += re.findall(r"^\s*Example: (kvlab .+?)\s*$", out.getvalue(), re.M)

@@ -1,4 +1,5 @@
-"""kvlab.overlap: the Δwall decomposition on synthetic two-layer timelines whose answer is known.
+"""The overlap study's decomposition (kvlab.studies.overlap_timeline): Δwall decomposed on synthetic two-layer
+timelines whose answer is known.
 
 The runs are written as Kineto traces (the categories and args torch.profiler emits) and read back with
 kvlab.tracefmt.load_kineto, so these tests go through the same path as a real GPU trace.
@@ -22,7 +23,12 @@ import pandas as pd
 import pytest
 import torch
 
-from kvlab import clocks, overlap, overlap_report, trace, tracefmt
+from kvlab import tracefmt
+from kvlab.studies import overlap_timeline as study
+from kvlab.studies.overlap_timeline import decomposition as overlap
+from kvlab.studies.overlap_timeline import events, trace
+from kvlab.studies.overlap_timeline import report as overlap_report
+from kvlab.studies.overlap_timeline.findings import causes, findings
 from kvlab.tracefmt import TraceError
 
 US = 1000  # ns
@@ -137,7 +143,7 @@ def test_lead_in_before_the_first_kernel_is_a_term_of_its_own(tmp_path):
     assert (t["lead_co_ns"], t["lead_lw_ns"], t["lead_ns"]) == (10 * US, 20 * US, 10 * US)
     assert t["delta_wall_ns"] == 31 * US and t["remainder_ns"] == 0
     assert d.segments.set_index("segment").loc["lead-in", "lead_ms"] == pytest.approx(0.010)
-    f = overlap.findings(d)
+    f = findings(d)
     assert f[2].startswith("Next: host work before the first kernel (lead-in) added 10 µs (32 % of Δwall); "
                            "prefill's first kernel started 20 µs after the start event, against 10 µs colocated.")
     # without measured walls the trace's own walls start at the first kernel: no lead-in term
@@ -192,7 +198,7 @@ def test_predicted_backlog_follows_the_calculator():
 def test_findings_rank_the_causes_from_the_numbers(tmp_path, pair):
     co, lw = pair
     d = overlap.decompose(co, lw, ceiling_gbps=200.0)
-    f = overlap.findings(d, overlap_report.backlog_comparison(d, layer_copy_ms=0.03))
+    f = findings(d, overlap_report.backlog_comparison(d, layer_copy_ms=0.03))
     assert f[0].startswith("Layer-wise prefill took 21 µs longer than colocated")
     assert f[1].startswith("The largest cause: exposed tail after the last kernel added 12 µs (57 % of Δwall)")
     assert f[2].startswith("Next: kernels stretched inside copy windows added 5.0 µs")
@@ -201,20 +207,20 @@ def test_findings_rank_the_causes_from_the_numbers(tmp_path, pair):
     assert "copy engine (DtoH)" in text and "50 % of the 200.0 GB/s ceiling" in text
     assert "started a median 0.5 µs after its layer's attention" in text
     d.layers["start_lag_ns"] = -13_100_000  # signalled from the cache: copies start while attention runs
-    assert "started a median 13.10 ms before its layer's attention finished" in " ".join(overlap.findings(d))
+    assert "started a median 13.10 ms before its layer's attention finished" in " ".join(findings(d))
     assert "from 6.0 µs at layer 0 to 22 µs at layer 1 (it rises by less than one layer copy" in text
     assert f[-1] == ("The decomposition explains 100 % of Δwall (walls taken from the trace, so the remainder only "
                      "shows what the matching missed); 0.0 µs is unexplained.")
     # a backlog that climbs by more than one layer's copy is called out as a slow link
     slow = pd.DataFrame({"layer": [0, 1, 2], "transfer_ms": [2.0] * 3, "measured_backlog_ms": [2.0, 4.5, 7.0],
                          "predicted_backlog_ms": [2.0, 4.0, 6.0]})
-    assert "the link is slower than compute" in " ".join(overlap.findings(d, slow))
+    assert "the link is slower than compute" in " ".join(findings(d, slow))
     # make the stretch the dominant term: a 30 µs slower MLP under copy0 (copy0 now ends after it)
     lw_gpu = LW_GPU[:3] + [(50, 105), (105, 115), (115, 126), (129, 149), (149, 159)]
     lw2 = run_events(tmp_path, "lw2", lw_gpu, [(51, 111, 3_000_000), (126, 160, 4_500_000)])
     d2 = overlap.decompose(co, lw2)
-    assert overlap.causes(d2).cause.iloc[0] == "kernels stretched inside copy windows"
-    assert overlap.findings(d2)[1].startswith("The largest cause: kernels stretched inside copy windows")
+    assert causes(d2).cause.iloc[0] == "kernels stretched inside copy windows"
+    assert findings(d2)[1].startswith("The largest cause: kernels stretched inside copy windows")
 
 
 def test_sequences_that_differ_are_refused(tmp_path, pair):
@@ -260,13 +266,13 @@ def test_copies_name_the_engine_and_fall_back_to_issue_order(tmp_path, pair):
     assert cp.engine.tolist() == ["SM", "SM"] and cp.layer_source.tolist() == ["range", "range"]
     d = overlap.decompose(co, sm)
     assert d.totals["engines"] == ["SM"]
-    assert "ran on the SM (kernels)" in " ".join(overlap.findings(d))
+    assert "ran on the SM (kernels)" in " ".join(findings(d))
     # a pageable send issues its copies from a worker thread, outside every send range
     worker = run_events(tmp_path, "worker", LW_GPU, LW_COPIES, copy_launch=(200, 201))
     cw = overlap.copies(worker)
     assert cw.layer.tolist() == [0, 1] and cw.layer_source.tolist() == ["order", "order"]
     dw = overlap.decompose(co, worker)
-    assert any("issue order" in s for s in overlap.findings(dw))
+    assert any("issue order" in s for s in findings(dw))
 
 
 def test_send_ranges_alone_split_the_layers(tmp_path, pair):
@@ -305,9 +311,10 @@ def test_figures_draw_gpu_and_cpu_timelines(tmp_path, pair):
     plt.close("all")
 
 
-def test_the_notebooks_gpu_branch_runs_on_a_synthetic_gpu_trace(tmp_path, pair):
-    """The notebook's cells after the measurement, executed against a synthetic GPU HandoffTrace: the
-    branch a CPU run never takes must not first fail on the H200."""
+def test_the_notebooks_gpu_branch_runs_on_a_synthetic_gpu_trace(tmp_path, pair, monkeypatch):
+    """The notebook's cells, executed with the study's measurement replaced by a synthetic GPU HandoffTrace and
+    event timeline and a GPU configuration: the branch a CPU run never takes must not first fail on the H200."""
+    import dataclasses
     from pathlib import Path
     from types import SimpleNamespace
 
@@ -315,8 +322,6 @@ def test_the_notebooks_gpu_branch_runs_on_a_synthetic_gpu_trace(tmp_path, pair):
 
     matplotlib.use("Agg")
     import nbformat
-
-    from kvlab import nbtools, plots, results
 
     co, lw = pair
     walls = pd.DataFrame([dict(variant=v, traced=t, repeat=0, wall_ms=w, prefill_ms=w, exposed_ms=0.0, t0_ns=t0)
@@ -328,24 +333,26 @@ def test_the_notebooks_gpu_branch_runs_on_a_synthetic_gpu_trace(tmp_path, pair):
                             device="cuda:0", layers=2, bytes_per_layer=3_000_000, kv_bytes=6_000_000,
                             ceiling_gbps=200.0, bulk_copy_ms=0.03, layer_copy_ms=0.03, kept=0,
                             extra={"send_mode": "flag", "clock_samples": samples})
-    fake_trace = SimpleNamespace(**{k: getattr(trace, k) for k in dir(trace) if not k.startswith("__")})
-    fake_trace.trace_handoff = lambda *a, **k: ht
-    layers = trace.event_table([0.05, 0.09], [0.051, 0.091], [0.081, 0.121], 0.12, 3_000_000)
-    ev_rounds = pd.DataFrame([dict(variant=v, round=0, prefill_ms=p, wall_ms=p)
+    layers = events.event_table([0.05, 0.09], [0.051, 0.091], [0.081, 0.121], 0.12, 3_000_000)
+    # three paired rounds, each 1 µs slower with the events (the analysis recomputes their cost from the rounds)
+    ev_rounds = pd.DataFrame([dict(variant=v, round=r, prefill_ms=p, wall_ms=p) for r in range(3)
                               for v, p in (("layer-wise", 0.118), ("layer-wise + events", 0.119))])
     overhead = pd.DataFrame([dict(untimed_ms=0.118, evented_ms=0.119, extra_ms=0.001, extra_ci_lo_ms=0.001,
-                                  extra_ci_hi_ms=0.001, overhead_pct=0.85, rounds=1)])
-    fake_trace.event_handoff = lambda *a, **k: trace.EventTimeline(ev_rounds, layers, overhead, 0.12,
-                                                                   "flag, signal from the cache", 3_000_000)
-    run = results.start("overlap_timeline", {"model": "synthetic"}, run_dir=str(tmp_path / "run"))
+                                  extra_ci_hi_ms=0.001, overhead_pct=0.85, rounds=3)])
+    monkeypatch.setattr(study, "trace_handoff", lambda *a, **k: ht)
+    monkeypatch.setattr(study, "event_handoff", lambda *a, **k: events.EventTimeline(
+        ev_rounds, layers, overhead, 0.12, "flag, signal from the cache", 3_000_000))
+    monkeypatch.setattr(study.models, "build", lambda *a, **k: SimpleNamespace(config=SimpleNamespace(num_hidden_layers=2)))
+    monkeypatch.setenv("KVLAB_PRESET", "cpu")
+    gpu = dataclasses.replace(study.check({}), model="synthetic", context=1024, destination="pinned", device="cuda",
+                              event_timeline=True, send_patterns=False)
+    monkeypatch.setattr(study, "check", lambda given: gpu)
     path = Path(__file__).resolve().parent.parent / "notebooks" / "03_overlap_timeline.ipynb"
     code = [c.source for c in nbformat.read(str(path), as_version=4).cells if c.cell_type == "code"]
-    ns = dict(trace=fake_trace, tracefmt=tracefmt, overlap=overlap, overlap_report=overlap_report, plots=plots, nbtools=nbtools, results=results, run=run,
-              lm=None, n_tokens=1024, dest="pinned", transport="copy", send_mode="auto", repeats=1,
-              device=torch.device("cuda"), events="auto", event_rounds=1, on_gpu=True, torch=torch, clocks=clocks,
-              clock_interval_ms=5.0, patterns="auto", pattern_list=None, pattern_rounds=9,
-              model_name="synthetic", Markdown=lambda s: s, display=lambda *a, **k: None)
-    for source in code[2:]:  # after the parameters and the set-up cell (which builds a model)
+    ns = {}
+    exec(compile(code[0], str(path), "exec"), ns)  # the parameters cell
+    ns["run_dir"] = str(tmp_path / "run")
+    for source in code[1:]:
         exec(compile(source, str(path), "exec"), ns)
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert record["status"] == "finished"
@@ -380,7 +387,7 @@ def test_a_lower_clock_takes_its_share_of_the_stretch(pair):
     assert d.segments.clock_ms.sum() == pytest.approx(0.010)
     summary = d.summary().set_index("term")
     assert summary.loc[overlap.CLOCK_TERM, "ms"] == pytest.approx(0.010)
-    assert overlap.causes(d).cause.iloc[1] == overlap.CLOCK_TERM  # second to the 12 µs tail
+    assert causes(d).cause.iloc[1] == overlap.CLOCK_TERM  # second to the 12 µs tail
     assert overlap_report.decomposition_chart(d).get_legend_handles_labels()[1][0] == "kernels, lower SM clock"
     # an unchanged clock explains nothing, and one clock without the other is refused
     same = overlap.decompose(co, lw, clock_co=clock_co, clock_lw=clock_co)

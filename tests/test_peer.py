@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab import clocks, handoff, handoff_report, steps
+from kvlab import handoff, handoff_report, steps
+from kvlab.studies.overlap_timeline import pattern_report, patterns
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -49,14 +50,14 @@ def test_peer_handoff_decodes_on_the_destination_gpu(tiny_gpu, policy):
 
 
 def test_send_patterns_run_on_two_gpus(tiny_gpu):
-    run = clocks.send_patterns(tiny_gpu, 128, "cuda:1", rounds=2, warmup=1, device="cuda:0", interval_ms=2.0)
-    assert set(run.rounds.variant) == set(clocks.PATTERNS)
+    run = patterns.send_patterns(tiny_gpu, 128, "cuda:1", rounds=2, warmup=1, device="cuda:0", interval_ms=2.0)
+    assert set(run.rounds.variant) == set(patterns.PATTERNS)
     assert (run.rounds.prefill_ms > 0).all() and run.rounds.groupby("variant").size().eq(2).all()
     sends = run.rounds[run.rounds.variant != "colocated"]
     assert sends.exposed_ms.notna().all()
     assert len(run.timeline) == 4 and (run.timeline.copy_end_ms >= run.timeline.copy_start_ms).all()
-    s = clocks.pattern_summary(run.rounds)
-    assert len(s) == len(clocks.PATTERNS)
+    s = pattern_report.pattern_summary(run.rounds)
+    assert len(s) == len(patterns.PATTERNS)
     if run.meta["nvml"]:
         assert (run.rounds.samples_g0 >= 0).all() and len(run.samples) > 0
 

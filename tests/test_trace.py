@@ -1,4 +1,5 @@
-"""kvlab.trace: reading Kineto and nsys timelines into one events table, capturing on a CPU, bad input.
+"""kvlab.tracefmt (and the overlap study's trace and events modules): reading Kineto and nsys timelines into one
+events table, capturing on a CPU, bad input.
 
 GPU-shaped traces are synthetic: written here with Kineto's real field names (categories kernel,
 gpu_memcpy, gpu_memset, cuda_runtime, user_annotation, gpu_user_annotation; args device / stream /
@@ -18,7 +19,9 @@ import pandas as pd
 import pytest
 import torch
 
-from kvlab import trace, tracefmt
+from kvlab import tracefmt
+from kvlab.studies.overlap_timeline import events, trace
+from kvlab.tracefmt.command import trace_main
 from kvlab.tracefmt import nsys
 from kvlab.tracefmt import TraceError
 
@@ -376,22 +379,22 @@ def test_run_nsys_with_no_nsys_anywhere(tmp_path, monkeypatch):
 
 def test_trace_main_load_and_errors(gpu_trace, tmp_path, capsys):
     csv = tmp_path / "ev.csv"
-    assert trace.trace_main(["load", str(gpu_trace), "--csv", str(csv)]) == 0
+    assert trace_main(["load", str(gpu_trace), "--csv", str(csv)]) == 0
     out = capsys.readouterr().out
     assert "memcpy" in out and "layers 0…1" in out
     assert len(pd.read_csv(csv)) == 18
     bad = tmp_path / "bad.json"
     bad.write_text("{\"traceEvents\": [")
-    assert trace.trace_main(["load", str(bad)]) == 2
+    assert trace_main(["load", str(bad)]) == 2
     assert "truncated" in capsys.readouterr().err
-    assert trace.trace_main(["nsys"]) == 2
+    assert trace_main(["nsys"]) == 2
     assert "give the command after --" in capsys.readouterr().err
-    assert trace.trace_main(["frobnicate"]) == 2
+    assert trace_main(["frobnicate"]) == 2
 
 
 def test_trace_main_nsys_unavailable_exit_code(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(nsys, "_find_nsys", lambda globs=(): None)
-    assert trace.trace_main(["nsys", "--out", str(tmp_path / "o"), "--", "python", "-c", "pass"]) == 3
+    assert trace_main(["nsys", "--out", str(tmp_path / "o"), "--", "python", "-c", "pass"]) == 3
     assert "torch.profiler" in capsys.readouterr().err
 
 
@@ -466,10 +469,10 @@ def test_trace_handoff_on_cpu_with_the_tiny_model(tmp_path, one_thread):
 
 
 def test_event_table_places_every_layer_from_event_times():
-    from kvlab import overlap_report
+    from kvlab.studies.overlap_timeline import report as overlap_report
 
     # 3 layers: signals at 10, 20, 30 ms; copies of 2 MB take 1 ms, the last lands after prefill's end (31 ms)
-    t = trace.event_table([10, 20, 30], [10.5, 20.2, 30.6], [11.5, 21.2, 31.6], 31.0, 2_000_000)
+    t = events.event_table([10, 20, 30], [10.5, 20.2, 30.6], [11.5, 21.2, 31.6], 31.0, 2_000_000)
     assert list(t.compute_ms) == [10, 10, 10]
     assert list(t.lag_ms.round(3)) == [0.5, 0.2, 0.6]
     assert list(t.gbps.round(1)) == [2.0, 2.0, 2.0]
@@ -477,7 +480,7 @@ def test_event_table_places_every_layer_from_event_times():
     fig = overlap_report.event_gantt(t, 31.0)
     assert fig.axes[0].get_xlabel().startswith("ms since the request started")
     with pytest.raises(ValueError, match="one time per layer"):
-        trace.event_table([1, 2], [1], [2], 3.0, 10)
+        events.event_table([1, 2], [1], [2], 3.0, 10)
 
 
 @pytest.fixture
@@ -488,18 +491,18 @@ def tiny_model():
 
 
 def test_event_handoff_is_gpu_only_and_refuses_bad_input(tiny_model):
-    et = trace.event_handoff(tiny_model, 16, "same-gpu", rounds=2, warmup=0, device="cpu")
+    et = events.event_handoff(tiny_model, 16, "same-gpu", rounds=2, warmup=0, device="cpu")
     assert et.rounds.empty and et.layers.empty
     with pytest.raises(ValueError, match="rounds"):
-        trace.event_handoff(tiny_model, 16, "same-gpu", rounds=0, device="cpu")
+        events.event_handoff(tiny_model, 16, "same-gpu", rounds=0, device="cpu")
     with pytest.raises(ValueError, match="unknown destination"):
-        trace.event_handoff(tiny_model, 16, "nvme", device="cpu")
+        events.event_handoff(tiny_model, 16, "nvme", device="cpu")
 
 
 @pytest.mark.gpu
 def test_gpu_event_handoff_measures_its_own_overhead(tiny_model):
     model = tiny_model.to(device="cuda", dtype=torch.bfloat16)
-    et = trace.event_handoff(model, 64, "pinned", rounds=3, warmup=1, device="cuda")
+    et = events.event_handoff(model, 64, "pinned", rounds=3, warmup=1, device="cuda")
     assert set(et.rounds.variant) == {"layer-wise", "layer-wise + events"} and len(et.rounds) == 6
     assert len(et.layers) == model.config.num_hidden_layers
     assert (et.layers.copy_ms > 0).all() and (et.layers.copy_start_ms >= 0).all()

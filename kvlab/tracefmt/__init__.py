@@ -2,7 +2,7 @@
 
 Seed 004 found layer-by-layer sending *worse* than one bulk copy at 32k tokens and could not say why;
 it needed a timeline. This package makes one and reads it into a pandas table that the overlap
-analysis (kvlab.overlap) works on, whichever tool recorded it:
+analysis (the overlap_timeline study's decomposition) works on, whichever tool recorded it:
 
     capture(fn)            torch.profiler (Kineto) around fn(): CPU ops, CUDA runtime calls, kernels,
                            memcpys, memsets and the hooks' ranges; exports a .json.gz Chrome/Perfetto
@@ -12,7 +12,8 @@ analysis (kvlab.overlap) works on, whichever tool recorded it:
                            (run_nsys, load_nsys_sqlite) — where nsys can make a report (on our H200 it
                            only writes a .qdstrm).
 
-The experiments that take such timelines (trace_handoff, event_handoff) live in kvlab.trace.
+The experiments that take such timelines (trace_handoff, event_handoff) live in kvlab.studies.overlap_timeline;
+`kvlab trace` (take or read a timeline, print its summary) is kvlab.tracefmt.command.
 
 The events table (one row per event; every time in integer nanoseconds, relative to the first event
 of the trace):

@@ -209,7 +209,7 @@ def host_layers(events: pd.DataFrame) -> pd.DataFrame:
 
 def check_events(events) -> None:
     if not isinstance(events, pd.DataFrame):
-        raise TypeError(f"events must be the DataFrame from kvlab.trace (capture / load_*), got {type(events).__name__}")
+        raise TypeError(f"events must be the DataFrame from kvlab.tracefmt (capture / load_*), got {type(events).__name__}")
     missing = [c for c in EVENT_COLUMNS if c not in events.columns]
     if missing:
         raise TraceError(f"not a kvlab events table: columns {missing} are missing "

@@ -1,6 +1,6 @@
 """What notebook 03 shows of a decomposed pair of timelines: the backlog against the calculator's pipelined
 model, the host-side view of a CPU trace, and the charts (Gantt lanes, decomposition bars, backlog, the
-per-layer event timeline). The decomposition itself is kvlab.overlap.
+per-layer event timeline). The decomposition itself is this package's decomposition module.
 """
 
 from __future__ import annotations
@@ -10,12 +10,15 @@ import math
 import numpy as np
 import pandas as pd
 
-from .overlap import NO_GPU_MESSAGE, Decomposition, compute_stream, has_gpu_activity, on_stream
-from .tracefmt import GPU_KINDS, TraceError, check_events
+from ... import plots
+from ...calculator import pipeline_exposure
+from ...goals import evaluate, for_study
+from ...tracefmt import GPU_KINDS, TraceError, check_events, host_layers
+from .decomposition import NO_GPU_MESSAGE, Decomposition, compute_stream, has_gpu_activity, on_stream
 
 __all__ = ["predicted_backlog", "backlog_comparison", "host_backlog_comparison", "host_findings", "gantt",
-           "gantt_pair", "decomposition_chart", "host_chart", "backlog_chart", "event_gantt", "tracing_overhead",
-           "goal_summary", "goals"]
+           "gantt_pair", "decomposition_chart", "segments_chart", "host_chart", "backlog_chart", "prefill_end_of",
+           "event_gantt", "goal_summary", "goals"]
 
 
 def predicted_backlog(compute_s_per_layer, transfer_s_per_layer) -> pd.DataFrame:
@@ -32,8 +35,6 @@ def predicted_backlog(compute_s_per_layer, transfer_s_per_layer) -> pd.DataFrame
         raise ValueError(f"need one compute and one transfer time per layer, got {len(c)} and {len(t)}")
     if any(not math.isfinite(x) or x < 0 for x in c + t):
         raise ValueError("compute and transfer times must be finite seconds ≥ 0")
-    from .calculator import pipeline_exposure
-
     e = pipeline_exposure(c, t)
     res = {"compute_end_s": list(e.compute_end_s), "send_start_s": list(e.send_start_s),
            "send_end_s": list(e.send_end_s)}
@@ -115,8 +116,6 @@ def host_findings(colocated: pd.DataFrame, layerwise: pd.DataFrame, wall_co_ms: 
                   wall_lw_ms: float | None = None) -> list[str]:
     """Sentences for traces without GPU activity (a CPU run): the no-GPU notice, then what the hooks'
     host ranges show (per-layer host time, send time, which on a CPU holds the synchronous copy)."""
-    from .tracefmt import host_layers
-
     out = [NO_GPU_MESSAGE[0].upper() + NO_GPU_MESSAGE[1:] + "."]
     if wall_co_ms is not None and wall_lw_ms is not None:
         d = wall_lw_ms - wall_co_ms
@@ -141,8 +140,6 @@ def host_findings(colocated: pd.DataFrame, layerwise: pd.DataFrame, wall_co_ms: 
 
 
 def _layer_colors():
-    from . import plots
-
     return plots.BLUE, plots.SKY_BLUE, plots.VERMILLION, plots.ORANGE, plots.GREY
 
 
@@ -267,16 +264,21 @@ def gantt_pair(colocated: pd.DataFrame, layerwise: pd.DataFrame, title: str | No
 
 def decomposition_chart(decomp: Decomposition, ax=None, title: str | None = None):
     """Stacked bars per segment (lead-in, pre, layer 0 …, post, tail): Δ kernel time inside / outside
-    copy windows, Δ idle gaps, the exposed tail and the lead-in, in ms. Returns the Axes."""
+    copy windows, Δ idle gaps, the exposed tail and the lead-in, in ms (and the SM clock's share, when the
+    decomposition has the clock term). Returns the Axes."""
+    return segments_chart(decomp.segments, bool(decomp.totals.get("clock_term")), ax=ax, title=title)
+
+
+def segments_chart(seg: pd.DataFrame, clock_term: bool = False, ax=None, title: str | None = None):
+    """decomposition_chart from a Decomposition's `segments` table (ms columns clock_ms, kernel_inside_ms,
+    kernel_outside_ms, idle_ms, tail_ms, lead_ms; one row per segment), with a bar for the SM clock's share
+    when `clock_term`. Returns the Axes."""
     import matplotlib.pyplot as plt
 
-    from . import plots
-
-    seg = decomp.segments
     if ax is None:
         _, ax = plt.subplots(figsize=(max(6, 0.28 * len(seg) + 2), 3.6))
     x = np.arange(len(seg))
-    terms = [("clock_ms", "kernels, lower SM clock", "#777777")] if decomp.totals.get("clock_term") else []
+    terms = [("clock_ms", "kernels, lower SM clock", "#777777")] if clock_term else []
     terms += [("kernel_inside_ms", "kernels, inside copy windows", plots.VERMILLION),
              ("kernel_outside_ms", "kernels, outside copy windows", plots.BLUE),
              ("idle_ms", "idle gaps", plots.GREEN), ("tail_ms", "exposed tail", plots.PURPLE),
@@ -309,9 +311,6 @@ def host_chart(colocated: pd.DataFrame, layerwise: pd.DataFrame, ax=None, title:
     layer-wise send hook (ms). The chart a CPU trace can give in place of the decomposition."""
     import matplotlib.pyplot as plt
 
-    from . import plots
-    from .tracefmt import host_layers
-
     co, lw = host_layers(colocated), host_layers(layerwise)
     if ax is None:
         _, ax = plt.subplots(figsize=(max(6, 0.3 * len(lw) + 2), 3.6))
@@ -335,7 +334,6 @@ def backlog_chart(table: pd.DataFrame, ax=None, title: str | None = None):
     """Measured backlog per layer (copy end − compute end) against the pipelined model's. Returns Axes."""
     import matplotlib.pyplot as plt
 
-    from . import plots
 
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.6))
@@ -354,17 +352,16 @@ def backlog_chart(table: pd.DataFrame, ax=None, title: str | None = None):
 
 
 def prefill_end_of(layers: pd.DataFrame) -> float:
-    """Prefill's end (ms) of an event_layers table, as kvlab.trace.event_table recorded it: the last layer's
+    """Prefill's end (ms) of an event_layers table, as events.event_table recorded it: the last layer's
     copy end less its backlog."""
     return float(layers.copy_end_ms.iloc[-1] - layers.backlog_ms.iloc[-1])
 
 
 def event_gantt(layers: pd.DataFrame, prefill_end_ms: float, ax=None, title: str | None = None):
-    """Two lanes from kvlab.trace.event_table: prefill between consecutive layer signals (alternating
+    """Two lanes from events.event_table: prefill between consecutive layer signals (alternating
     shades, layer labels) and each layer's copy; a line at prefill's end. No profiler was running."""
     import matplotlib.pyplot as plt
 
-    from . import plots
 
     if ax is None:
         fig, ax = plt.subplots(figsize=(9.0, 2.4))
@@ -390,22 +387,10 @@ def event_gantt(layers: pd.DataFrame, prefill_end_ms: float, ax=None, title: str
     return fig
 
 
-def tracing_overhead(walls: pd.DataFrame) -> pd.DataFrame:
-    """Tracing overhead per variant from trace_handoff's walls: median wall with and without the profiler
-    (+ ranges), and the difference as a percentage of the untraced median (goal: ≤ 5 % of prefill)."""
-    rows = []
-    for variant, g in walls.groupby("variant", sort=False):
-        plain = float(g[~g.traced].wall_ms.median())
-        traced = float(g[g.traced].wall_ms.median())
-        rows.append({"variant": variant, "untraced_ms": plain, "traced_ms": traced, "overhead_ms": traced - plain,
-                     "overhead_pct": 100 * (traced - plain) / plain if plain > 0 else float("nan")})
-    return pd.DataFrame(rows)
-
-
 def goal_summary(overhead: pd.DataFrame, totals: dict | None = None,
                  event_overhead: pd.DataFrame | None = None) -> pd.DataFrame:
     """The one-row table notebook 03's goals are judged on: tracing_pct (colocated: traced over untraced
-    median, from trace_handoff's `overhead()`), explained_pct (the decomposition's explained share; NaN
+    median, from summaries.tracing_overhead), explained_pct (the decomposition's explained share; NaN
     without a GPU trace), events_pct with events_pct_lo / _hi (the per-layer events' paired median extra and
     its 95 % interval, over the untimed median; NaN when they did not run)."""
     oh = overhead.set_index("variant")
@@ -423,7 +408,5 @@ def goal_summary(overhead: pd.DataFrame, totals: dict | None = None,
 def goals(summary: pd.DataFrame) -> pd.DataFrame:
     """Notebook 03's goals (kvlab.goals, study "overlap_timeline") judged on goal_summary's row; a goal whose
     measurement did not run (no GPU trace, no per-layer events) is left out."""
-    from . import goals as G
-
-    present = [g for g in G.for_study("overlap_timeline") if pd.notna(summary[g.metric].iloc[0])]
-    return G.evaluate(present, summary, keys=())
+    present = [g for g in for_study("overlap_timeline") if pd.notna(summary[g.metric].iloc[0])]
+    return evaluate(present, summary, keys=())
