@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pandas as pd
 
+from .exposure import pipeline_exposure
 from .overlap import NO_GPU_MESSAGE, Decomposition, compute_stream, has_gpu_activity, on_stream
 from .tracefmt import GPU_KINDS, TraceError, check_events
 
@@ -21,7 +22,7 @@ __all__ = ["predicted_backlog", "backlog_comparison", "host_backlog_comparison",
 def predicted_backlog(compute_s_per_layer, transfer_s_per_layer) -> pd.DataFrame:
     """The calculator's pipelined-exposure model, per layer (seconds in, seconds out).
 
-    Uses kvlab.calculator.pipeline_exposure. Columns: layer, compute_s, transfer_s, compute_end_s, send_start_s, send_end_s,
+    Uses kvlab.exposure.pipeline_exposure. Columns: layer, compute_s, transfer_s, compute_end_s, send_start_s, send_end_s,
     wait_s (send_start − compute_end: the calculator's "backlog", time waiting for the link) and
     backlog_s (send_end − compute_end: how far the link trails the layer — the quantity measured as
     copy end − compute end).
@@ -32,8 +33,6 @@ def predicted_backlog(compute_s_per_layer, transfer_s_per_layer) -> pd.DataFrame
         raise ValueError(f"need one compute and one transfer time per layer, got {len(c)} and {len(t)}")
     if any(not math.isfinite(x) or x < 0 for x in c + t):
         raise ValueError("compute and transfer times must be finite seconds ≥ 0")
-    from .calculator import pipeline_exposure
-
     e = pipeline_exposure(c, t)
     res = {"compute_end_s": list(e.compute_end_s), "send_start_s": list(e.send_start_s),
            "send_end_s": list(e.send_end_s)}
