@@ -387,14 +387,14 @@ def test_fmt_bytes_rejects_negative():
     assert calc.fmt_bytes(calc.kv_cache_bytes("kvlab-tiny", 4096)) == "1 MiB"
 
 
-# ---- the calculator notebook and its helpers (kvlab.calcviz) ----------------------------------
+# ---- the calculator notebook and its helpers (kvlab.studies.calculator.calcviz) ----------------------------------
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = REPO / "notebooks" / "00_calculator.ipynb"
 
 
 def test_calcviz_tables_match_the_calculator():
-    from kvlab import calcviz
+    from kvlab.studies.calculator import calcviz
 
     kv = calcviz.kv_table(["llama-2-7b", "gemma-2-9b"], 8192)
     assert list(kv["kv_bytes_per_token"]) == [524288, 42 * 8192]
