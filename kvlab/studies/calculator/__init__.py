@@ -56,9 +56,9 @@ def _positive_number(value):
 
 
 def _some(parse):
-    """A check of a list parameter (a list, or comma-separated text): not empty, and every item passes `parse`."""
+    """A check of a list parameter: not empty, and every item passes `parse`."""
     def check(value):
-        items = name_list(value)
+        items = [str(x).strip() for x in value if str(x).strip()]
         if not items:
             raise ValueError("give at least one")
         for item in items:
