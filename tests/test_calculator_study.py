@@ -83,8 +83,8 @@ def test_analyse_says_what_the_published_notebook_printed(published):
     assert len(before) > 10
     assert [ln for ln in published.findings if ln.strip()] == before
     assert published.values["kv_per_token.llama-2-7b"] == "512 KiB"
-    assert published.values["link_bound.llama-2-7b bf16.100G"] == "link-bound"
-    assert published.values["exposed_ms.llama-3.1-8b bf16.100G"] == "2.68"
+    assert published.values["link_bound.llama-2-7b:bf16.100G"] == "link-bound"
+    assert published.values["exposed_ms.llama-3.1-8b:bf16.100G"] == "2.68"
 
 
 def test_analyse_tables_come_from_the_run(published):

@@ -166,8 +166,9 @@ def _need(tables: dict, name: str) -> pd.DataFrame:
 def analyse(record: dict, tables: dict) -> Analysis:
     """The KV table as shown, a summary per figure (ratio_summary, tp_summary, exposure_summary), the exposure
     figure's per-layer timelines on its first link (timelines: worked out from the run's parameters, each case's
-    exposed time checked against results.csv), the findings, and named values: each model's KV per token and each
-    case's exposed ms on the first link."""
+    exposed time checked against results.csv), the findings, and named values: each model's KV per token
+    ("kv_per_token.llama-2-7b") and each case's exposed ms and verdict on the first link
+    ("exposed_ms.llama-2-7b:bf16.100G", "link_bound.llama-2-7b:bf16.100G")."""
     kv, res = _need(tables, "kv_table"), _need(tables, "results")
     given = record.get("parameters") or {}
     cfg = check({k: v for k, v in given.items() if k in _HELP})  # a parameter since retired is left out
@@ -181,8 +182,9 @@ def analyse(record: dict, tables: dict) -> Analysis:
              *findings.exposure_lines(derived["exposure_summary"], exp)]
     values = {f"kv_per_token.{r.model}": str(r.kv_per_token) for r in kv.itertuples()}
     for r in derived["exposure_summary"].itertuples():
-        values[f"exposed_ms.{r.case}.{r.link}"] = f"{r.exposed_ms:,.2f}"
-        values[f"link_bound.{r.case}.{r.link}"] = "link-bound" if r.link_bound else "keeps up"
+        case = r.case.replace(" ", ":")  # as exposure_cases writes it, so a key has no space: "llama-2-7b:bf16"
+        values[f"exposed_ms.{case}.{r.link}"] = f"{r.exposed_ms:,.2f}"
+        values[f"link_bound.{case}.{r.link}"] = "link-bound" if r.link_bound else "keeps up"
     return Analysis(NAME, record, raw=dict(tables), tables=derived, findings=lines, values=values)
 
 
