@@ -7,6 +7,7 @@ code changes (a better decomposition, a clearer figure), `analyse(run_dir)` reco
 the run's raw tables into `<run>/analysis/<when>-<commit>/`, with `analysis.json` naming the commit, the
 time and what was written, so a reader can always tell which code drew which figure. Studies:
 
+    calculator         the KV table as shown, a summary per figure, the exposure timelines, all four figures
     overlap_timeline   decomposition (with the SM-clock term when the run sampled clocks), causes,
                        backlog, findings; the send-pattern summary, findings and figures when it ran them
     handoff            the seed-004 summary, the goals, the figure
@@ -28,7 +29,7 @@ from . import plots, provenance, results, studies
 
 __all__ = ["analyse", "STUDIES", "FIGURES", "add_arguments", "run_args"]
 
-STUDIES = ("overlap_timeline", "handoff", "paged_transfer", "link_ceilings", "disagg", "swapin")
+STUDIES = ("calculator", "overlap_timeline", "handoff", "paged_transfer", "link_ceilings", "disagg", "swapin")
 # the figures each study's analysis can draw (which of them it draws depends on the run's tables)
 FIGURES = {"handoff": ("handoff_ttft",), "paged_transfer": ("gbps_vs_block_size", "access_patterns"),
            "disagg": ("disagg_ttft",), "swapin": ("swapin_pct",)}

@@ -3,7 +3,7 @@
     kvlab run NOTEBOOK [-p NAME VALUE ...] [--run-dir DIR]   one notebook through papermill
     kvlab run-all [-p NAME VALUE ...]                         every notebook, in order
     kvlab sweep NOTEBOOK --grid FILE [-p NAME VALUE ...]      one run per point of a grid
-    kvlab calc MODEL --tokens N [--link 400G] ...             the KV-cache calculator's answer
+    kvlab calc MODEL --tokens N [--link 400G] ...             the KV-cache calculator's answer (MODEL or config.json)
     kvlab info                                                hardware, versions, P2P matrix
     kvlab analyse RUN_DIR                                     a committed run's analysis, again
     kvlab report [--check]                                    the README's tables from the committed runs
@@ -640,7 +640,8 @@ def _show(name: str, value) -> str:
 @subcommand(
     "calc", "the KV-cache calculator: bytes, link time and exposure for one model and prompt",
     arg("model", metavar="MODEL",
-        help="a registry model name, e.g. llama-3.1-8b (case-insensitive)"),
+        help="a registry model name, e.g. llama-3.1-8b (case-insensitive), or a config.json path or a model folder "
+             "holding one"),
     arg("--tokens", required=True, type=_one_token_count, metavar="N",
         help="prompt length in tokens: 8192 or 8k"),
     arg("--link", default="400G",
@@ -656,10 +657,11 @@ def _cmd_calc(args) -> int:
     """Print the calculator's answer for MODEL and a prompt of N tokens: KV bytes per token and in
     all, prefill time, transfer time over the link, and what a layer-by-layer handoff exposes.
 
-Example: kvlab calc qwen2.5-7b --tokens 32k --link nvlink-h100"""
+Example: kvlab calc qwen2.5-7b --tokens 32k --link nvlink-h100
+         kvlab calc path/to/Llama-3.2-1B/config.json --tokens 8k"""
     from kvlab import calculator, models
 
-    spec = models.get(args.model)
+    spec = models.from_ref(args.model, "MODEL")
     if args.link.strip().replace(".", "", 1).isdigit():
         raise UsageError(f"--link {args.link!r} has no unit: write {args.link}G for Gb/s (as NICs are quoted) or "
                          f"{args.link}GB/s for bytes per second, or a preset: 100G, 200G, 400G, 800G, nvlink, pcie5")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .model_names import unknown_model
 from .model_registry import HF_CONFIG_URL, REGISTRY
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "names",
     "aliases",
     "from_hf_config",
+    "from_ref",
     "param_count",
     "build",
 ]
@@ -255,14 +257,9 @@ def get(name: str) -> ModelSpec:
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"model name {name!r}: expected a non-empty string; known: {names()}")
     key = _alias_table().get(_norm_name(name))
-    if key is None:
-        import difflib
-
-        close = difflib.get_close_matches(_norm_name(name), list(dict.fromkeys(_alias_table().values())), n=1,
-                                          cutoff=0.6)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ValueError(f"unknown model {name!r}; {hint}known models: {', '.join(names())} "
-                         "(or pass a config.json path to models.from_hf_config)")
+    if key is None:  # a hint only for the same model spelled another way (kvlab.model_names)
+        raise ValueError(unknown_model(name, _norm_name(name), _alias_table(), names())
+                         + " (or pass a config.json path to models.from_hf_config)")
     entry = REGISTRY[key]
     # A fresh deep copy each time, so a caller editing spec.hf_config cannot change the registry.
     return from_hf_config(copy.deepcopy(entry["config"]), name=key,
@@ -828,16 +825,30 @@ def build(spec_or_path: Any, weights: str = "random", device: Any = "cpu",
 
 
 def model_ref(value, what: str = "model") -> str:
-    """A registry name (any accepted alias) or a local config.json / model folder; else ValueError with the
-    closest registry names."""
+    """A local config.json / model folder, or a registry name (any accepted alias, a hub id such as
+    "meta-llama/Llama-3.1-8B"); else ValueError naming the value, a registry name only when it is the same model
+    spelled another way, and the known names."""
     name = str(value).strip()
     p = Path(name).expanduser()
     if p.is_file() or (p.is_dir() and (p / "config.json").is_file()):
         return name
+    if _alias_table().get(_norm_name(name)) is not None:
+        return name
     if os.sep in name or name.endswith(".json"):
-        raise ValueError(f"{what} = {name!r}: no such file, and not a folder with a config.json")
-    get(name)  # ValueError with the known names and the closest one
-    return name
+        raise ValueError(f"{what} = {name!r}: no such file, not a folder with a config.json, and not a registry name")
+    raise ValueError(unknown_model(name, _norm_name(name), _alias_table(), names())
+                     + " (or give a config.json path or a model folder)")
+
+
+def from_ref(value, what: str = "model") -> ModelSpec:
+    """The spec `value` names (`model_ref`): a config.json or model folder read by `from_hf_config` (named after
+    its folder), else the registry's."""
+    name = model_ref(value, what)
+    p = Path(name).expanduser()
+    if p.exists():
+        folder = p if p.is_dir() else p.parent
+        return from_hf_config(p, name=folder.resolve().name)
+    return get(name)
 
 
 def check_weights(value, what: str = "weights") -> None:

@@ -50,13 +50,6 @@ def _choice(*valid: str) -> Callable:
     return check
 
 
-def _positive_number(value, what):
-    import math
-
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ValueError(f"{what} = {value!r}: give a finite number > 0")
-
-
 def _int_at_least(n: int) -> Callable:
     def check(value, what):
         if isinstance(value, bool) or not isinstance(value, int) or value < n:
@@ -91,32 +84,6 @@ def _layout(value, what="layout"):
     check_layout(value)
 
 
-def _model_names(value, what="models"):
-    if value == "all":
-        return
-    for m in name_list(value, what):
-        models.model_ref(m, what)
-
-
-def _links(value, what="links"):
-    from . import calculator
-
-    for link in name_list(value, what):
-        calculator.link(link)
-
-
-def _kv_dtype(value, what="kv_dtype"):
-    from . import calculator
-
-    calculator.dtype_bytes(value)
-
-
-def _exposure_cases(value, what="exposure_cases"):
-    for case in name_list(value, what):
-        model, _, dtype = case.partition(":")
-        models.model_ref(model, what)
-        if dtype:
-            _kv_dtype(dtype, what)
 
 
 # study → parameter → check(value, name); "auto" is never checked (the notebook resolves it by hardware)
@@ -135,11 +102,6 @@ CHECKS: dict[str, dict[str, Callable]] = {
                "warmup": _int_at_least(0), "decode_tokens": _int_at_least(1), "block_size": _int_at_least(1),
                "bench": _choice("auto", "on", "off"), "faults": _int_at_least(0),
                "policy": _choice("fail", "retry", "recompute")},
-    "calculator": {"models": _model_names, "ratio_models": _model_names, "tp_models": _model_names,
-                   "links": _links, "ratio_links": _links, "tp_link": _links, "kv_dtype": _kv_dtype,
-                   "exposure_cases": _exposure_cases, "prompt_tokens": _int_at_least(1),
-                   "tp_max": _int_at_least(1), "tflops": _positive_number, "ratio_min_tokens": _int_at_least(1),
-                   "ratio_max_tokens": _int_at_least(1)},
 }
 
 
@@ -160,16 +122,8 @@ def _disagg_together(params: Mapping) -> None:
     from_params(params)  # the whole configuration: backend on this machine, devices, lists, dtype
 
 
-def _calculator_together(params: Mapping) -> None:
-    lo, hi = params.get("ratio_min_tokens", 128), params.get("ratio_max_tokens", 131072)
-    if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
-        raise ValueError(f"ratio_min_tokens = {lo} > ratio_max_tokens = {hi}: the sweep runs from the first up to the "
-                         "second")
-
-
 # checks of several parameters together, after each has passed alone
-TOGETHER: dict[str, Callable] = {"handoff": _handoff_together, "disagg": _disagg_together,
-                                 "calculator": _calculator_together}
+TOGETHER: dict[str, Callable] = {"handoff": _handoff_together, "disagg": _disagg_together}
 
 
 def check(study: str, params: Mapping) -> None:

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from .exposure import deadline_release
 from .kvcache import KVBuffer
 from .landing import Landing, dst_stream_context
 
@@ -501,7 +502,7 @@ def release_plan(policy: str, layers: int, *, compute_ms: float | None = None,
       "deadline"  hold every copy as long as the prefill time left still covers the transfer time left: the
                   latest layer r such that sending layers 0…r at r's end, then each later layer at its own
                   end, exposes no more than eager sending would with every transfer `margin` times slower
-                  than modelled (kvlab.calculator.deadline_release). With layers of equal compute that is
+                  than modelled (kvlab.exposure.deadline_release). With layers of equal compute that is
                   r = L-2 whenever the whole transfer fits under one layer's compute (Qwen2.5-7B over
                   NVLink at 1k-32k: layers 0-26 go at layer 26's signal, 27 at its own). Needs compute_ms (one layer's prefill
                   time, ms) and transfer_ms (one layer's send time, ms), e.g. this run's prefill / L and one
@@ -522,8 +523,6 @@ def release_plan(policy: str, layers: int, *, compute_ms: float | None = None,
         if compute_ms is None or transfer_ms is None or not compute_ms > 0 or not transfer_ms >= 0:
             raise ValueError("policy 'deadline' needs compute_ms > 0 (one layer's prefill time) and transfer_ms "
                              f"≥ 0 (one layer's send time); got compute_ms={compute_ms!r}, transfer_ms={transfer_ms!r}")
-        from .calculator import deadline_release
-
         r = deadline_release([compute_ms / 1e3] * layers, [transfer_ms / 1e3] * layers, margin=margin)
         return [max(i, r) for i in range(layers)]
     raise AssertionError(p)  # check_policy admits nothing else

@@ -43,9 +43,12 @@ def test_handoff_run_reanalysed_with_its_goals(tmp_path):
 def test_analyse_refuses_what_it_cannot_read(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a run folder"):
         analyse.analyse(tmp_path)
-    (tmp_path / "run.json").write_text(json.dumps({"study": "calculator", "status": "finished"}))
+    (tmp_path / "run.json").write_text(json.dumps({"study": "toy", "status": "finished"}))
     with pytest.raises(ValueError, match="kvlab analyse knows"):
         analyse.analyse(tmp_path)
+    (tmp_path / "run.json").write_text(json.dumps({"study": "calculator", "status": "finished"}))
+    with pytest.raises(FileNotFoundError, match="no kv_table.csv"):
+        analyse.analyse(tmp_path, tmp_path / "a")
     (tmp_path / "run.json").write_text(json.dumps({"study": "handoff", "status": "running"}))
     with pytest.raises(ValueError, match="did not finish"):
         analyse.analyse(tmp_path)

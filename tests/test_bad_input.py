@@ -222,17 +222,17 @@ def test_a_run_that_finishes_in_a_stopped_folder_clears_its_stopped_note(tmp_pat
 
 
 @pytest.mark.parametrize("params, says", [
-    ({"tflops": float("nan")}, "tflops = nan: give a finite number > 0"),
+    ({"tflops": float("nan")}, "tflops = nan: give a float"),  # kvlab.study.check_params refuses a non-finite float
     ({"tflops": -3}, "tflops = -3"),
     ({"ratio_min_tokens": 4096, "ratio_max_tokens": 128}, "ratio_min_tokens = 4096 > ratio_max_tokens = 128"),
 ])
 def test_calculator_values_its_notebook_would_fail_on_are_refused_first(params, says):
     """Found in an audit: `kvlab run calculator -p tflops nan` made a run folder, then failed in cell 3."""
-    from kvlab import preflight
+    from kvlab.studies import calculator
 
     with pytest.raises(ValueError, match=re.escape(says)):
-        preflight.check("calculator", params)
-    preflight.check("calculator", {"tflops": 400, "ratio_min_tokens": 128, "ratio_max_tokens": 4096})
+        calculator.check(params)
+    calculator.check({"tflops": 400, "ratio_min_tokens": 128, "ratio_max_tokens": 4096})
 
 
 def test_a_folder_a_live_run_is_writing_is_refused(tmp_path):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from conftest import CELL_TIMEOUT_S
 from kvlab import calculator as calc
-from kvlab import models
+from kvlab import exposure, models
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 
@@ -274,7 +274,7 @@ def test_tp_bad(tp, match):
 
 
 def test_pipeline_link_faster_exposes_only_last_layer():
-    e = calc.pipeline_exposure([1.0] * 4, [0.5] * 4)
+    e = exposure.pipeline_exposure([1.0] * 4, [0.5] * 4)
     assert e.compute_end_s == (1, 2, 3, 4)
     assert e.send_start_s == (1, 2, 3, 4)
     assert e.send_end_s == (1.5, 2.5, 3.5, 4.5)
@@ -284,7 +284,7 @@ def test_pipeline_link_faster_exposes_only_last_layer():
 
 
 def test_pipeline_link_slower_backlog_grows_linearly():
-    e = calc.pipeline_exposure([1.0] * 4, [1.5] * 4)
+    e = exposure.pipeline_exposure([1.0] * 4, [1.5] * 4)
     assert e.send_start_s == (1, 2.5, 4, 5.5)
     assert e.send_end_s == (2.5, 4, 5.5, 7)
     assert e.backlog_s == (0, 0.5, 1.0, 1.5)  # +0.5 s per layer
@@ -294,7 +294,7 @@ def test_pipeline_link_slower_backlog_grows_linearly():
 
 def test_pipeline_uneven_layers():
     # Slow middle layer transfer, then the link catches up during a long compute.
-    e = calc.pipeline_exposure([1, 1, 3], [0.5, 2, 0.5])
+    e = exposure.pipeline_exposure([1, 1, 3], [0.5, 2, 0.5])
     assert e.send_start_s == (1, 2, 5)
     assert e.send_end_s == (1.5, 4, 5.5)
     assert e.exposed_s == 0.5
@@ -304,7 +304,7 @@ def test_pipeline_uneven_layers():
                                  ([1, float("nan")], [1, 1]), ("12", "12"), ([True], [1])])
 def test_pipeline_bad_inputs(c, t):
     with pytest.raises(ValueError):
-        calc.pipeline_exposure(c, t)
+        exposure.pipeline_exposure(c, t)
 
 
 @settings(max_examples=200)
@@ -312,7 +312,7 @@ def test_pipeline_bad_inputs(c, t):
 def test_pipeline_bounds(pairs):
     c = [p[0] for p in pairs]
     t = [p[1] for p in pairs]
-    e = calc.pipeline_exposure(c, t)
+    e = exposure.pipeline_exposure(c, t)
     tol = 1e-9 * (1 + sum(c) + sum(t))
     # Never worse than sending everything after prefill; never better than the last layer alone
     # or than the link's total work minus the compute it can overlap with.
@@ -387,14 +387,14 @@ def test_fmt_bytes_rejects_negative():
     assert calc.fmt_bytes(calc.kv_cache_bytes("kvlab-tiny", 4096)) == "1 MiB"
 
 
-# ---- the calculator notebook and its helpers (kvlab.calcviz) ----------------------------------
+# ---- the calculator notebook and its helpers (kvlab.studies.calculator.calcviz) ----------------------------------
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = REPO / "notebooks" / "00_calculator.ipynb"
 
 
 def test_calcviz_tables_match_the_calculator():
-    from kvlab import calcviz
+    from kvlab.studies.calculator import calcviz
 
     kv = calcviz.kv_table(["llama-2-7b", "gemma-2-9b"], 8192)
     assert list(kv["kv_bytes_per_token"]) == [524288, 42 * 8192]
@@ -464,6 +464,6 @@ def test_notebook_runs_with_small_parameters(tmp_path, monkeypatch, kvlab_dirs):
 
 def test_pipeline_equal_times_is_not_link_bound():
     # 126 layers of 0.1 s each way: rounding in the running sums must not read as a backlog.
-    e = calc.pipeline_exposure([0.1] * 126, [0.1] * 126)
+    e = exposure.pipeline_exposure([0.1] * 126, [0.1] * 126)
     assert not e.link_bound
     assert e.exposed_s == pytest.approx(0.1)

@@ -1,5 +1,5 @@
 """kvlab.clocks (NVML samples), the send-pattern experiment's analysis (kvlab.studies.overlap_timeline), the send
-policies of kvlab.sends.release_plan and the calculator's deadline, all on a CPU; the two-GPU runs are in
+policies of kvlab.sends.release_plan and the calculator's deadline (kvlab.exposure), all on a CPU; the two-GPU runs are in
 test_peer.py."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from kvlab import calculator, clocks, handoff, steps
+from kvlab import clocks, exposure, handoff, steps
 from kvlab.studies.overlap_timeline import pattern_report, patterns
 from kvlab.hooks import LayerHooks
 from kvlab.kvcache import KVBuffer, layout_for
@@ -52,8 +52,8 @@ def test_a_deadline_with_margin_still_exposes_no_more_than_eager_at_the_real_spe
         L = int(rng.integers(2, 40))
         c = list(rng.uniform(0.0, 2.0, L))
         t = list(rng.uniform(0.0, 2.0, L))
-        r = calculator.deadline_release(c, t, margin=2.0)
-        assert calculator.held_exposure(c, t, r) <= calculator.pipeline_exposure(c, t).exposed_s + 1e-9
+        r = exposure.deadline_release(c, t, margin=2.0)
+        assert exposure.held_exposure(c, t, r) <= exposure.pipeline_exposure(c, t).exposed_s + 1e-9
 
 
 def test_deadline_never_exposes_more_than_eager():
@@ -62,18 +62,18 @@ def test_deadline_never_exposes_more_than_eager():
         L = int(rng.integers(1, 40))
         c = list(rng.uniform(0.0, 2.0, L))
         t = list(rng.uniform(0.0, 2.0, L))
-        r = calculator.deadline_release(c, t, margin=1.0)
-        eager = calculator.pipeline_exposure(c, t).exposed_s
-        assert calculator.held_exposure(c, t, 0) == pytest.approx(eager)
-        assert calculator.held_exposure(c, t, r) <= eager + 1e-9
+        r = exposure.deadline_release(c, t, margin=1.0)
+        eager = exposure.pipeline_exposure(c, t).exposed_s
+        assert exposure.held_exposure(c, t, 0) == pytest.approx(eager)
+        assert exposure.held_exposure(c, t, r) <= eager + 1e-9
         # the latest such layer: holding until any later one exposes more
-        assert all(calculator.held_exposure(c, t, k) > eager + 1e-12 for k in range(r + 1, L))
-    assert calculator.held_exposure([1.0, 1.0], [0.5, 0.5], 0) == 0.5
-    assert calculator.held_exposure([1.0, 1.0], [0.5, 0.5], 1) == 1.0
+        assert all(exposure.held_exposure(c, t, k) > eager + 1e-12 for k in range(r + 1, L))
+    assert exposure.held_exposure([1.0, 1.0], [0.5, 0.5], 0) == 0.5
+    assert exposure.held_exposure([1.0, 1.0], [0.5, 0.5], 1) == 1.0
     with pytest.raises(ValueError, match="margin"):
-        calculator.deadline_release([1.0], [1.0], margin=0.5)
+        exposure.deadline_release([1.0], [1.0], margin=0.5)
     with pytest.raises(ValueError, match="release"):
-        calculator.held_exposure([1.0], [1.0], 1)
+        exposure.held_exposure([1.0], [1.0], 1)
 
 
 @pytest.fixture(scope="module")
@@ -262,8 +262,8 @@ def test_send_patterns_refuses_a_cpu(tiny):
 
 
 @pytest.mark.parametrize("call, says", [
-    (lambda: calculator.held_exposure([1.0, 1.0], [0.5, 0.5], 1.5), "release=1.5: expected a layer index"),
-    (lambda: calculator.deadline_release([1.0, 1.0], [0.5, 0.5], margin=float("inf")), "margin=inf"),
+    (lambda: exposure.held_exposure([1.0, 1.0], [0.5, 0.5], 1.5), "release=1.5: expected a layer index"),
+    (lambda: exposure.deadline_release([1.0, 1.0], [0.5, 0.5], margin=float("inf")), "margin=inf"),
 ])
 def test_the_schedule_helpers_name_a_bad_argument(call, says):
     """Found in an audit: release=1.5 raised a raw TypeError, and margin=inf blamed the transfer times."""
@@ -274,5 +274,5 @@ def test_the_schedule_helpers_name_a_bad_argument(call, says):
 def test_a_numpy_margin_is_a_number():
     import numpy as np
 
-    assert calculator.deadline_release([1.0, 1.0], [0.5, 0.5], margin=np.float32(2)) == \
-        calculator.deadline_release([1.0, 1.0], [0.5, 0.5], margin=2.0)
+    assert exposure.deadline_release([1.0, 1.0], [0.5, 0.5], margin=np.float32(2)) == \
+        exposure.deadline_release([1.0, 1.0], [0.5, 0.5], margin=2.0)

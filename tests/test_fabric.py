@@ -15,7 +15,7 @@ import simpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab import calculator
+from kvlab import calculator, exposure
 from kvlab.fabric import calibrate, command, sharing, sweep
 from kvlab.fabric.flows import Fabric
 from kvlab.fabric.sim import simulate
@@ -298,11 +298,11 @@ def test_one_deadline_request_matches_held_exposure():
     slow = TopologyConfig(gpus=4, gpus_per_node=1, nic_gbit_s=100)
     est = calculator.handoff_estimate("qwen2.5-7b", 4096, "100G", tflops=400)
     compute, transfer = est.timeline.compute_s, est.timeline.transfer_s
-    release = calculator.deadline_release(compute, transfer, 2.0)
+    release = exposure.deadline_release(compute, transfer, 2.0)
     assert release > 0  # the policy really holds layers here
     row = simulate(SimConfig(topology=slow, prefill_workers=1, decode_workers=1, requests=1, prompt="fixed",
                              prompt_tokens=4096, send="deadline")).requests.iloc[0]
-    assert row.exposed_ms == pytest.approx(calculator.held_exposure(compute, transfer, release) * 1e3, rel=1e-6)
+    assert row.exposed_ms == pytest.approx(exposure.held_exposure(compute, transfer, release) * 1e3, rel=1e-6)
     assert row.first_send_s == pytest.approx(row.prefill_start_s + sum(compute[:release + 1]), rel=1e-9)
 
 

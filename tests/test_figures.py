@@ -19,35 +19,18 @@ from kvlab import plots  # noqa: E402
 DATA = Path(__file__).resolve().parent.parent / "data"
 
 
-def _calculator(which):
-    from kvlab import calculator as calc, calcviz
+def _calculator(name):
+    from kvlab import studies
 
-    p = json.loads((DATA / "calculator/20261130-164435-cpu/run.json").read_text())["parameters"]
-    if which == "kv_table":
-        return calcviz.plot_kv_table(calcviz.kv_table(calcviz.resolve_models(p["models"]), p["prompt_tokens"], p["kv_dtype"]))
-    if which == "ratio":
-        links = [calc.link(x) for x in p["ratio_links"]]
-        df = calcviz.ratio_table(calcviz.resolve_models(p["ratio_models"]), links,
-                                 calcviz.powers_of_two(p["ratio_min_tokens"], p["ratio_max_tokens"]), p["kv_dtype"],
-                                 p["tflops"])
-        return calcviz.plot_ratio(df, p["tflops"])
-    if which == "tp":
-        return calcviz.plot_tp(calcviz.tp_table(calcviz.resolve_models(p["tp_models"]), p["prompt_tokens"],
-                                                calc.link(p["tp_link"]), calcviz.powers_of_two(1, p["tp_max"]),
-                                                p["kv_dtype"], p["tflops"]))
-    links = [calc.link(x) for x in p["links"]]
-    cases = [calcviz.parse_case(c) for c in p["exposure_cases"]]
-    exp = calcviz.exposure_table(p["exposure_cases"], links, p["prompt_tokens"], p["tflops"])
-    timelines = {f"{m} {d}": calc.handoff_estimate(m, p["prompt_tokens"], links[0], d, tflops=p["tflops"]).timeline
-                 for m, d in cases}
-    return calcviz.plot_exposure(exp, timelines, links[0].name)
+    analysis = studies.analyse_run(DATA / "calculator/20261130-164435-cpu")  # its tables, as the notebook reads them
+    return studies.get("calculator").figures(analysis, [name])[name]
 
 
-FIGURES = {  # the calculator's: drawn by notebook 00, here with its published run's parameters
+FIGURES = {  # the calculator's: drawn by notebook 00 (kvlab.studies.calculator.figures), here from its published run
     "kv_table": lambda: _calculator("kv_table"),
-    "ratio_vs_length": lambda: _calculator("ratio"),
-    "tp_scaling": lambda: _calculator("tp"),
-    "exposure_vs_link": lambda: _calculator("exposure"),
+    "ratio_vs_length": lambda: _calculator("ratio_vs_length"),
+    "tp_scaling": lambda: _calculator("tp_scaling"),
+    "exposure_vs_link": lambda: _calculator("exposure_vs_link"),
 }
 
 # the published figures kvlab analyse redraws, by the run they come from (as figures/*/*.json name them)

@@ -10,7 +10,7 @@ What happens to a request (all on one SimPy clock):
 3. its KV leaves by the send policy: ``bulk`` — all bytes in one flow once prefill ends; ``layerwise`` —
    each layer as soon as it has computed, that layer's K and V as *one* flow (they share path and start,
    so one flow of their summed bytes is exact); ``deadline`` — layers 0…r held until layer r has computed
-   (r: :func:`kvlab.calculator.deadline_release`, priced at the route's bottleneck), the rest eagerly;
+   (r: :func:`kvlab.exposure.deadline_release`, priced at the route's bottleneck), the rest eagerly;
 4. before the first of its bytes leaves, the handoff is admitted by the decode worker (at most
    ``max_inflight`` at once, FIFO); then each send posts its descriptors (one after another,
    ``post_s`` each) and pays ``flow_fixed_s`` before its bytes move;
@@ -36,7 +36,7 @@ import pandas as pd
 import simpy
 from tqdm.auto import tqdm
 
-from kvlab import calculator
+from kvlab import exposure
 from kvlab.fabric.flows import Fabric
 from kvlab.fabric.topology import Topology
 from kvlab.fabric.workload import SimConfig, Workload, draw
@@ -150,7 +150,7 @@ class _Run:
                 compute = [ends[0]] + [b - a for a, b in zip(ends, ends[1:])]
                 per_send = cfg.flow_fixed_s + dpl * cfg.post_s
                 transfer = [per_send + b / bottleneck for b in nbytes]
-                hold = calculator.deadline_release(compute, transfer, cfg.deadline_margin)
+                hold = exposure.deadline_release(compute, transfer, cfg.deadline_margin)
             plan = [(ends[max(i, hold)], b, dpl) for i, b in enumerate(nbytes)]
         self.plans[key] = plan
         return plan

@@ -69,11 +69,11 @@ class SimConfig:
             "lognormal" (median ``prompt_tokens``, log-σ ``prompt_sigma``, clipped to the range).
         send: "bulk" (one flow after prefill), "layerwise" (each layer as it finishes: a layer's K and V
             are one flow — they share the path and the start) or "deadline" (layers 0…r held until
-            layer r ends, r from :func:`kvlab.calculator.deadline_release` with ``deadline_margin``).
+            layer r ends, r from :func:`kvlab.exposure.deadline_release` with ``deadline_margin``).
         fp8, fp8_factor: send ``fp8_factor`` of the kv_dtype's bytes (0.53: fp8 with its scales, of bf16).
         kv_dtype: element type of the cache (calculator.DTYPE_BYTES).
         layer_flows: "serial" — a request's layers queue on one connection, in order, one at a time
-            (calculator.pipeline_exposure's model; the fair share is per request) — or "parallel" —
+            (kvlab.exposure.pipeline_exposure's model; the fair share is per request) — or "parallel" —
             every layer its own flow with its own fair share.
         flow_fixed_s: per-flow start cost (each bulk send, each layer).
         post_s: posting one descriptor (NIXL measured 6.8–12.8 µs); a request's posts run one after another.

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from ... import plots
-from ...calculator import pipeline_exposure
+from ...exposure import pipeline_exposure
 from ...goals import evaluate, for_study
 from ...tracefmt import GPU_KINDS, TraceError, check_events, host_layers
 from .decomposition import NO_GPU_MESSAGE, Decomposition, compute_stream, has_gpu_activity, on_stream
@@ -24,7 +24,7 @@ __all__ = ["predicted_backlog", "backlog_comparison", "host_backlog_comparison",
 def predicted_backlog(compute_s_per_layer, transfer_s_per_layer) -> pd.DataFrame:
     """The calculator's pipelined-exposure model, per layer (seconds in, seconds out).
 
-    Uses kvlab.calculator.pipeline_exposure. Columns: layer, compute_s, transfer_s, compute_end_s, send_start_s, send_end_s,
+    Uses kvlab.exposure.pipeline_exposure. Columns: layer, compute_s, transfer_s, compute_end_s, send_start_s, send_end_s,
     wait_s (send_start − compute_end: the calculator's "backlog", time waiting for the link) and
     backlog_s (send_end − compute_end: how far the link trails the layer — the quantity measured as
     copy end − compute end).

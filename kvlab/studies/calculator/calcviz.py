@@ -1,9 +1,10 @@
-"""Tables, figures and the interactive widget of the calculator notebook (00_calculator).
+"""Tables, figures and the interactive widget of the calculator study (notebook 00_calculator).
 
-The arithmetic lives in :mod:`kvlab.calculator`; this module only sweeps it into tidy pandas
-tables (one row per configuration, units in column names) and draws them. Each ``*_table``
-function returns a DataFrame; each ``plot_*`` function takes that DataFrame and returns a
-matplotlib Figure (the notebook saves it with ``kvlab.plots.save``).
+The arithmetic lives in :mod:`kvlab.calculator` and :mod:`kvlab.exposure`; this module only sweeps it into tidy
+pandas tables (one row per configuration, units in column names) and draws them. Each ``*_table`` function
+returns a DataFrame; each ``plot_*`` function takes that DataFrame and returns a matplotlib Figure (the study's
+`figures`, which the notebook saves with ``kvlab.plots.save``). `finding_rows` reads one figure's rows back from
+a run's results.csv with the types the plots expect.
 """
 
 from __future__ import annotations
@@ -11,8 +12,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvlab import calculator as calc
-from kvlab import models as _models
+import pandas as pd
+
+from ... import calculator as calc
+from ... import models as _models
+from ... import plots
+from ...exposure import Exposure
 
 __all__ = [
     "public_models",
@@ -23,6 +28,9 @@ __all__ = [
     "ratio_table",
     "tp_table",
     "exposure_table",
+    "timeline_table",
+    "timelines_of",
+    "finding_rows",
     "plot_kv_table",
     "plot_ratio",
     "plot_tp",
@@ -95,8 +103,6 @@ def kv_table(names: Iterable[str], tokens: int = 8192, kv_dtype: str = "bf16"):
     kv_per_token (text, KiB), tokens, kv_cache_bytes (window-capped), kv_cache (text),
     sliding_layers, sliding_window, params_b, active_params_b, kv_dtype.
     """
-    import pandas as pd
-
     rows = []
     for name in names:
         s = _models.get(name)
@@ -147,8 +153,6 @@ def ratio_table(names: Iterable[str], links: Iterable[Any], lengths: Iterable[in
     """Transfer-to-prefill ratio over prompt lengths (seed finding 1): one row per
     (model, link, tokens); adds ``attention_fraction`` (share of prefill FLOPs in attention) and
     ``beyond_context`` (tokens > the model's max_position_embeddings)."""
-    import pandas as pd
-
     rows = []
     for name in names:
         s = _models.get(name)
@@ -167,8 +171,6 @@ def tp_table(names: Iterable[str], tokens: int, link_: Any, tps: Iterable[int],
     """Per-GPU KV bytes and transfer time over TP degrees, each GPU on its own NIC (seed finding
     2). One row per (model, tp); TP degrees that cannot split a model's KV heads are skipped.
     Adds kv_heads, kv_heads_per_gpu, replicated, query_heads_split and the shard's note."""
-    import pandas as pd
-
     lk = calc.link(link_)
     rows = []
     for name in names:
@@ -191,8 +193,6 @@ def exposure_table(cases: Iterable[Any], links: Iterable[Any], tokens: int,
     """Exposed time of a layer-by-layer handoff over links (seed finding 3): one row per
     (case, link), a case being ``"model:kv_dtype"``. Adds ``case``, ``hidden_fraction`` and
     ``exposed_pct_of_prefill``."""
-    import pandas as pd
-
     rows = []
     for case in cases:
         model, dtype = parse_case(case)
@@ -205,12 +205,62 @@ def exposure_table(cases: Iterable[Any], links: Iterable[Any], tokens: int,
     return pd.DataFrame(rows)
 
 
+def timeline_table(cases: Iterable[Any], link_: Any, tokens: int, tflops: float = 400.0, tp: int = 1):
+    """The layer-by-layer timeline of each case's handoff over one link (the exposure figure's right panel): one
+    row per (case, layer), seconds from the start of prefill. Columns: case ("model kv_dtype"), link (its name),
+    layer, compute_s, transfer_s, compute_end_s, send_start_s, send_end_s, backlog_s (kvlab.exposure.Exposure's
+    per-layer fields) and exposed_s (the case's, on every row)."""
+    lk = calc.link(link_)
+    rows = []
+    for case in cases:
+        model, dtype = parse_case(case)
+        tl = calc.handoff_estimate(model, tokens, lk, dtype, tp=tp, tflops=tflops).timeline
+        for i in range(len(tl.compute_s)):
+            rows.append({"case": f"{model} {dtype}", "link": lk.name, "layer": i, "compute_s": tl.compute_s[i],
+                         "transfer_s": tl.transfer_s[i], "compute_end_s": tl.compute_end_s[i],
+                         "send_start_s": tl.send_start_s[i], "send_end_s": tl.send_end_s[i],
+                         "backlog_s": tl.backlog_s[i], "exposed_s": tl.exposed_s})
+    return pd.DataFrame(rows)
+
+
+def timelines_of(df) -> dict[str, Exposure]:
+    """`timeline_table`'s rows back as one kvlab.exposure.Exposure per case, in the table's order."""
+    out = {}
+    for case, g in df.groupby("case", sort=False):
+        g = g.sort_values("layer")
+        out[case] = Exposure(*(tuple(float(v) for v in g[c]) for c in (
+            "compute_s", "transfer_s", "compute_end_s", "send_start_s", "send_end_s", "backlog_s")),
+            exposed_s=float(g["exposed_s"].iloc[0]))
+    return out
+
+
+# the columns of results.csv each figure's rows carry (the tidy table holds all three, NaN where a row has none)
+_BOOL_COLUMNS = ("link_bound", "beyond_context", "replicated", "query_heads_split")
+_INT_COLUMNS = ("tokens", "tp", "kv_bytes", "kv_bytes_per_gpu", "kv_replication", "kv_heads", "kv_heads_per_gpu")
+FINDINGS = ("ratio_vs_length", "tp_scaling", "exposure_vs_link")
+
+
+def finding_rows(results, finding: str):
+    """The rows of one figure (`finding`: one of FINDINGS) from a run's tidy results table, as read back from
+    results.csv: the columns no row of it has dropped, flags as bool and counts as int again (a CSV column holding
+    NaN for the other figures' rows reads as float or object), the index 0…n-1. ValueError for an unknown
+    `finding`; a run without such rows gives an empty table."""
+    if finding not in FINDINGS:
+        raise ValueError(f"finding = {finding!r}: valid: {', '.join(FINDINGS)}")
+    rows = results[results["finding"] == finding].dropna(axis=1, how="all").reset_index(drop=True)
+    for col in _BOOL_COLUMNS:
+        if col in rows.columns:
+            rows[col] = rows[col].map(lambda v: v if isinstance(v, bool) else str(v).strip() == "True").astype(bool)
+    for col in _INT_COLUMNS:
+        if col in rows.columns:
+            rows[col] = rows[col].astype("int64")
+    return rows
+
+
 # ---- figures ----------------------------------------------------------------------------------
 
 
 def _colors(names: Iterable[str]) -> dict[str, str]:
-    from kvlab import plots
-
     return plots.palette(list(names))
 
 
@@ -296,7 +346,7 @@ def plot_tp(df):
     return fig
 
 
-def plot_exposure(df, timelines: dict[str, calc.Exposure] | None = None,
+def plot_exposure(df, timelines: dict[str, Exposure] | None = None,
                   timeline_link: str | None = None):
     """Left: exposed time against link per case (filled = link-bound). Right (when
     ``timelines`` is given): each case's per-layer backlog on ``timeline_link``."""
