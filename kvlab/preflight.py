@@ -43,12 +43,6 @@ def _one(items: list, value, what: str):
     return items
 
 
-def _policy(value, what="policy"):
-    from .sends import check_policy
-
-    check_policy(value)
-
-
 def _choice(*valid: str) -> Callable:
     def check(value, what):
         if str(value) not in valid:
@@ -74,13 +68,6 @@ def _paths(value, what="paths"):
     from . import ceilings
 
     ceilings.resolve_paths(",".join(name_list(value, what)))
-
-
-def _sizes(value, what="sizes"):
-    from . import ceilings
-
-    for s in name_list(value, what):
-        ceilings.parse_size(s)
 
 
 def _methods(value, what="methods"):
@@ -137,11 +124,6 @@ def _exposure_cases(value, what="exposure_cases"):
 
 # study → parameter → check(value, name); "auto" is never checked (the notebook resolves it by hardware)
 CHECKS: dict[str, dict[str, Callable]] = {
-    "handoff": {"model": lambda v, w: models.model_ref(v, w), "weights": models.check_weights, "contexts": lambda v, w: token_list(v, w, 2),
-                "destinations": _destinations, "policy": _policy, "point": _choice("cache", "attention"),
-                "attribution": _choice("auto", "off"), "ceiling_sizes": _sizes, "repeats": _int_at_least(1),
-                "warmup": _int_at_least(0), "decode_tokens": _int_at_least(1), "interleave": _int_at_least(1),
-                "interleave_short": _int_at_least(1), "attribution_rounds": _int_at_least(1)},
     "overlap_timeline": {"model": lambda v, w: models.model_ref(v, w), "context": lambda v, w: _one(token_list(v, w, 2), v, w),
                          "destination": lambda v, w: (_one(name_list(v, w), v, w), _destinations(v, w)), "transport": _choice("copy"),
                          "send_mode": _choice("auto", "event"), "repeats": _int_at_least(1),
@@ -164,17 +146,6 @@ CHECKS: dict[str, dict[str, Callable]] = {
 }
 
 
-def _handoff_together(params: Mapping) -> None:
-    from .sends import check_policy
-
-    policy, dests = params.get("policy", "eager"), params.get("destinations", "auto")
-    if check_policy(policy) != "eager" and dests != "auto":
-        bad = [d for d in name_list(dests, "destinations") if d.strip().lower() in ("pageable", "pageable-host", "host", "cpu")]
-        if bad:
-            raise ValueError(f"policy = {policy!r} cannot send to {bad[0]!r}: a policy other than 'eager' needs a GPU "
-                             "destination or pinned host; drop pageable from destinations or use policy eager")
-
-
 def _disagg_together(params: Mapping) -> None:
     from .disagg import from_params
 
@@ -189,7 +160,7 @@ def _calculator_together(params: Mapping) -> None:
 
 
 # checks of several parameters together, after each has passed alone
-TOGETHER: dict[str, Callable] = {"handoff": _handoff_together, "disagg": _disagg_together,
+TOGETHER: dict[str, Callable] = {"disagg": _disagg_together,
                                  "calculator": _calculator_together}
 
 
