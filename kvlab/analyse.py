@@ -10,7 +10,7 @@ time and what was written, so a reader can always tell which code drew which fig
     calculator         the KV table as shown, a summary per figure, the exposure timelines, all four figures
     overlap_timeline   decomposition (with the SM-clock term when the run sampled clocks), causes,
                        backlog, findings; the send-pattern summary, findings and figures when it ran them
-    handoff            the seed-004 summary, the goals, the figure
+    handoff            the seed-004 summary, predictions, attribution, goals, findings; both notebook figures
     paged_transfer     summary, goals
     link_ceilings      the fit and its figure
     disagg             the goal table and the TTFT figure
@@ -31,7 +31,7 @@ __all__ = ["analyse", "STUDIES", "FIGURES", "add_arguments", "run_args"]
 
 STUDIES = ("calculator", "overlap_timeline", "handoff", "paged_transfer", "link_ceilings", "disagg", "swapin")
 # the figures each study's analysis can draw (which of them it draws depends on the run's tables)
-FIGURES = {"handoff": ("handoff_ttft",), "paged_transfer": ("gbps_vs_block_size", "access_patterns"),
+FIGURES = {"paged_transfer": ("gbps_vs_block_size", "access_patterns"),
            "disagg": ("disagg_ttft",), "swapin": ("swapin_pct",)}
 
 
@@ -99,22 +99,6 @@ class _Out:
         return self.dir
 
 
-def _handoff(run: Path, record: dict, tables: dict, out: _Out) -> None:
-    from . import handoff_report, plots
-
-    plots.style()
-    timings = _need(tables, run, "results")
-    ceil, paths = handoff_report.run_ceilings(record)
-    summary = handoff_report.summarize(timings, ceil or None, paths or None)
-    goals = handoff_report.goals(summary)
-    out.table(summary, "summary")
-    out.table(goals, "goals")
-    out.meta["findings"] += handoff_report.findings(summary, goals)
-    model = (record.get("resolved") or {}).get("model", "")
-    gpus = len(record.get("devices") or [])
-    where = f"{gpus}×{out.device_tag.upper()}" if gpus else out.device_tag
-    out.figure(handoff_report.plot_ttft(summary, title=f"{model} on {where} (run {out.run_id}): what moving the KV "
-                                                      "cache adds to the time to first token"), "handoff_ttft")
 
 
 def _paged(run: Path, record: dict, tables: dict, out: _Out) -> None:
@@ -160,7 +144,7 @@ def _swapin(run: Path, record: dict, tables: dict, out: _Out) -> None:
     out.figure(fig, "swapin_pct")
 
 
-_DISPATCH = {"handoff": _handoff, "paged_transfer": _paged,
+_DISPATCH = {"paged_transfer": _paged,
              "disagg": _disagg, "swapin": _swapin}
 
 

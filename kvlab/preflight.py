@@ -37,10 +37,6 @@ def _destinations(value, what="destinations"):
                              "'pageable'") from None
 
 
-def _policy(value, what="policy"):
-    from .sends import check_policy
-
-    check_policy(value)
 
 
 def _choice(*valid: str) -> Callable:
@@ -63,13 +59,6 @@ def _paths(value, what="paths"):
     ceilings.resolve_paths(",".join(name_list(value, what)))
 
 
-def _sizes(value, what="sizes"):
-    from . import ceilings
-
-    for s in name_list(value, what):
-        ceilings.parse_size(s)
-
-
 def _methods(value, what="methods"):
     from .paged_bench import METHODS
 
@@ -88,11 +77,6 @@ def _layout(value, what="layout"):
 
 # study → parameter → check(value, name); "auto" is never checked (the notebook resolves it by hardware)
 CHECKS: dict[str, dict[str, Callable]] = {
-    "handoff": {"model": lambda v, w: models.model_ref(v, w), "weights": models.check_weights, "contexts": lambda v, w: token_list(v, w, 2),
-                "destinations": _destinations, "policy": _policy, "point": _choice("cache", "attention"),
-                "attribution": _choice("auto", "off"), "ceiling_sizes": _sizes, "repeats": _int_at_least(1),
-                "warmup": _int_at_least(0), "decode_tokens": _int_at_least(1), "interleave": _int_at_least(1),
-                "interleave_short": _int_at_least(1), "attribution_rounds": _int_at_least(1)},
     "paged_transfer": {"contexts": lambda v, w: token_list(v, w, 1), "block_sizes": lambda v, w: token_list(v, w, 1),
                        "methods": _methods, "destinations": _destinations, "layout": _layout,
                        "pool_layout": _choice("nhd", "hnd"), "repeats": _int_at_least(1), "warmup": _int_at_least(0),
@@ -105,17 +89,6 @@ CHECKS: dict[str, dict[str, Callable]] = {
 }
 
 
-def _handoff_together(params: Mapping) -> None:
-    from .sends import check_policy
-
-    policy, dests = params.get("policy", "eager"), params.get("destinations", "auto")
-    if check_policy(policy) != "eager" and dests != "auto":
-        bad = [d for d in name_list(dests, "destinations") if d.strip().lower() in ("pageable", "pageable-host", "host", "cpu")]
-        if bad:
-            raise ValueError(f"policy = {policy!r} cannot send to {bad[0]!r}: a policy other than 'eager' needs a GPU "
-                             "destination or pinned host; drop pageable from destinations or use policy eager")
-
-
 def _disagg_together(params: Mapping) -> None:
     from .disagg import from_params
 
@@ -123,7 +96,7 @@ def _disagg_together(params: Mapping) -> None:
 
 
 # checks of several parameters together, after each has passed alone
-TOGETHER: dict[str, Callable] = {"handoff": _handoff_together, "disagg": _disagg_together}
+TOGETHER: dict[str, Callable] = {"disagg": _disagg_together}
 
 
 def check(study: str, params: Mapping) -> None:

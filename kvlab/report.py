@@ -75,12 +75,6 @@ def analysis(path: str):
 
 
 _LEGACY = {
-    ("handoff", "table"): lambda runs, labels: report_legacy.handoff_table(runs[0]),
-    ("handoff", "table_with_reference"): lambda runs, labels: report_legacy.handoff_table(runs[0], reference=True),
-    ("handoff", "policies"): lambda runs, labels: report_legacy.policies(*runs),
-    ("handoff", "attribution"): lambda runs, labels: report_legacy.attribution(runs[0]),
-    ("handoff", "goals_side_by_side"): lambda runs, labels: report_legacy.goals_side_by_side(
-        {f"{label} ({run.split('/')[1].split('-')[1]})": run for run, label in zip(runs, labels)}),
     ("paged_transfer", "table"): lambda runs, labels: report_legacy.paged(runs[0]),
     ("paged_transfer", "access_patterns"): lambda runs, labels: report_legacy.access_patterns(runs[0]),
     ("disagg", "ttft"): lambda runs, labels: report_legacy.disagg(runs),
@@ -130,6 +124,14 @@ def goals_of(study: str, path: str) -> pd.DataFrame:
     return report_legacy.goals_of(study, path)
 
 
+def _with_host_bound(study: str, path: str, record: dict) -> dict:
+    """`record` with its host-bound prefill rate: run.json's, or (older runs) what its study's analysis finds."""
+    module = _study(study)
+    if record.get("host_bound") is not None or module is None:
+        return record
+    return {**record, "host_bound": analysis(path).fields.get("host_bound")}
+
+
 def verdicts(prefix: str = "") -> str:
     """Every goal of every run in the manifest's verdicts under kvlab.goals' one rule. Goals at 1k (host-bound) name
     the host's 1k prefill time: they hold on that host, not on an H200 in general."""
@@ -146,7 +148,8 @@ def verdicts(prefix: str = "") -> str:
                                               f"policy {r.policy}" if getattr(r, "policy", "") else "") if x)
                 host = report_legacy.host_label(record)
                 if has_ctx and int(ctx) <= goals.HOST_BOUND_CONTEXT:
-                    host += "; " + report_legacy.host_bound_label(study, path, record) + " (host-bound: holds on this host)"
+                    host += "; " + report_legacy.host_bound_label(study, path, _with_host_bound(study, path, record)) \
+                        + " (host-bound: holds on this host)"
                 rows.append({"goal": r.goal, "run": run_link(path, prefix), "host": host, "where": where or "—",
                              "value [95 % interval] vs goal": r.value,
                              "verdict": f"**{r.verdict}**" if r.verdict != "met" else r.verdict})

@@ -4,22 +4,18 @@ functions here as it moves): each takes run folders under data/ ("study/run_id")
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from pathlib import Path
 
 import pandas as pd
 
-from . import handoff_report
 from .paths import read_json, repo_root
 from .study import ctx_label as _ctx
 from .study import fmt_or_dash as _s
 from .study import md_table as _md
 from .study import sig as _g
 
-# seed 004's 2×H100 numbers (docs/REFERENCE.md): the reference column of the two-GPU table
-SEED_H100 = handoff_report.SEED004_H100
 LINK_PREFIX = ""  # where data/ is, seen from the file a table goes into ("" for the README; kvlab.report sets it)
 
 
@@ -45,61 +41,6 @@ def _link(path: str) -> str:
     return f"[{path.split('/')[-1]}]({LINK_PREFIX}data/{path}/)"
 
 
-def handoff_summary(path: str) -> pd.DataFrame:
-    """kvlab.handoff_report.summarize of a committed handoff run, against the ceilings that run measured."""
-    return _handoff_summary(path, str(_data())).copy()
-
-
-@functools.lru_cache(maxsize=None)
-def _handoff_summary(path: str, _root: str) -> pd.DataFrame:  # committed runs do not change: once a process
-    record, _ = _run(path)
-    ceil, paths = handoff_report.run_ceilings(record)
-    return handoff_report.summarize(_table(path, "results"), ceil or None, paths or None)
-
-
-def handoff_table(path: str, reference: bool = False) -> str:
-    s = handoff_summary(path)
-    record, _ = _run(path)
-    ceil, _ = handoff_report.run_ceilings(record)
-    rows = []
-    for r in s.itertuples():
-        cg = ceil.get(r.destination)
-        gb = f"{r.copy_gbps:,.0f} / {cg:,.0f} ({100 * r.copy_gbps / cg:.1f} %)" if cg else f"{r.copy_gbps:,.0f}"
-        row = {"context": _ctx(r.context), "KV MiB": f"{r.kv_mib:,.0f}", "destination": r.destination,
-               "prefill ms (spread)": f"{_g(r.prefill_ms)} ({r.prefill_spread_ms:.1f})"}
-        if reference:
-            row["H100 prefill"] = f"{SEED_H100.get(int(r.context), ('—',))[0]:,}" if int(r.context) in SEED_H100 else "—"
-        row["bulk copy ms (% of prefill)"] = f"{_g(r.copy_ms)} ({r.copy_pct_prefill:.2f} %)"
-        if reference:
-            row["H100 bulk"] = str(SEED_H100[int(r.context)][1]) if int(r.context) in SEED_H100 else "—"
-        row["GB/s vs ceiling"] = gb
-        row["2×28 copies ms"] = _g(r.copy_tensor_ms)
-        row["layer-wise extra ms [95 % interval]"] = (f"{r.layerwise_extra_ms:+.2f} [{r.extra_ci_lo_ms:+.2f}, "
-                                                      f"{r.extra_ci_hi_ms:+.2f}]")
-        if reference:
-            row["H100 extra"] = f"{SEED_H100[int(r.context)][2]}" if int(r.context) in SEED_H100 else "—"
-        row["exposed ms (median)"] = f"{max(r.exposed_ms, 0):.2f} ({r.exposed_ms:+.2f})"
-        if reference:
-            row["first decode step ms"] = f"{r.decode_step_ms:.1f}"
-        else:
-            row["hook host ms"] = f"{r.hook_host_ms:.2f}"
-        rows.append(row)
-    return _md(pd.DataFrame(rows))
-
-
-def policies(eager: str, deadline: str, deadline_32k: str) -> str:
-    e = handoff_summary(eager).set_index("context")
-    d = handoff_summary(deadline).set_index("context")
-    d32 = handoff_summary(deadline_32k).set_index("context")
-    rows = []
-    for c in d.index:
-        iv = lambda t, c: f"{t.loc[c, 'layerwise_extra_ms']:+.2f} [{t.loc[c, 'extra_ci_lo_ms']:+.2f}, {t.loc[c, 'extra_ci_hi_ms']:+.2f}]"  # noqa: E731
-        dl = iv(d, c) + (f"; rerun: {iv(d32, c)}" if c in d32.index else "")
-        rows.append({"context": _ctx(c), f"eager extra ms [95 % interval] ({eager.split('/')[-1]})": iv(e, c) if c in e.index else "—",
-                     "deadline extra ms [95 % interval]": dl,
-                     "deadline exposed ms (max)": f"{d.loc[c, 'exposed_ms']:+.2f} ({d.loc[c, 'exposed_max_ms']:+.2f})",
-                     "bulk copy ms": _g(d.loc[c, "copy_ms"])})
-    return _md(pd.DataFrame(rows))
 
 
 def paged(path: str) -> str:
@@ -113,17 +54,6 @@ def paged(path: str) -> str:
         "time median (min–max)": s.time.where(~skipped, "not run here"), "GB/s": s.gbps.map(lambda v: _s(v, ",.1f")),
         "% of contiguous ceiling": s.pct_of_ceiling.map(lambda v: "—" if v != v else f"{v:.1f} %"),
         "repeats": s.repeats, "verified": s.verified.where(~skipped, "—")})
-    return _md(out)
-
-
-def attribution(path: str) -> str:
-    """The 1k split of a layer-wise send's cost (signal only, attention hooks, per-layer wakes)."""
-    s = handoff_report.attribution_summary(_table(path, "attribution_rounds"))
-    out = pd.DataFrame({
-        "destination": s.destination, "variant": s.variant, "signal point, mode": s["mode"].fillna("—"),
-        "extra prefill ms [95 % interval]": [f"{a:+.2f} [{lo:+.2f}, {hi:+.2f}]" for a, lo, hi in
-                                             zip(s.extra_ms, s.extra_ci_lo_ms, s.extra_ci_hi_ms)],
-        "hook host ms": s.hook_host_ms.map(lambda v: f"{v:.2f}"), "rounds": s.rounds})
     return _md(out)
 
 
@@ -332,23 +262,8 @@ def decode_oom(paths: list[str]) -> str:
     return _md(pd.DataFrame(rows))
 
 
-def goals_side_by_side(runs: dict[str, str]) -> str:
-    """The handoff goals of several runs in columns ({column title: run path}), one row per goal and place:
-    value [95 % interval] and the verdict under the one rule."""
-    cols = {}
-    for title, path in runs.items():
-        g = goals_of("handoff", path)
-        for r in g.itertuples():
-            key = (r.goal, int(r.context), r.destination)
-            v = r.verdict if r.verdict == "met" else f"**{r.verdict}**"
-            cols.setdefault(key, {})[title] = f"{v}: {r.value.split(' <=')[0].split(' >=')[0]}"
-    rows = [{"goal": goal, "where": _ctx(ctx), **{t: c.get(t, "—") for t in runs}}
-            for (goal, ctx, dest), c in cols.items()]
-    return _md(pd.DataFrame(rows))
-
-
 def goals_of(study: str, path: str) -> pd.DataFrame:
-    from . import goals, handoff_report, paged_report
+    from . import goals, paged_report
 
     if study == "disagg":
         from .disagg import report as dr
@@ -359,8 +274,6 @@ def goals_of(study: str, path: str) -> pd.DataFrame:
         from .disagg import report as dr
 
         g = goals.evaluate(goals.for_study("faults"), dr.fault_goal_table(_data() / path), keys=("policy",))
-    elif study == "handoff":
-        g = handoff_report.goals(handoff_summary(path))
     elif study == "paged_transfer":
         g = paged_report.goals(_table(path, "results"))
     else:
@@ -378,8 +291,7 @@ def host_label(record: dict) -> str:
 
 
 def host_bound_label(study: str, path: str, record: dict) -> str:
-    """'1k colocated prefill X ms' of a run: run.json's host_bound, or (older runs) its committed summary."""
+    """'1k colocated prefill X ms' of a run: its record's host_bound (kvlab.report fills it in from the analysis of
+    a run recorded without one), "" when it has none."""
     hb = record.get("host_bound")
-    if hb is None and study == "handoff":
-        hb = handoff_report.host_bound(handoff_summary(path))
     return f"1k colocated prefill {hb['colocated_prefill_ms']:.1f} ms" if hb else ""

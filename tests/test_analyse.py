@@ -91,10 +91,11 @@ def test_the_ttft_figure_draws_what_was_measured_and_marks_references_apart():
     import matplotlib
 
     matplotlib.use("Agg")
-    from kvlab import handoff_report, report_legacy
+    from kvlab import report
+    from kvlab.studies.handoff import charts
 
-    one = report_legacy.handoff_summary("handoff/20261129-103726-h200")
-    fig = handoff_report.plot_ttft(one)
+    one = report.analysis("handoff/20261129-103726-h200").tables["summary"]
+    fig = charts.plot_ttft(one)
     def title(ax):
         return "".join(ax.get_title(loc=where) for where in ("left", "center", "right"))
 
@@ -105,6 +106,6 @@ def test_the_ttft_figure_draws_what_was_measured_and_marks_references_apart():
     # a negative median stays negative (no floor on a log axis): 32k same-GPU layer-wise was −1.13 ms
     ys = [y for line in axes[0].lines for y in line.get_ydata()]
     assert min(ys) < -1
-    peer = handoff_report.plot_ttft(report_legacy.handoff_summary("handoff/20261130-142532-h200"))
+    peer = charts.plot_ttft(report.analysis("handoff/20261130-142532-h200").tables["summary"])
     labels = [t.get_text() for t in peer.legends[0].get_texts()]
     assert any("seed 004 on 2×H100" in t and "reference" in t for t in labels)

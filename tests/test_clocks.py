@@ -9,11 +9,12 @@ import pandas as pd
 import pytest
 import torch
 
-from kvlab import clocks, exposure, handoff, steps
+from kvlab import clocks, exposure, steps
 from kvlab.studies.overlap_timeline import pattern_report, patterns
 from kvlab.hooks import LayerHooks
 from kvlab.kvcache import KVBuffer, layout_for
 from kvlab.sends import release_plan
+from kvlab.studies.handoff import experiment
 from kvlab.transfer import Transport
 
 
@@ -125,16 +126,16 @@ def test_release_is_validated():
 
 
 def test_handoff_refuses_an_unknown_policy_before_measuring(tiny):
-    cfg = handoff.HandoffConfig(contexts=[8], destinations=["same-gpu"], policy="sometimes")
+    cfg = experiment.HandoffConfig(contexts=[8], destinations=["same-gpu"], policy="sometimes")
     with pytest.raises(ValueError, match="unknown send policy 'sometimes'"):
-        handoff.run_handoff(tiny, cfg, device="cpu")
+        experiment.run_handoff(tiny, cfg, device="cpu")
 
 
 @pytest.mark.parametrize("policy", ["deadline", "batch:3", "batch:4"])
 def test_handoff_with_a_policy_on_cpu(tiny, policy):
-    cfg = handoff.HandoffConfig(contexts=[8], destinations=["same-gpu"], repeats=1, warmup=0, decode_tokens=2,
+    cfg = experiment.HandoffConfig(contexts=[8], destinations=["same-gpu"], repeats=1, warmup=0, decode_tokens=2,
                                 interleave_short=1, short_context=8, policy=policy)
-    _, checks = handoff.run_handoff(tiny, cfg, device="cpu")
+    _, checks = experiment.run_handoff(tiny, cfg, device="cpu")
     row = checks[checks.method == "layerwise"].iloc[0]
     assert row.policy == policy and 0 <= row.first_release < 4
     assert checks.tokens_match.all() and checks.logits_equal.all() and (checks.poison_left == 0).all()

@@ -5,9 +5,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
 
-from kvlab import handoff, handoff_report, steps
+from kvlab import steps
 from kvlab.hooks import LayerHooks
 from kvlab.kvcache import KVBuffer, KVLayout, layout_for
+from kvlab.studies.handoff import analysis, charts, experiment
 from kvlab.transfer import Destination, Transport
 
 
@@ -152,13 +153,13 @@ def test_layerwise_finish_refuses_missing_layers(tiny):
 
 
 def test_run_handoff_tidy_tables(tiny):
-    cfg = handoff.HandoffConfig(contexts=[8, 16], destinations=["same-gpu", "pageable"], repeats=2, warmup=0,
+    cfg = experiment.HandoffConfig(contexts=[8, 16], destinations=["same-gpu", "pageable"], repeats=2, warmup=0,
                                 decode_tokens=3, interleave_short=3, interleave=2, short_context=8)
-    timings, checks = handoff.run_handoff(tiny, cfg, device="cpu")
+    timings, checks = experiment.run_handoff(tiny, cfg, device="cpu")
     assert set(timings.columns) == {"context", "kv_bytes", "destination", "method", "measure", "repeat", "ms"}
     assert checks.tokens_match.all() and checks.logits_equal.all() and (checks.poison_left == 0).all()
     assert len(checks) == 2 * (1 + 2 * 2)
-    summary = handoff_report.summarize(timings, ceilings={"same-device": 10.0})
+    summary = analysis.summarize(timings, ceilings={"same-device": 10.0})
     assert list(summary.context) == [8, 8, 16, 16]
     # 3 interleaved rounds at the short context, `repeats` rounds above it
     assert list(summary.rounds) == [3, 3, 2, 2]
@@ -179,18 +180,18 @@ def test_run_handoff_tidy_tables(tiny):
     short, long_ = summary[summary.context == 8], summary[summary.context == 16]
     assert (short.extra_ci_lo_ms <= short.layerwise_extra_ms).all() and (short.layerwise_extra_ms <= short.extra_ci_hi_ms).all()
     assert long_.extra_ci_lo_ms.isna().all()
-    g = handoff_report.goals(summary)
+    g = analysis.goals(summary)
     assert set(g.goal) >= {"hook host time ≤ 0.5 ms", "bulk ≥ 95 % of the link ceiling"}
 
 
 def test_ab_rounds_alternate_their_order(tiny, monkeypatch):
     calls = []
-    monkeypatch.setattr(handoff, "time_prefill", lambda *a: calls.append("A") or 1.0)
-    monkeypatch.setattr(handoff, "time_layerwise_round",
+    monkeypatch.setattr(experiment, "time_prefill", lambda *a: calls.append("A") or 1.0)
+    monkeypatch.setattr(experiment, "time_layerwise_round",
                         lambda *a: calls.append("B") or {"wall": 1.0, "prefill": 1.0, "exposed": 0.0})
-    cfg = handoff.HandoffConfig(contexts=[8], destinations=["same-gpu"], repeats=1, warmup=1, decode_tokens=2,
+    cfg = experiment.HandoffConfig(contexts=[8], destinations=["same-gpu"], repeats=1, warmup=1, decode_tokens=2,
                                 interleave_short=4, short_context=8)
-    timings, _ = handoff.run_handoff(tiny, cfg, device="cpu")
+    timings, _ = experiment.run_handoff(tiny, cfg, device="cpu")
     ab = "".join(calls)[-10:]  # the A/B rounds come last: 1 warm-up + 4 timed rounds
     assert ab == "ABBAABBAAB"
     assert len(timings[(timings.method == "layerwise") & (timings.measure == "wall")]) == 4
@@ -204,18 +205,18 @@ def test_the_link_goal_keeps_its_yardstick_and_the_same_bytes_goal_stands_beside
     # paired same-bytes copy says; that ratio is a goal of its own, beside it, with its own verdict
     rows = [_summary_row(context=32768, copy_pct_ceiling=82.0, copy_pct_ceiling_lo=80.0, copy_pct_ceiling_hi=84.0,
                          copy_pct_ref=pct, copy_pct_ref_lo=pct - 2, copy_pct_ref_hi=pct + 2), _summary_row(context=1024)]
-    g = handoff_report.goals(pd.DataFrame(rows)).set_index("goal")
+    g = analysis.goals(pd.DataFrame(rows)).set_index("goal")
     link = g.loc["bulk ≥ 95 % of the link ceiling"]
     same = g.loc["bulk send ≥ 95 % of a plain copy_ of the same bytes"]
     assert link.met is False and link.verdict == "missed" and link.rule == "interval"
     assert same.met is want and f"{pct:.1f} %" in same.value and "alternation" in same.how
     # the 0.5 ms hook goals belong to the host-bound 1k regime: a run of long contexts only has none
-    long_only = handoff_report.goals(pd.DataFrame([_summary_row(context=32768, copy_pct_ref=pct, copy_pct_ref_lo=pct,
+    long_only = analysis.goals(pd.DataFrame([_summary_row(context=32768, copy_pct_ref=pct, copy_pct_ref_lo=pct,
                                                                 copy_pct_ref_hi=pct)]))
     assert "hook host time ≤ 0.5 ms" not in set(long_only.goal) and "bulk ≥ 95 % of the link ceiling" in set(long_only.goal)
     assert "hook host time ≤ 0.5 ms" in set(g.index)
     # a summary without the copies' min–max (runs before it was kept) is judged on the point value
-    old = handoff_report.goals(pd.DataFrame([_summary_row(context=32768, copy_pct_ceiling=96.0), _summary_row(context=1024)]))
+    old = analysis.goals(pd.DataFrame([_summary_row(context=32768, copy_pct_ceiling=96.0), _summary_row(context=1024)]))
     row = old[old.goal == "bulk ≥ 95 % of the link ceiling"].iloc[0]
     assert row.met is True and row.rule == "point"
 
@@ -233,10 +234,10 @@ def test_never_worse_than_bulk_is_decided_by_the_interval(lo, hi, want):
     import pandas as pd
 
     summary = pd.DataFrame([_summary_row(extra_ci_lo_ms=lo, extra_ci_hi_ms=hi), _summary_row(context=1024)])
-    g = handoff_report.goals(summary)
+    g = analysis.goals(summary)
     row = g[g.goal == "layer-wise never worse than bulk"].iloc[0]
-    assert handoff_report.goal_state(row.met) is want
-    lines = handoff_report.findings(pd.DataFrame([_summary_row(extra_ci_lo_ms=lo, extra_ci_hi_ms=hi, copy_min_ms=0.5,
+    assert analysis.goal_state(row.met) is want
+    lines = analysis.findings(pd.DataFrame([_summary_row(extra_ci_lo_ms=lo, extra_ci_hi_ms=hi, copy_min_ms=0.5,
                                                         copy_max_ms=0.6, copy_gbps=1.0, ceiling_gbps=2.0,
                                                         copy_pct_prefill=0.1, copy_tensor_ms=0.6,
                                                         extra_min_ms=-2, extra_max_ms=3)]), g)
@@ -270,9 +271,9 @@ def test_gpu_destinations_decode_identically(tiny):
     dev = torch.device("cuda")
     model = tiny.to(dev)
     try:
-        cfg = handoff.HandoffConfig(contexts=[64], destinations=["same-gpu", "pinned", "pageable"], repeats=2,
+        cfg = experiment.HandoffConfig(contexts=[64], destinations=["same-gpu", "pinned", "pageable"], repeats=2,
                                     warmup=1, decode_tokens=5, interleave_short=2, short_context=64)
-        timings, checks = handoff.run_handoff(model, cfg, device=dev)
+        timings, checks = experiment.run_handoff(model, cfg, device=dev)
         assert checks.tokens_match.all() and checks.logits_equal.all() and (checks.poison_left == 0).all()
         assert (timings[timings.measure != "exposed"].ms > 0).all()  # exposed is signed by design
     finally:
@@ -280,25 +281,25 @@ def test_gpu_destinations_decode_identically(tiny):
 
 
 def test_attribution_on_cpu_is_tidy_and_explained(tiny):
-    rows = handoff.attribute_extra(tiny, 8, ["same-gpu", "pageable"], rounds=3, warmup=0, device="cpu")
+    rows = experiment.attribute_extra(tiny, 8, ["same-gpu", "pageable"], rounds=3, warmup=0, device="cpu")
     # no stream memory operations on a CPU: no "signal only"
     assert set(rows.variant) == {"colocated", "layer-wise", "layer-wise, attention hooks"}
     assert len(rows) == 2 * 3 * 3 and (rows.ms > 0).all()
-    summary = handoff_report.attribution_summary(rows)
+    summary = analysis.attribution_summary(rows)
     assert list(summary.variant) == ["layer-wise", "layer-wise, attention hooks"] * 2
     assert (summary.rounds == 3).all()
     assert (summary.extra_ci_lo_ms <= summary.extra_ms).all() and (summary.extra_ms <= summary.extra_ci_hi_ms).all()
-    lines = handoff_report.attribution_findings(summary)
+    lines = analysis.attribution_findings(summary)
     assert len(lines) == 2 and "the real send (cpu, cache)" in lines[0] and "attention-module hooks" in lines[0]
-    fig = handoff_report.plot_attribution(summary)
+    fig = charts.plot_attribution(summary)
     assert fig.axes[0].get_xlabel().startswith("extra prefill time")
 
 
 def test_attribution_refuses_bad_input(tiny):
     with pytest.raises(ValueError, match="rounds"):
-        handoff.attribute_extra(tiny, 8, ["same-gpu"], rounds=0, device="cpu")
+        experiment.attribute_extra(tiny, 8, ["same-gpu"], rounds=0, device="cpu")
     with pytest.raises(ValueError, match="unknown destination"):
-        handoff.attribute_extra(tiny, 8, ["nvme"], device="cpu")
+        experiment.attribute_extra(tiny, 8, ["nvme"], device="cpu")
 
 
 @settings(max_examples=60, deadline=None)
@@ -329,7 +330,7 @@ def test_gpu_attribution_has_every_variant(tiny):
     dev = torch.device("cuda")
     model = tiny.to(dev)
     try:
-        rows = handoff.attribute_extra(model, 64, ["same-gpu", "pageable"], rounds=2, warmup=1, device=dev)
+        rows = experiment.attribute_extra(model, 64, ["same-gpu", "pageable"], rounds=2, warmup=1, device=dev)
         got = rows.groupby("destination").variant.unique().map(set).to_dict()
         assert got["same-gpu"] == {"colocated", "signal only", "layer-wise", "layer-wise, attention hooks"}
         assert got["pageable-host"] == {"colocated", "signal only", "layer-wise", "layer-wise, attention hooks",
@@ -372,14 +373,14 @@ def test_the_peer_goals_follow_the_interval_rule(lo, hi, exp_max, want, want_exp
                        layerwise_extra_ms=(lo + hi) / 2, exposed_ms=exp_max, exposed_ci_lo_ms=exp_min,
                        exposed_ci_hi_ms=exp_max, copy_pct_ceiling=97.9, copy_gbps=386.0, ceiling_gbps=394.0,
                        copy_ms=4.74)
-    g = handoff_report.goals(pd.DataFrame([row])).set_index("goal")
-    assert handoff_report.goal_state(g.loc["layer-wise TTFT extra ≤ 0.5 ms over colocated (peer)", "met"]) is want
-    assert handoff_report.goal_state(g.loc["layer-wise exposed ≤ 0.5 ms (peer)", "met"]) is want_exp
-    assert handoff_report.goal_state(g.loc["bulk peer send ≥ 98 % of the peer ceiling", "met"]) is False  # 97.9 %
+    g = analysis.goals(pd.DataFrame([row])).set_index("goal")
+    assert analysis.goal_state(g.loc["layer-wise TTFT extra ≤ 0.5 ms over colocated (peer)", "met"]) is want
+    assert analysis.goal_state(g.loc["layer-wise exposed ≤ 0.5 ms (peer)", "met"]) is want_exp
+    assert analysis.goal_state(g.loc["bulk peer send ≥ 98 % of the peer ceiling", "met"]) is False  # 97.9 %
     # a same-GPU row at 32k has none of these goals, and a peer row gets "never worse than bulk" at 1k too
-    same = handoff_report.goals(pd.DataFrame([dict(row, destination="same-gpu")]))
+    same = analysis.goals(pd.DataFrame([dict(row, destination="same-gpu")]))
     assert not same.goal.str.contains("peer").any()
-    short = handoff_report.goals(pd.DataFrame([dict(row, context=1024)]))
+    short = analysis.goals(pd.DataFrame([dict(row, context=1024)]))
     assert "layer-wise never worse than bulk" in set(short.goal)
 
 

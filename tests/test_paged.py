@@ -22,7 +22,7 @@ from kvlab import paged, paged_bench, paged_report
 from kvlab.paged import registry as paged_xport
 from kvlab.paged import triton_transports as paged_triton
 from kvlab.transfer import Destination
-from kvlab.handoff import decode, make_prompt, prefill
+from kvlab.steps import decode, make_prompt, prefill
 from kvlab.hooks import LayerHooks
 from kvlab.kvcache import KVBuffer, KVLayout, layout_for
 from kvlab.paged import BlockAllocator, BlockPool, BlockTable, PoolSpec, verify_transfer

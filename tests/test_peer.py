@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab import handoff, handoff_report, steps
+from kvlab import steps
+from kvlab.studies.handoff import analysis, experiment
 from kvlab.studies.overlap_timeline import pattern_report, patterns
 
 pytestmark = [pytest.mark.gpu,
@@ -37,15 +38,15 @@ def test_replicas_are_the_same_weights_on_the_peer(tiny_gpu):
 
 @pytest.mark.parametrize("policy", ["eager", "deadline", "batch:2"])
 def test_peer_handoff_decodes_on_the_destination_gpu(tiny_gpu, policy):
-    cfg = handoff.HandoffConfig(contexts=[128], destinations=["cuda:1"], repeats=2, warmup=1, decode_tokens=5,
+    cfg = experiment.HandoffConfig(contexts=[128], destinations=["cuda:1"], repeats=2, warmup=1, decode_tokens=5,
                                 interleave_short=2, interleave=2, short_context=128, policy=policy)
-    timings, checks = handoff.run_handoff(tiny_gpu, cfg, device="cuda:0")
+    timings, checks = experiment.run_handoff(tiny_gpu, cfg, device="cuda:0")
     moved = checks[checks.destination == "peer-cuda:1"]
     assert len(moved) == 2 and set(moved.decode_device) == {"cuda:1"}
     assert checks.tokens_match.all() and checks.logits_equal.all() and (checks.poison_left == 0).all()
     assert moved.decode_gpu_logits_equal.all() and moved.bytes_equal.all()
     assert (timings[(timings.destination == "peer-cuda:1") & (timings.measure == "decode_step")].ms > 0).all()
-    summary = handoff_report.summarize(timings)
+    summary = analysis.summarize(timings)
     assert list(summary.destination) == ["peer-cuda:1"]
 
 

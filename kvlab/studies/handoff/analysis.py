@@ -1,16 +1,23 @@
-"""The handoff study's analysis: from the tidy rows kvlab.handoff measured to seed 004's table (`summarize`),
-the goals' verdicts (`goals`), the models beside the measurements (`predictions`), sentences (`findings`) and
-figures (`plot_ttft`, `plot_attribution`). Reads tables; never measures.
+"""The handoff study's analysis: from the tidy rows kvlab.studies.handoff.experiment measured to seed 004's table
+(`summarize`), the goals' verdicts (`goals`), the models beside the measurements (`predictions`), sentences
+(`findings`) and the split of the shortest context's layer-wise cost (`attribution_summary`). Reads tables;
+never measures. The figures are in kvlab.studies.handoff.charts.
 """
 
 from __future__ import annotations
 
 import pandas as pd
 
-from .timing import median_ci
+from ... import calculator, ceilings_fit, models
+from ... import goals as G
+from ...study import Analysis, ctx_label, fmt_or_dash, sig
+from ...timing import median_ci
 
-__all__ = ["run_ceilings", "summarize", "goals", "goal_state", "predictions", "plot_ttft", "SEED004_H100", "findings", "attribution_summary",
-           "attribution_findings", "plot_attribution"]
+__all__ = ["analyse", "run_ceilings", "run_ceiling_record", "layers_of", "summarize", "goals", "goal_state",
+           "predictions", "SEED004_H100", "findings", "correctness_finding", "attribution_summary",
+           "attribution_findings", "host_bound", "HOST_BOUND_CONTEXT", "seed_table", "values"]
+
+STUDY = "handoff"
 
 
 def attribution_summary(rows: pd.DataFrame) -> pd.DataFrame:
@@ -66,38 +73,6 @@ def attribution_findings(summary: pd.DataFrame) -> list[str]:
             bits.append(f"waking the pageable worker after every layer instead costs {part('layer-wise, per-layer wakes')}")
         out.append(text + "; ".join(bits) + ".")
     return out
-
-
-def plot_attribution(summary: pd.DataFrame, title: str = ""):
-    """Horizontal bars: each variant's extra prefill time over colocated, with its 95 % interval, per
-    destination; the issue's 0.5 ms budget as a dashed line."""
-    import matplotlib.pyplot as plt
-
-    from . import plots
-
-    plots.style()
-    fig, ax = plt.subplots(figsize=(7.0, 0.45 * len(summary) + 1.6))
-    labels = [f"{r.destination} · {r.variant}" for r in summary.itertuples()]
-    y = range(len(summary))
-    palette = {"signal only": plots.BLUE, "layer-wise": plots.VERMILLION, "layer-wise, attention hooks": plots.PURPLE,
-               "layer-wise, per-layer wakes": plots.ORANGE}
-    colors = [palette.get(v, plots.GREEN) for v in summary.variant]
-    ax.barh(list(y), summary.extra_ms, color=colors,
-            xerr=[summary.extra_ms - summary.extra_ci_lo_ms, summary.extra_ci_hi_ms - summary.extra_ms],
-            error_kw=dict(lw=0.8, capsize=2))
-    ax.set_yticks(list(y), labels, fontsize=8)
-    ax.invert_yaxis()
-    ax.axvline(0, color="black", lw=0.6)
-    ax.axvline(0.5, color="black", lw=0.8, ls="--")
-    ax.text(0.5, -0.6, " 0.5 ms budget", fontsize=7, va="bottom")
-    ax.set_xlabel("extra prefill time over colocated, ms (median of paired rounds, 95 % interval)")
-    ctx = ", ".join(f"{c:,}" for c in summary.context.unique())
-    import textwrap
-
-    ax.set_title("\n".join(textwrap.wrap(title or f"Where layer-wise sending's cost goes at {ctx} tokens", 62)),
-                 fontsize=10)
-    fig.tight_layout()
-    return fig
 
 
 def _med(s):
@@ -205,8 +180,6 @@ def goals(summary: pd.DataFrame) -> pd.DataFrame:
     from 4k (and at every context to a peer); hook host time and the interleaved extra ≤ 0.5 ms at a
     host-bound shortest context (≤ 1k); issue 14's NVLink goals at 32k. `met` is True, False or None (not
     resolved); `verdict` says it in words, `rule` whether an interval or a point value decided."""
-    from . import goals as G
-
     return G.evaluate(G.for_study("handoff"), summary)
 
 
@@ -219,16 +192,15 @@ def goal_state(value) -> bool | None:
     return bool(value)
 
 
-def predictions(summary: pd.DataFrame, layers: int, ceilings=None, links=("100G", "400G")) -> pd.DataFrame:
+def predictions(summary: pd.DataFrame, layers: int | None, ceilings=None, links=("100G", "400G")) -> pd.DataFrame:
     """What the models predict beside what was measured, per context (and destination for the fit).
 
     links: the calculator's network predictions (bytes / link rate, no fixed cost) — seed 000's NICs.
     ceilings: a kvlab.ceilings_fit.Ceilings of the same run; the fitted fixed + bytes model predicts one copy
-    and 2 × layers copies (seed 004's 56 tensors) for each destination's path.
+    and 2 × layers copies (seed 004's 56 tensors) for each destination's path (one copy only when `layers` is
+    None: a run that did not record its model's layers).
     Columns: context, destination, model, ms, pct_prefill.
     """
-    from . import calculator
-
     rows = []
     for context, g in summary.groupby("context", sort=True):
         nbytes = float(g.kv_mib.iloc[0]) * 2**20
@@ -243,7 +215,8 @@ def predictions(summary: pd.DataFrame, layers: int, ceilings=None, links=("100G"
             path = r.ceiling_path
             if not path or path not in ceilings.names:
                 continue
-            for copies, what in ((1, "fit, 1 copy"), (2 * layers, f"fit, {2 * layers} copies")):
+            fits = ((1, "fit, 1 copy"),) + (((2 * layers, f"fit, {2 * layers} copies"),) if layers else ())
+            for copies, what in fits:
                 ms = ceilings.predict_ms(path, nbytes, copies=copies)
                 rows.append(dict(context=context, destination=r.destination, model=what, ms=ms,
                                  pct_prefill=100 * ms / r.prefill_ms))
@@ -253,102 +226,6 @@ def predictions(summary: pd.DataFrame, layers: int, ceilings=None, links=("100G"
 # Seed 004's numbers on two H100s over NVLink (docs/REFERENCE.md), by context: (prefill, bulk copy, layer-wise
 # extra), ms. A reference drawn beside kvlab's own measurements, never mixed with them.
 SEED004_H100 = {1024: (29, 1.1, 0.1), 4096: (109, 1.4, 3.9), 16384: (495, 3.4, 8.6), 32768: (1167, 5.7, 23.3)}
-
-
-def _ctx_label(c: int) -> str:
-    return f"{c // 1024}k" if c >= 1024 and c % 1024 == 0 else str(c)
-
-
-def plot_ttft(summary: pd.DataFrame, preds: pd.DataFrame | None = None, title: str = "",
-              reference: bool | None = None):
-    """The headline figure: what moving the cache adds to the time to first token, by context, one panel per
-    destination.
-
-    Measured (filled markers, 95 % intervals as bars): *bulk* = the one copy after prefill (median, interval of
-    the median copy); *layer-wise* = the request's wall time over colocated prefill, paired A/B rounds (median,
-    interval of the median). Zero is colocated; below zero is faster than colocated (noise, or drift). The
-    y axis is symmetric-log, linear within ±0.1 ms, so 0.03 ms and 145 ms both read. Marked apart (hollow,
-    grey, dashed): seed 004's 2×H100 numbers, drawn in a peer-GPU panel only (``reference``: force on / off),
-    and the prediction of the run's fitted link model for one copy (``preds`` with model "fit, 1 copy").
-    Each context's tick names its colocated prefill time, the rest of the time to first token.
-    """
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    from . import plots
-
-    dests = list(dict.fromkeys(summary.destination))
-    contexts = sorted(int(c) for c in summary.context.unique())
-    x = np.arange(len(contexts))
-    fig, axes = plt.subplots(1, len(dests), figsize=(max(6.4, 3.3 * len(dests)), 3.9), sharey=True, squeeze=False)
-    axes = axes[0]
-    handles = {}
-    for ax, d in zip(axes, dests):
-        g = summary[summary.destination == d].set_index("context")
-        rows = [g.loc[c] if c in g.index else None for c in contexts]
-
-        def series(col, lo_col, hi_col):
-            v = np.array([float(r[col]) if r is not None else np.nan for r in rows])
-            lo = np.array([float(r[lo_col]) if r is not None and lo_col in r and pd.notna(r[lo_col]) else np.nan
-                           for r in rows])
-            hi = np.array([float(r[hi_col]) if r is not None and hi_col in r and pd.notna(r[hi_col]) else np.nan
-                           for r in rows])
-            return v, lo, hi
-
-        copy_lo = "copy_ci_lo_ms" if "copy_ci_lo_ms" in g.columns else "copy_min_ms"
-        copy_hi = "copy_ci_hi_ms" if "copy_ci_hi_ms" in g.columns else "copy_max_ms"
-        for key, (col, lo_col, hi_col), off, fmt in (
-                ("bulk", ("copy_ms", copy_lo, copy_hi), -0.09, "o-"),
-                ("layer-wise", ("layerwise_extra_ms", "extra_ci_lo_ms", "extra_ci_hi_ms"), 0.09, "s")):
-            v, lo, hi = series(col, lo_col, hi_col)
-            err = np.vstack([np.where(np.isnan(lo), 0, v - lo), np.where(np.isnan(hi), 0, hi - v)])
-            # bulk grows with the bytes (a line); layer-wise points are separate A/B medians (no line: a line
-            # would draw noise as a trend)
-            h = ax.errorbar(x + off, v, yerr=np.clip(err, 0, None), fmt=fmt, color=plots.color(key),
-                            ms=5, lw=1.2, elinewidth=1.1, capsize=2.5, label=f"{key}, measured (median, 95 % interval)")
-            handles.setdefault(key, h)
-        if preds is not None and not preds.empty:
-            p = preds[(preds.destination == d) & (preds.model == "fit, 1 copy")].set_index("context")
-            if len(p):
-                y = [float(p.ms.get(c, np.nan)) for c in contexts]
-                handles.setdefault("fit", ax.plot(x, y, ls="--", lw=1, color=plots.GREY,
-                                                  label="bulk, predicted by the run's fitted link model")[0])
-        show_ref = reference if reference is not None else str(d).startswith("peer")
-        if show_ref:
-            ref = [SEED004_H100.get(c) for c in contexts]
-            xs = [xi for xi, r in zip(x, ref) if r]
-            if xs:
-                handles.setdefault("h100b", ax.plot(np.array(xs) - 0.09, [r[1] for r in ref if r], "o", mfc="none",
-                                                    mec=plots.GREY, ms=6, ls="none",
-                                                    label="seed 004 on 2×H100: bulk (reference)")[0])
-                handles.setdefault("h100l", ax.plot(np.array(xs) + 0.09, [r[2] for r in ref if r], "s", mfc="none",
-                                                    mec=plots.GREY, ms=6, ls="none",
-                                                    label="seed 004 on 2×H100: layer-wise (reference)")[0])
-        ax.axhline(0, color="0.25", lw=0.8)
-        ax.set_yscale("symlog", linthresh=0.1, linscale=0.6)
-        ticks = [t for t in (-100, -10, -1, -0.1, 0, 0.1, 1, 10, 100, 1000)]
-        ax.set_yticks(ticks, [f"{t:g}".replace("-", "−") for t in ticks], fontsize=8)
-        ax.yaxis.set_minor_locator(plt.NullLocator())
-        ax.set_title(str(d), fontsize=10)
-        pre = [float(r["prefill_ms"]) if r is not None else np.nan for r in rows]
-        ax.set_xticks(x, [f"{_ctx_label(c)}\n{p:,.0f} ms" for c, p in zip(contexts, pre)], fontsize=8)
-        ax.set_xlim(-0.5, len(contexts) - 0.5)
-        ax.grid(axis="y", lw=0.4, alpha=0.5)
-    lows = [float(v) for c in ("extra_ci_lo_ms", "layerwise_extra_ms") if c in summary for v in summary[c] if pd.notna(v)]
-    highs = [float(v) for c in ("copy_ms", "extra_ci_hi_ms") if c in summary for v in summary[c] if pd.notna(v)]
-    lo_lim = -10 ** np.ceil(np.log10(max(0.1, -min(lows + [0])))) if min(lows + [0]) < -0.1 else -0.2
-    hi_lim = 10 ** np.ceil(np.log10(max(highs + [1]) * 1.05))
-    axes[0].set_ylim(lo_lim * 1.3, hi_lim * 1.3)
-    axes[0].set_ylabel("added to time to first token, ms\n(symlog; 0 = colocated)", fontsize=9)
-    fig.supxlabel("context in tokens, with its colocated prefill time", fontsize=9, y=0.13)
-    import textwrap
-
-    fig.suptitle("\n".join(textwrap.wrap(title or "What moving the KV cache adds to the time to first token", 70)),
-                 fontsize=11)
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
-    fig.legend(handles.values(), [h.get_label() for h in handles.values()], loc="lower center", ncol=2,
-               fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.0))
-    return fig
 
 
 def findings(summary: pd.DataFrame, goal_table: pd.DataFrame) -> list[str]:
@@ -386,3 +263,135 @@ def findings(summary: pd.DataFrame, goal_table: pd.DataFrame) -> list[str]:
                        "interval straddles the threshold; notebook 03's kernel-by-kernel decomposition at "
                        "this point measures the copies' cost to prefill directly.")
     return out
+
+
+def seed_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """`summarize`'s table as the notebook shows it, one formatted text column per measure (ms unless marked):
+    prefill (spread) · bulk copy (% of prefill) · GB/s / ceiling (%) · vs same bytes [95 % interval] ·
+    per-tensor copy · one layer · layer-wise extra [95 % interval] (%) · exposed [min, max] · hook host ·
+    arm host · first decode step."""
+    s = summary
+    view = s.assign(
+        prefill=s.prefill_ms.map("{:,.1f}".format) + " (" + s.prefill_spread_ms.map("{:.1f}".format) + ")",
+        copy=s.copy_ms.map("{:.3g}".format) + " (" + s.copy_pct_prefill.map("{:.2f}".format) + " %)",
+        gbps=s.copy_gbps.map("{:,.1f}".format) + " / " + s.ceiling_gbps.map("{:,.1f}".format)
+             + " (" + s.copy_pct_ceiling.map("{:.1f}".format) + " %)",
+        same_bytes=s.copy_pct_ref.map("{:.1f}".format) + " % [" + s.copy_pct_ref_lo.map("{:.1f}".format)
+                   + ", " + s.copy_pct_ref_hi.map("{:.1f}".format) + "]",
+        per_tensor=s.copy_tensor_ms.map("{:.3g}".format),
+        one_layer=s.copy_layer_ms.map("{:.3g}".format),
+        extra=s.layerwise_extra_ms.map("{:+.2f}".format) + " [" + s.extra_ci_lo_ms.map("{:+.2f}".format) + ", "
+              + s.extra_ci_hi_ms.map("{:+.2f}".format) + "] (" + s.layerwise_extra_pct.map("{:+.2f}".format) + " %)",
+        exposed=s.exposed_ms.map("{:+.3g}".format) + " [" + s.exposed_min_ms.map("{:+.3g}".format) + ", "
+                + s.exposed_max_ms.map("{:+.3g}".format) + "]",
+        hooks=s.hook_host_ms.map("{:.3f}".format), armed=s.arm_host_ms.map("{:.3f}".format),
+        decode=s.decode_step_ms.map("{:.2f}".format),
+    )
+    return view[["context", "kv_mib", "destination", "prefill", "copy", "gbps", "same_bytes", "per_tensor", "one_layer",
+                 "extra", "exposed", "hooks", "armed", "decode"]]
+
+
+# ------------------------------------------------------------------------------ one run, from what it wrote
+
+
+def run_ceiling_record(record: dict, tables: dict) -> dict | None:
+    """The run's link ceilings as run.json keeps them (kvlab.ceilings_fit.Ceilings.to_dict): those its run.json
+    already holds (runs before the study had one shape wrote them while measuring), else the fit of its
+    `ceilings` table, with the sweep's device, peer matrix and sample counts from resolved.ceiling_sweep. None when
+    the run measured no ceilings."""
+    if record.get("ceilings"):
+        return record["ceilings"]
+    table = tables.get("ceilings")
+    if table is None or table.empty:
+        return None
+    sweep = dict((record.get("resolved") or {}).get("ceiling_sweep") or {})
+    table = table.copy()
+    table.attrs.update({k: sweep[k] for k in ("device", "p2p", "n", "warmup") if k in sweep})
+    return ceilings_fit.fit(table).ceilings.to_dict()
+
+
+def layers_of(record: dict) -> int | None:
+    """The model's decoder layers: resolved.layers, or (runs before it was recorded) the registry's for its model;
+    None when neither says."""
+    res = record.get("resolved") or {}
+    if res.get("layers"):
+        return int(res["layers"])
+    try:
+        return models.get(str(res.get("model", ""))).layers
+    except (ValueError, OSError):  # not a registry name (a config.json or model folder given)
+        return None
+
+
+def _iv(v, lo, hi, fmt: str) -> str:
+    """`v [lo, hi]` with `fmt`, the interval left out when it is not there."""
+    text = fmt_or_dash(v, fmt)
+    if pd.notna(lo) and pd.notna(hi):
+        text += f" [{format(lo, fmt)}, {format(hi, fmt)}]"
+    return text
+
+
+def values(summary: pd.DataFrame, attribution: pd.DataFrame | None, host: dict | None) -> dict[str, str]:
+    """The run's named numbers, formatted, for the docs' inline markers: per "<context>.<destination>" (e.g.
+    "32k.peer-cuda:1") its prefill, bulk copy, GB/s, % of the ceiling and of the same bytes, layer-wise extra and
+    exposed time, hook host time; the host-bound prefill; per attribution variant its extra prefill time."""
+    out = {}
+    for r in summary.itertuples():
+        k = f"{ctx_label(r.context)}.{r.destination}"
+        out[f"{k}.prefill_ms"] = sig(r.prefill_ms)
+        out[f"{k}.copy_ms"] = sig(r.copy_ms)
+        out[f"{k}.copy_gbps"] = fmt_or_dash(r.copy_gbps, ",.1f")
+        out[f"{k}.copy_pct_ceiling"] = fmt_or_dash(r.copy_pct_ceiling, ".1f")
+        out[f"{k}.copy_pct_ref"] = _iv(r.copy_pct_ref, r.copy_pct_ref_lo, r.copy_pct_ref_hi, ".1f")
+        out[f"{k}.layerwise_extra_ms"] = _iv(r.layerwise_extra_ms, r.extra_ci_lo_ms, r.extra_ci_hi_ms, "+.2f")
+        out[f"{k}.exposed_ms"] = _iv(r.exposed_ms, r.exposed_ci_lo_ms, r.exposed_ci_hi_ms, "+.3g")
+        out[f"{k}.hook_host_ms"] = fmt_or_dash(r.hook_host_ms, ".3f")
+    if host:
+        out["host_bound.colocated_prefill_ms"] = f"{host['colocated_prefill_ms']:.1f}"
+    if attribution is not None:
+        for r in attribution.itertuples():
+            out[f"attribution.{ctx_label(r.context)}.{r.destination}.{r.variant}.extra_ms"] = _iv(
+                r.extra_ms, r.extra_ci_lo_ms, r.extra_ci_hi_ms, "+.2f")
+    return out
+
+
+def correctness_finding(checks: pd.DataFrame) -> str:
+    """One sentence on the run's correctness checks: how many moved caches decoded as the colocated one did."""
+    ok = checks.tokens_match.astype(bool) & checks.logits_equal.astype(bool) & (checks.poison_left == 0)
+    if ok.all():
+        return (f"All {len(checks)} correctness checks identical: the decode from every moved cache matched the "
+                "colocated decode, tokens and logits bit for bit, with no poison left.")
+    bad = checks[~ok]
+    return (f"{len(bad)} of {len(checks)} correctness checks differ from the colocated decode: "
+            + ", ".join(f"{r.method} → {r.destination} at {int(r.context):,} tokens" for r in bad.itertuples()) + ".")
+
+
+def analyse(record: dict, tables: dict) -> Analysis:
+    """A handoff run's analysis from run.json and its raw tables (results, checks, ceilings, attribution_rounds):
+    seed 004's table (summary), the predictions beside it, the run's ceiling fit (ceiling_fit), the 1k attribution
+    when the run measured it, the goals, the findings, the named values; run.json gains `ceilings` (the fit) and
+    `host_bound` (the 1k colocated prefill, on this host)."""
+    if "results" not in tables:
+        raise FileNotFoundError(f"handoff run {record.get('run_id', '')!r} has no results.csv: this run did not write "
+                                "what its analysis needs")
+    ceil_record = run_ceiling_record(record, tables)
+    with_ceil = {**record, "ceilings": ceil_record} if ceil_record else record
+    ceil, paths = run_ceilings(with_ceil)
+    summary = summarize(tables["results"], ceil or None, paths or None)
+    fitted = ceilings_fit.Ceilings.from_json(ceil_record) if ceil_record else None
+    out = {"summary": summary, "predictions": predictions(summary, layers_of(record), fitted)}
+    if fitted is not None:
+        out["ceiling_fit"] = fitted.table()
+    attr = None
+    rounds = tables.get("attribution_rounds")
+    if rounds is not None and len(rounds):
+        attr = out["attribution"] = attribution_summary(rounds)
+    goal_table = goals(summary)
+    found = ([correctness_finding(tables["checks"])] if "checks" in tables else []) + findings(summary, goal_table)
+    if attr is not None:
+        found += attribution_findings(attr)
+    host = host_bound(summary)
+    fields = {"host_bound": host}
+    if ceil_record:
+        fields["ceilings"] = ceil_record
+    return Analysis(STUDY, record, raw=dict(tables), tables=out, goals=goal_table, findings=found,
+                    values=values(summary, attr, host), fields=fields)

@@ -1,4 +1,4 @@
-"""The prefill→decode handoff experiment (seed 004, reproduced and extended).
+"""The prefill→decode handoff experiment (seed 004, reproduced and extended): what the handoff study measures.
 
 For each context length and each destination, three ways to reach the first decode step:
 
@@ -32,14 +32,14 @@ from dataclasses import asdict, dataclass, field
 import pandas as pd
 import torch
 
-from .hooks import POINTS, LayerHooks
-from .kvcache import KVBuffer, layout_for
-from .steps import (Replicas, check_moved, check_request, correctness_check, decode, make_prompt, model_device, prefill,
-                    prefill_or_abort, time_copy, time_decode_step, time_layerwise_round,
-                    time_plain_copy, time_prefill)
-from .timing import free_device as _free, schedule
-from .sends import HookCostProbe, release_plan, stream_memops_available
-from .transfer import Transport
+from ...hooks import POINTS, LayerHooks
+from ...kvcache import KVBuffer, layout_for
+from ...sends import HookCostProbe, release_plan, stream_memops_available
+from ...steps import (Replicas, check_moved, check_request, correctness_check, decode, make_prompt, model_device, prefill,
+                      prefill_or_abort, time_copy, time_decode_step, time_layerwise_round,
+                      time_plain_copy, time_prefill)
+from ...timing import free_device as _free, schedule
+from ...transfer import Transport
 
 __all__ = ["HandoffConfig", "run_handoff", "attribute_extra", "config_dict",
            "ATTRIBUTION_VARIANTS"]
@@ -60,14 +60,6 @@ class HandoffConfig:
     ranges: bool = False            # trace ranges in the hooks (off for timing)
     point: str = "cache"            # where layer i is signalled: "cache" (kvlab's KV arena) or "attention" (module hook)
     policy: str = "eager"           # when layers go: "eager", "deadline" or "batch:N" (kvlab.sends.release_plan)
-
-
-# ---------------------------------------------------------------------------------------------------
-# validation
-
-
-# ---------------------------------------------------------------------------------------------------
-# the model steps
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -300,10 +292,7 @@ def attribute_extra(model, context: int, destinations, rounds: int = 30, warmup:
     return pd.DataFrame(rows)
 
 
-# ---------------------------------------------------------------------------------------------------
-# analysis (reads what run_handoff wrote; never measures)
-
-
 def config_dict(cfg: HandoffConfig) -> dict:
+    """The run's HandoffConfig as run.json records it (resolved.config)."""
     return asdict(cfg)
 
