@@ -31,8 +31,7 @@ __all__ = ["analyse", "STUDIES", "FIGURES", "add_arguments", "run_args"]
 STUDIES = ("overlap_timeline", "handoff", "paged_transfer", "link_ceilings", "disagg", "swapin")
 # the figures each study's analysis can draw (which of them it draws depends on the run's tables)
 FIGURES = {"overlap_timeline": ("decomposition", "event_timeline", "patterns", "clock_timeline"),
-           "handoff": ("handoff_ttft",), "paged_transfer": ("gbps_vs_block_size", "access_patterns"),
-           "disagg": ("disagg_ttft",), "swapin": ("swapin_pct",)}
+           "handoff": ("handoff_ttft",), "disagg": ("disagg_ttft",), "swapin": ("swapin_pct",)}
 
 
 def _need(tables: dict, run: Path, name: str) -> pd.DataFrame:
@@ -192,24 +191,6 @@ def _handoff(run: Path, record: dict, tables: dict, out: _Out) -> None:
                                                       "cache adds to the time to first token"), "handoff_ttft")
 
 
-def _paged(run: Path, record: dict, tables: dict, out: _Out) -> None:
-    from . import paged_report, plots
-
-    plots.style()
-    df = _need(tables, run, "results")
-    out.table(paged_report.summary(df), "summary")
-    goals = paged_report.goals(df)
-    out.table(goals, "goals")
-    out.meta["findings"] += [paged_report.finding(df)]
-    out.figure(paged_report.plot_gbps_vs_block_size(df), "gbps_vs_block_size")
-    patterns = tables.get("access_patterns")
-    if patterns is not None and len(patterns):
-        pat = paged_report.pattern_summary(patterns)
-        out.table(pat, "access_pattern_summary")
-        out.figure(paged_report.plot_patterns(pat, title=f"{int(df.context.max()):,} tokens in 16-token blocks: what "
-                                                         "the access pattern costs one kernel launch"), "access_patterns")
-
-
 def _disagg(run: Path, record: dict, tables: dict, out: _Out) -> None:
     from . import goals, plots
     from .disagg import report as dr
@@ -235,8 +216,8 @@ def _swapin(run: Path, record: dict, tables: dict, out: _Out) -> None:
     out.figure(fig, "swapin_pct")
 
 
-_DISPATCH = {"overlap_timeline": _overlap_timeline, "handoff": _handoff, "paged_transfer": _paged,
-             "disagg": _disagg, "swapin": _swapin}
+_DISPATCH = {"overlap_timeline": _overlap_timeline, "handoff": _handoff, "disagg": _disagg,
+             "swapin": _swapin}
 
 
 def _face(study: str):

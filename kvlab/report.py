@@ -84,8 +84,6 @@ _LEGACY = {
     ("overlap_timeline", "patterns"): lambda runs, labels: report_legacy.patterns(runs[0]),
     ("overlap_timeline", "event_overhead"): lambda runs, labels: report_legacy.event_overhead(runs),
     ("overlap_timeline", "runs"): lambda runs, labels: report_legacy.overlap_runs(runs),
-    ("paged_transfer", "table"): lambda runs, labels: report_legacy.paged(runs[0]),
-    ("paged_transfer", "access_patterns"): lambda runs, labels: report_legacy.access_patterns(runs[0]),
     ("disagg", "ttft"): lambda runs, labels: report_legacy.disagg(runs),
     ("disagg", "bench"): lambda runs, labels: report_legacy.disagg_bench(runs),
     ("disagg", "nixl"): lambda runs, labels: report_legacy.disagg_nixl(runs),

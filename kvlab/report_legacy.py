@@ -5,7 +5,6 @@ functions here as it moves): each takes run folders under data/ ("study/run_id")
 from __future__ import annotations
 
 import functools
-import json
 import re
 from pathlib import Path
 
@@ -119,20 +118,6 @@ def patterns(path: str) -> str:
     return _md(out)
 
 
-def paged(path: str) -> str:
-    from . import paged_report
-
-    s = paged_report.summary(_table(path, "results"))
-    # a method this run could not use (NIXL not installed): said, not timed; other skips keep their row as it is
-    skipped = (s.status == "skipped") & s.note.fillna("").str.contains("not installed|does not load")
-    out = pd.DataFrame({
-        "destination": s.destination, "method": s.method, "pieces": s.pieces.map(lambda v: f"{v:,}"),
-        "time median (min–max)": s.time.where(~skipped, "not run here"), "GB/s": s.gbps.map(lambda v: _s(v, ",.1f")),
-        "% of contiguous ceiling": s.pct_of_ceiling.map(lambda v: "—" if v != v else f"{v:.1f} %"),
-        "repeats": s.repeats, "verified": s.verified.where(~skipped, "—")})
-    return _md(out)
-
-
 def attribution(path: str) -> str:
     """The 1k split of a layer-wise send's cost (signal only, attention hooks, per-layer wakes)."""
     s = handoff_report.attribution_summary(_table(path, "attribution_rounds"))
@@ -141,24 +126,6 @@ def attribution(path: str) -> str:
         "extra prefill ms [95 % interval]": [f"{a:+.2f} [{lo:+.2f}, {hi:+.2f}]" for a, lo, hi in
                                              zip(s.extra_ms, s.extra_ci_lo_ms, s.extra_ci_hi_ms)],
         "hook host ms": s.hook_host_ms.map(lambda v: f"{v:.2f}"), "rounds": s.rounds})
-    return _md(out)
-
-
-def access_patterns(path: str) -> str:
-    from . import paged_report
-
-    s = paged_report.pattern_summary(_table(path, "access_patterns"))
-
-    def cfg(c):
-        if not isinstance(c, str) or not c:
-            return "—"
-        d = json.loads(c)
-        return ", ".join(f"{k}={d[k]}" for k in ("block", "rows_per_program", "num_warps") if k in d)
-
-    out = pd.DataFrame({"pattern": s.pattern, "time median (min–max)": s.time,
-                        "GB/s": s.gbps.map(lambda v: f"{v:,.0f}"),
-                        "% of contiguous copy": s.pct_of_contiguous.map(lambda v: f"{v:.1f} %"),
-                        "repeats": s.repeats, "tuned kernel": s.config.map(cfg)})
     return _md(out)
 
 
@@ -410,7 +377,7 @@ def goals_side_by_side(runs: dict[str, str]) -> str:
 
 
 def goals_of(study: str, path: str) -> pd.DataFrame:
-    from . import goals, handoff_report, overlap_report, paged_report
+    from . import goals, handoff_report, overlap_report
 
     if study == "disagg":
         from .disagg import report as dr
@@ -423,8 +390,6 @@ def goals_of(study: str, path: str) -> pd.DataFrame:
         g = goals.evaluate(goals.for_study("faults"), dr.fault_goal_table(_data() / path), keys=("policy",))
     elif study == "handoff":
         g = handoff_report.goals(handoff_summary(path))
-    elif study == "paged_transfer":
-        g = paged_report.goals(_table(path, "results"))
     else:
         walls = _table(path, "walls")
         dec = _table(path, "decomposition").set_index("term").ms
