@@ -31,7 +31,7 @@ __all__ = ["analyse", "STUDIES", "FIGURES", "add_arguments", "run_args"]
 STUDIES = ("overlap_timeline", "handoff", "paged_transfer", "link_ceilings", "disagg", "swapin")
 # the figures each study's analysis can draw (which of them it draws depends on the run's tables)
 FIGURES = {"overlap_timeline": ("decomposition", "event_timeline", "patterns", "clock_timeline"),
-           "handoff": ("handoff_ttft",), "disagg": ("disagg_ttft",), "swapin": ("swapin_pct",)}
+           "handoff": ("handoff_ttft",), "disagg": ("disagg_ttft",)}
 
 
 def _need(tables: dict, run: Path, name: str) -> pd.DataFrame:
@@ -206,18 +206,7 @@ def _disagg(run: Path, record: dict, tables: dict, out: _Out) -> None:
     out.figure(dr.plot(run), "disagg_ttft")
 
 
-def _swapin(run: Path, record: dict, tables: dict, out: _Out) -> None:
-    from . import plots, swapin
-
-    plots.style()
-    s = swapin.summarise(_need(tables, run, "results"))
-    fig = swapin.plot(s)  # before anything is written: a run with nothing to plot says so in one line
-    out.table(s, "summary")
-    out.figure(fig, "swapin_pct")
-
-
-_DISPATCH = {"overlap_timeline": _overlap_timeline, "handoff": _handoff, "disagg": _disagg,
-             "swapin": _swapin}
+_DISPATCH = {"overlap_timeline": _overlap_timeline, "handoff": _handoff, "disagg": _disagg}
 
 
 def _face(study: str):

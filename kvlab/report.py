@@ -91,7 +91,6 @@ _LEGACY = {
     ("disagg", "checksum_cost"): lambda runs, labels: report_legacy.checksum_cost(runs),
     ("disagg", "decode_memory"): lambda runs, labels: report_legacy.decode_memory(runs),
     ("disagg", "decode_oom"): lambda runs, labels: report_legacy.decode_oom(runs),
-    ("swapin", "table"): lambda runs, labels: report_legacy.swapin(runs),
 }
 
 

@@ -282,23 +282,6 @@ def checksum_cost(paths: list[str]) -> str:
     return _md(pd.DataFrame(rows))
 
 
-def swapin(paths: list[str]) -> str:
-    """kvlab swapin: per run, context, direction, host layout and method — median ms (min–max), GB/s and % of the
-    same direction's contiguous copy with its 95 % interval; a method that could not run says why."""
-    rows = []
-    for path in paths:
-        for r in _table(path, "summary").itertuples():
-            ran = r.n > 0
-            rows.append({"run": _link(path), "context": _ctx(r.context), "direction": r.direction,
-                         "host blocks": r.host_layout, "method": r.method,
-                         "ms median (min–max)": f"{_g(r.ms)} ({_g(r.ms_min)}–{_g(r.ms_max)})" if ran else "—",
-                         "GB/s": _g(r.gbps) if ran else "—",
-                         "% of contiguous [95 %]": (f"{r.pct_of_ceiling:.1f} [{r.pct_lo:.1f}, {r.pct_hi:.1f}]"
-                                                    if ran and r.method != "contiguous" else "—" if not ran else "100"),
-                         "n": r.n})
-    return _md(pd.DataFrame(rows))
-
-
 _GiB = 1 << 30
 
 
