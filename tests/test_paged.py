@@ -695,3 +695,40 @@ def test_the_peer_paged_goal():
     assert paged_report.goals(table(4.837)).verdict.iloc[0] == "not resolved"  # 98.0 %: the interval straddles
     # one sample each: no interval, so the goal is not resolved whatever the point says
     assert paged_report.goals(table(4.80, n=1)).verdict.iloc[0] == "not resolved"
+
+
+# ---------------------------------------------------------------------------------------------------
+# the study's face (kvlab.studies.paged_transfer): NIXL's own-process rows merged, bad nixl_csv refused first
+
+
+def test_the_run_merges_nixl_measured_in_a_process_of_its_own(tmp_path, kvlab_dirs, monkeypatch):
+    from kvlab import results
+    from kvlab.studies import paged_transfer as study
+
+    monkeypatch.setenv("KVLAB_PRESET", "cpu")
+    nixl_only.run_nixl_only(tmp_path / "nixl", contexts=[16], block_sizes=[8], destinations=["pageable"], repeats=2,
+                            warmup=0, device="cpu", layout="tiny")
+    given = {"contexts": "16", "block_sizes": "8", "methods": "torch-index", "destinations": "pageable",
+             "repeats": 3, "warmup": 0, "check_model": "", "nixl_csv": str(tmp_path / "nixl" / "nixl_results.csv")}
+    cfg = study.check(given)
+    run = results.start(study.NAME, given, tmp_path / "run")
+    study.measure(cfg, run)
+    a = study.analyse(run.record, run.tables())
+    df = a.raw["results"]
+    assert set(df.method) == {"contiguous", "torch-index", "nixl"}
+    assert len(df[df.method == "contiguous"]) == 3  # the ceiling of this run only; NIXL's own run's is dropped
+    assert run.record["nixl"]["nixl_available"] == (unavailable("nixl", "cpu", "pageable") is None)
+    assert run.record["resolved"]["layout"] == "tiny" and "decode_check" not in a.raw
+    assert "nixl" in set(a.tables["summary"].method) and "access_pattern_summary" not in a.tables
+    assert set(study.figures(a)) == {"gbps_vs_block_size"}
+
+
+def test_a_bad_nixl_csv_is_refused_in_one_line_before_anything_runs(tmp_path):
+    from kvlab.studies import paged_transfer as study
+
+    with pytest.raises(ValueError, match="^nixl_csv = '.*nope.csv': no such file"):
+        study.check({"nixl_csv": str(tmp_path / "nope.csv")})
+    (tmp_path / "other.csv").write_text("context,ms\n1,2\n")
+    with pytest.raises(ValueError, match="lacks the columns") as err:
+        study.check({"nixl_csv": str(tmp_path / "other.csv")})
+    assert "\n" not in str(err.value)

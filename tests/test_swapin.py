@@ -80,3 +80,19 @@ def test_the_figure_takes_any_number_of_contexts_and_refuses_an_empty_run():
     only_ceiling = pd.DataFrame([dict(rows[0], method="contiguous", host_layout="contiguous")])
     with pytest.raises(ValueError, match="nothing to plot"):
         swapin.plot(only_ceiling)
+
+
+def test_kvlab_swapin_prints_each_method_and_never_overwrites_a_finished_run(tmp_path, capsys, monkeypatch):
+    from kvlab import cli
+
+    monkeypatch.setenv("KVLAB_PRESET", "cpu")
+    out = tmp_path / "run"
+    argv = ["swapin", "--model", "kvlab-tiny", "--context", "64", "--repeats", "2", "--out", str(out)]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "copy + scatter" in printed and "% of the contiguous copy" in printed and f"run: {out}" in printed
+    record = json.loads((out / "run.json").read_text())
+    assert record["resolved"]["device"] == "cpu" and record["resolved"]["contexts"] == [64]
+    assert {"results", "summary"} <= set(record["tables"])
+    assert cli.main(argv) == 2
+    assert "holds a finished run" in capsys.readouterr().err
