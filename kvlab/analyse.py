@@ -31,8 +31,7 @@ __all__ = ["analyse", "STUDIES", "FIGURES", "add_arguments", "run_args"]
 
 STUDIES = ("calculator", "overlap_timeline", "handoff", "paged_transfer", "link_ceilings", "disagg", "swapin")
 # the figures each study's analysis can draw (which of them it draws depends on the run's tables)
-FIGURES = {"paged_transfer": ("gbps_vs_block_size", "access_patterns"),
-           "disagg": ("disagg_ttft",), "swapin": ("swapin_pct",)}
+FIGURES = {"disagg": ("disagg_ttft",)}
 
 
 def _need(tables: dict, run: Path, name: str) -> pd.DataFrame:
@@ -101,24 +100,6 @@ class _Out:
 
 
 
-def _paged(run: Path, record: dict, tables: dict, out: _Out) -> None:
-    from . import paged_report, plots
-
-    plots.style()
-    df = _need(tables, run, "results")
-    out.table(paged_report.summary(df), "summary")
-    goals = paged_report.goals(df)
-    out.table(goals, "goals")
-    out.meta["findings"] += [paged_report.finding(df)]
-    out.figure(paged_report.plot_gbps_vs_block_size(df), "gbps_vs_block_size")
-    patterns = tables.get("access_patterns")
-    if patterns is not None and len(patterns):
-        pat = paged_report.pattern_summary(patterns)
-        out.table(pat, "access_pattern_summary")
-        out.figure(paged_report.plot_patterns(pat, title=f"{int(df.context.max()):,} tokens in 16-token blocks: what "
-                                                         "the access pattern costs one kernel launch"), "access_patterns")
-
-
 def _disagg(run: Path, record: dict, tables: dict, out: _Out) -> None:
     from . import goals, plots
     from .disagg import report as dr
@@ -134,18 +115,7 @@ def _disagg(run: Path, record: dict, tables: dict, out: _Out) -> None:
     out.figure(dr.plot(run), "disagg_ttft")
 
 
-def _swapin(run: Path, record: dict, tables: dict, out: _Out) -> None:
-    from . import plots, swapin
-
-    plots.style()
-    s = swapin.summarise(_need(tables, run, "results"))
-    fig = swapin.plot(s)  # before anything is written: a run with nothing to plot says so in one line
-    out.table(s, "summary")
-    out.figure(fig, "swapin_pct")
-
-
-_DISPATCH = {"paged_transfer": _paged,
-             "disagg": _disagg, "swapin": _swapin}
+_DISPATCH = {"disagg": _disagg}
 
 
 def _face(study: str):

@@ -873,17 +873,8 @@ Example: kvlab disagg --backend gloo --model kvlab-tiny --context 128 --decode-t
     return 0 if ok else 1
 
 
-@subcommand(
-    "swapin", "a paged cache from pinned host memory into a GPU pool by block table (swap-in), beside the GPU → host gather",
-    arg("--model", default="qwen2.5-7b", help="registry name or a config.json / model folder: the cache's shape "
-                                              "(default qwen2.5-7b)"),
-    arg("--context", default="4k,32k", help="tokens in the cache; a list runs each (default 4k,32k)"),
-    arg("--block-size", type=int, default=16, help="tokens per block (default 16)"),
-    arg("--kv-dtype", default="bf16", help="bf16, fp16 or fp32 (default bf16)"),
-    arg("--device", default="auto", help="the GPU the pool is on: auto (cuda:0), cuda:N, or cpu (checks the logic)"),
-    arg("--repeats", type=int, default=9, help="timed sends per method and context (default 9)"),
-    arg("--seed", type=int, default=0, help="seed of the block tables and the data"),
-    arg("--out", default=None, help="run folder (default: a new data/swapin/<run_id>/)"))
+@subcommand("swapin", "a paged cache from pinned host memory into a GPU pool by block table (swap-in), beside the "
+            "GPU → host gather", configure="kvlab.studies.swapin.command:add_arguments")
 def _swapin(args) -> int:
     """Scatter a paged cache held in pinned host memory into a GPU pool by block table (vLLM's swap-in): Triton's
     row kernel reading the host pool over PCIe (triton-uva), and a CPU gather + one copy + a GPU scatter (staged);
@@ -892,21 +883,9 @@ def _swapin(args) -> int:
     and run.json.
 
 Example: kvlab swapin --model kvlab-tiny --context 256 --repeats 3"""
-    from kvlab import swapin
+    from kvlab.studies.swapin import command  # imports torch: only when this subcommand runs
 
-    if args.out is not None:
-        _refuse_finished(args.out, "--out")
-    path, s = swapin.run(model=args.model, contexts=args.context, block_size=args.block_size, kv_dtype=args.kv_dtype,
-                         device=args.device, repeats=args.repeats, seed=args.seed, out=args.out or "")
-    for r in s.itertuples():
-        what = f"{r.context:>6} {r.direction:9} {r.host_layout:10} {r.method:19}"
-        if r.n:
-            print(f"{what} {r.ms:9.3f} ms ({r.ms_min:.3f}–{r.ms_max:.3f}) {r.gbps:8.1f} GB/s  "
-                  f"{r.pct_of_ceiling:5.1f} % of the contiguous copy [{r.pct_lo:.1f}, {r.pct_hi:.1f}]")
-        else:
-            print(f"{what} not run: {r.note}")
-    print(f"run: {path}")
-    return 0
+    return command.run_args(args)
 
 
 @subcommand(

@@ -59,28 +59,10 @@ def _paths(value, what="paths"):
     ceilings.resolve_paths(",".join(name_list(value, what)))
 
 
-def _methods(value, what="methods"):
-    from .paged_bench import METHODS
-
-    for m in name_list(value, what):
-        if m not in METHODS:
-            raise ValueError(f"{what}: unknown method {m!r}; valid: {', '.join(METHODS)}{suggest(m, METHODS)}")
-
-
-def _layout(value, what="layout"):
-    from .paged_bench import check_layout
-
-    check_layout(value)
-
-
 
 
 # study → parameter → check(value, name); "auto" is never checked (the notebook resolves it by hardware)
 CHECKS: dict[str, dict[str, Callable]] = {
-    "paged_transfer": {"contexts": lambda v, w: token_list(v, w, 1), "block_sizes": lambda v, w: token_list(v, w, 1),
-                       "methods": _methods, "destinations": _destinations, "layout": _layout,
-                       "pool_layout": _choice("nhd", "hnd"), "repeats": _int_at_least(1), "warmup": _int_at_least(0),
-                       "check_model": lambda v, w: v == "" or models.model_ref(v, w)},
     "disagg": {"backend": _choice("gloo", "ipc", "nccl", "nixl"), "model": lambda v, w: models.model_ref(v, w),
                "weights": models.check_weights, "contexts": lambda v, w: token_list(v, w, 1), "repeats": _int_at_least(1),
                "warmup": _int_at_least(0), "decode_tokens": _int_at_least(1), "block_size": _int_at_least(1),

@@ -75,8 +75,6 @@ def analysis(path: str):
 
 
 _LEGACY = {
-    ("paged_transfer", "table"): lambda runs, labels: report_legacy.paged(runs[0]),
-    ("paged_transfer", "access_patterns"): lambda runs, labels: report_legacy.access_patterns(runs[0]),
     ("disagg", "ttft"): lambda runs, labels: report_legacy.disagg(runs),
     ("disagg", "bench"): lambda runs, labels: report_legacy.disagg_bench(runs),
     ("disagg", "nixl"): lambda runs, labels: report_legacy.disagg_nixl(runs),
@@ -84,7 +82,6 @@ _LEGACY = {
     ("disagg", "checksum_cost"): lambda runs, labels: report_legacy.checksum_cost(runs),
     ("disagg", "decode_memory"): lambda runs, labels: report_legacy.decode_memory(runs),
     ("disagg", "decode_oom"): lambda runs, labels: report_legacy.decode_oom(runs),
-    ("swapin", "table"): lambda runs, labels: report_legacy.swapin(runs),
 }
 
 

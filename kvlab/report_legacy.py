@@ -4,7 +4,6 @@ functions here as it moves): each takes run folders under data/ ("study/run_id")
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -12,7 +11,6 @@ import pandas as pd
 
 from .paths import read_json, repo_root
 from .study import ctx_label as _ctx
-from .study import fmt_or_dash as _s
 from .study import md_table as _md
 from .study import sig as _g
 
@@ -43,36 +41,6 @@ def _link(path: str) -> str:
 
 
 
-def paged(path: str) -> str:
-    from . import paged_report
-
-    s = paged_report.summary(_table(path, "results"))
-    # a method this run could not use (NIXL not installed): said, not timed; other skips keep their row as it is
-    skipped = (s.status == "skipped") & s.note.fillna("").str.contains("not installed|does not load")
-    out = pd.DataFrame({
-        "destination": s.destination, "method": s.method, "pieces": s.pieces.map(lambda v: f"{v:,}"),
-        "time median (min–max)": s.time.where(~skipped, "not run here"), "GB/s": s.gbps.map(lambda v: _s(v, ",.1f")),
-        "% of contiguous ceiling": s.pct_of_ceiling.map(lambda v: "—" if v != v else f"{v:.1f} %"),
-        "repeats": s.repeats, "verified": s.verified.where(~skipped, "—")})
-    return _md(out)
-
-
-def access_patterns(path: str) -> str:
-    from . import paged_report
-
-    s = paged_report.pattern_summary(_table(path, "access_patterns"))
-
-    def cfg(c):
-        if not isinstance(c, str) or not c:
-            return "—"
-        d = json.loads(c)
-        return ", ".join(f"{k}={d[k]}" for k in ("block", "rows_per_program", "num_warps") if k in d)
-
-    out = pd.DataFrame({"pattern": s.pattern, "time median (min–max)": s.time,
-                        "GB/s": s.gbps.map(lambda v: f"{v:,.0f}"),
-                        "% of contiguous copy": s.pct_of_contiguous.map(lambda v: f"{v:.1f} %"),
-                        "repeats": s.repeats, "tuned kernel": s.config.map(cfg)})
-    return _md(out)
 
 
 def disagg(paths: list[str]) -> str:
@@ -183,23 +151,6 @@ def checksum_cost(paths: list[str]) -> str:
     return _md(pd.DataFrame(rows))
 
 
-def swapin(paths: list[str]) -> str:
-    """kvlab swapin: per run, context, direction, host layout and method — median ms (min–max), GB/s and % of the
-    same direction's contiguous copy with its 95 % interval; a method that could not run says why."""
-    rows = []
-    for path in paths:
-        for r in _table(path, "summary").itertuples():
-            ran = r.n > 0
-            rows.append({"run": _link(path), "context": _ctx(r.context), "direction": r.direction,
-                         "host blocks": r.host_layout, "method": r.method,
-                         "ms median (min–max)": f"{_g(r.ms)} ({_g(r.ms_min)}–{_g(r.ms_max)})" if ran else "—",
-                         "GB/s": _g(r.gbps) if ran else "—",
-                         "% of contiguous [95 %]": (f"{r.pct_of_ceiling:.1f} [{r.pct_lo:.1f}, {r.pct_hi:.1f}]"
-                                                    if ran and r.method != "contiguous" else "—" if not ran else "100"),
-                         "n": r.n})
-    return _md(pd.DataFrame(rows))
-
-
 _GiB = 1 << 30
 
 
@@ -263,7 +214,7 @@ def decode_oom(paths: list[str]) -> str:
 
 
 def goals_of(study: str, path: str) -> pd.DataFrame:
-    from . import goals, paged_report
+    from . import goals
 
     if study == "disagg":
         from .disagg import report as dr
@@ -274,8 +225,6 @@ def goals_of(study: str, path: str) -> pd.DataFrame:
         from .disagg import report as dr
 
         g = goals.evaluate(goals.for_study("faults"), dr.fault_goal_table(_data() / path), keys=("policy",))
-    elif study == "paged_transfer":
-        g = paged_report.goals(_table(path, "results"))
     else:
         raise ValueError(f"no goal table for study {study!r} here: a study of the one shape has its own goal_table")
     return g

@@ -1,4 +1,4 @@
-"""kvlab.paged and kvlab.paged_bench on CPU: pools, tables, allocation, HF ↔ pages round trips, decode from
+"""kvlab.paged and the paged-transfer study (kvlab.studies.paged_transfer) on CPU: pools, tables, allocation, HF ↔ pages round trips, decode from
 pages, every transport byte-exact (poison kept outside the table), bad input refused before any byte
 moves, and the measurement's logic at tiny sizes.
 
@@ -18,7 +18,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlab import paged, paged_bench, paged_report
+from kvlab import paged
+from kvlab.studies.paged_transfer import bench as paged_bench
+from kvlab.studies.paged_transfer import correctness, nixl_only, patterns
+from kvlab.studies.paged_transfer import report as paged_report
 from kvlab.paged import registry as paged_xport
 from kvlab.paged import triton_transports as paged_triton
 from kvlab.transfer import Destination
@@ -475,7 +478,7 @@ def test_measure_refuses_bad_arguments(kw):
 
 
 def test_decode_check_every_transport(tiny_model):
-    df = paged_bench.decode_check(tiny_model, tokens=13, block_size=4, steps=4, device="cpu")
+    df = correctness.decode_check(tiny_model, tokens=13, block_size=4, steps=4, device="cpu")
     ok = df[df.status == "ok"]
     assert set(ok["mode"]) == {"bulk", "layerwise"}
     # NIXL too where it loads (CI installs it): its two agents in this process pass the same check
@@ -485,7 +488,7 @@ def test_decode_check_every_transport(tiny_model):
 
 
 def test_run_nixl_only_writes_results(tmp_path):
-    df = paged_bench.run_nixl_only(tmp_path / "nixl", contexts=[16], block_sizes=[8], destinations=["pageable"],
+    df = nixl_only.run_nixl_only(tmp_path / "nixl", contexts=[16], block_sizes=[8], destinations=["pageable"],
                                    repeats=2, warmup=0, device="cpu", layout="tiny")
     assert (tmp_path / "nixl" / "nixl_results.csv").is_file()
     record = json.loads((tmp_path / "nixl" / "nixl_config.json").read_text())
@@ -539,7 +542,7 @@ def test_gpu_decode_check(tiny_model, monkeypatch):
     dev = torch.device("cuda", torch.cuda.current_device())
     model = tiny_model.to(dev)
     try:
-        df = paged_bench.decode_check(model, tokens=77, block_size=16, steps=8, device=dev)
+        df = correctness.decode_check(model, tokens=77, block_size=16, steps=8, device=dev)
     finally:
         tiny_model.to("cpu")
     ok = df[df.status == "ok"]
@@ -594,7 +597,7 @@ def test_triton_bulk_in_every_order_is_byte_exact(order):
 
 
 def test_access_patterns_need_a_gpu_and_say_nothing_on_a_cpu():
-    df = paged_bench.access_patterns(64, 16, device="cpu", layout="tiny")
+    df = patterns.access_patterns(64, 16, device="cpu", layout="tiny")
     assert df.empty and {"pattern", "ms", "gbps"} <= set(df.columns)
     assert paged_report.pattern_summary(df).empty
 
@@ -602,8 +605,8 @@ def test_access_patterns_need_a_gpu_and_say_nothing_on_a_cpu():
 @pytest.mark.gpu
 def test_access_patterns_on_a_gpu(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
-    df = paged_bench.access_patterns(256, 16, device="cuda", layout="tiny", repeats=3, warmup=1)
-    names = [p for p, _ in paged_bench.PATTERNS]
+    df = patterns.access_patterns(256, 16, device="cuda", layout="tiny", repeats=3, warmup=1)
+    names = [p for p, _ in patterns.PATTERNS]
     assert list(dict.fromkeys(df.pattern)) == names and (df.ms > 0).all()
     s = paged_report.pattern_summary(df)
     assert s.set_index("pattern").pct_of_contiguous["contiguous copy_"] == pytest.approx(100)
@@ -626,7 +629,7 @@ def test_pattern_summary_and_plot_from_a_table():
     rows = []
     for name, ms in (("contiguous copy_", 1.0), ("kernel: rows in place", 1.0), ("kernel: gather → packed", 1.025)):
         for r, jitter in enumerate((0.0, 0.01, -0.005)):
-            rows.append(dict(pattern=name, description=dict(paged_bench.PATTERNS)[name], repeat=r, ms=ms + jitter,
+            rows.append(dict(pattern=name, description=dict(patterns.PATTERNS)[name], repeat=r, ms=ms + jitter,
                              gbps=1e9 / (ms + jitter) / 1e6, bytes=10**9, rows=10, config="{}"))
     s = paged_report.pattern_summary(pd.DataFrame(rows))
     assert list(s.pattern) == ["contiguous copy_", "kernel: rows in place", "kernel: gather → packed"]
@@ -692,3 +695,40 @@ def test_the_peer_paged_goal():
     assert paged_report.goals(table(4.837)).verdict.iloc[0] == "not resolved"  # 98.0 %: the interval straddles
     # one sample each: no interval, so the goal is not resolved whatever the point says
     assert paged_report.goals(table(4.80, n=1)).verdict.iloc[0] == "not resolved"
+
+
+# ---------------------------------------------------------------------------------------------------
+# the study's face (kvlab.studies.paged_transfer): NIXL's own-process rows merged, bad nixl_csv refused first
+
+
+def test_the_run_merges_nixl_measured_in_a_process_of_its_own(tmp_path, kvlab_dirs, monkeypatch):
+    from kvlab import results
+    from kvlab.studies import paged_transfer as study
+
+    monkeypatch.setenv("KVLAB_PRESET", "cpu")
+    nixl_only.run_nixl_only(tmp_path / "nixl", contexts=[16], block_sizes=[8], destinations=["pageable"], repeats=2,
+                            warmup=0, device="cpu", layout="tiny")
+    given = {"contexts": "16", "block_sizes": "8", "methods": "torch-index", "destinations": "pageable",
+             "repeats": 3, "warmup": 0, "check_model": "", "nixl_csv": str(tmp_path / "nixl" / "nixl_results.csv")}
+    cfg = study.check(given)
+    run = results.start(study.NAME, given, tmp_path / "run")
+    study.measure(cfg, run)
+    a = study.analyse(run.record, run.tables())
+    df = a.raw["results"]
+    assert set(df.method) == {"contiguous", "torch-index", "nixl"}
+    assert len(df[df.method == "contiguous"]) == 3  # the ceiling of this run only; NIXL's own run's is dropped
+    assert run.record["nixl"]["nixl_available"] == (unavailable("nixl", "cpu", "pageable") is None)
+    assert run.record["resolved"]["layout"] == "tiny" and "decode_check" not in a.raw
+    assert "nixl" in set(a.tables["summary"].method) and "access_pattern_summary" not in a.tables
+    assert set(study.figures(a)) == {"gbps_vs_block_size"}
+
+
+def test_a_bad_nixl_csv_is_refused_in_one_line_before_anything_runs(tmp_path):
+    from kvlab.studies import paged_transfer as study
+
+    with pytest.raises(ValueError, match="^nixl_csv = '.*nope.csv': no such file"):
+        study.check({"nixl_csv": str(tmp_path / "nope.csv")})
+    (tmp_path / "other.csv").write_text("context,ms\n1,2\n")
+    with pytest.raises(ValueError, match="lacks the columns") as err:
+        study.check({"nixl_csv": str(tmp_path / "other.csv")})
+    assert "\n" not in str(err.value)

@@ -10,13 +10,15 @@ import pandas as pd
 import pytest
 import torch
 
-from kvlab import swapin
 from kvlab.paged import BlockAllocator, BlockPool, PoolSpec
+from kvlab.studies.swapin import bench as swapin
+from kvlab.studies.swapin import command
 
 
 def test_swapin_run_on_a_cpu_writes_a_finished_run(tmp_path):
     out = tmp_path / "run"
-    path, s = swapin.run(model="kvlab-tiny", contexts="64,100", repeats=2, out=str(out))
+    path, analysis = command.run({"model": "kvlab-tiny", "contexts": "64,100", "repeats": 2}, out=str(out))
+    s = analysis.tables["summary"]
     run = json.loads((out / "run.json").read_text())
     assert run["status"] == "finished" and run["study"] == "swapin"
     df = pd.read_csv(out / "results.csv")
@@ -31,7 +33,7 @@ def test_swapin_run_on_a_cpu_writes_a_finished_run(tmp_path):
     skipped = s[s.method.isin(["triton-uva", "chunked-gather-d2h"])]
     assert (skipped["n"] == 0).all() and skipped["note"].str.len().gt(0).all()
     # 100 tokens in 16-token blocks = 7 blocks of every layer side moved
-    spec = swapin.PoolSpec(2, 16, 2, 16, "bfloat16")
+    spec = PoolSpec(2, 16, 2, 16, "bfloat16")
     assert set(s[s.context == 100]["bytes"]) == {2 * 2 * 7 * spec.block_bytes}
 
 
@@ -55,12 +57,12 @@ def test_the_check_catches_a_wrong_and_a_stray_block():
 
 
 @pytest.mark.parametrize("kw, says", [
-    ({"contexts": "0"}, "context"), ({"block_size": 0}, "block-size = 0"), ({"kv_dtype": "int8"}, "kv-dtype = 'int8'"),
+    ({"contexts": "0"}, "context"), ({"block_size": 0}, "block_size = 0"), ({"kv_dtype": "int8"}, "kv_dtype = 'int8'"),
     ({"device": "tpu"}, "device = 'tpu' is not a device"), ({"model": "no-such-model"}, "no-such-model"),
     ({"repeats": 0}, "repeats = 0")])
 def test_bad_input_is_refused_before_a_folder(tmp_path, kw, says):
     with pytest.raises(ValueError, match=says):
-        swapin.run(**{"model": "kvlab-tiny", "contexts": "64", "out": str(tmp_path / "run"), **kw})
+        command.run({"model": "kvlab-tiny", "contexts": "64", **kw}, out=str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
 
 
@@ -78,3 +80,19 @@ def test_the_figure_takes_any_number_of_contexts_and_refuses_an_empty_run():
     only_ceiling = pd.DataFrame([dict(rows[0], method="contiguous", host_layout="contiguous")])
     with pytest.raises(ValueError, match="nothing to plot"):
         swapin.plot(only_ceiling)
+
+
+def test_kvlab_swapin_prints_each_method_and_never_overwrites_a_finished_run(tmp_path, capsys, monkeypatch):
+    from kvlab import cli
+
+    monkeypatch.setenv("KVLAB_PRESET", "cpu")
+    out = tmp_path / "run"
+    argv = ["swapin", "--model", "kvlab-tiny", "--context", "64", "--repeats", "2", "--out", str(out)]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "copy + scatter" in printed and "% of the contiguous copy" in printed and f"run: {out}" in printed
+    record = json.loads((out / "run.json").read_text())
+    assert record["resolved"]["device"] == "cpu" and record["resolved"]["contexts"] == [64]
+    assert {"results", "summary"} <= set(record["tables"])
+    assert cli.main(argv) == 2
+    assert "holds a finished run" in capsys.readouterr().err

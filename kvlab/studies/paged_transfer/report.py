@@ -1,15 +1,17 @@
-"""The paged study's analysis: from the rows kvlab.paged_bench measured to its summary (`summary`,
-`pct_table`), the goals (`goals`), a finding, the tuning records and the access-pattern table, and figures.
-Reads tables; never measures.
+"""The paged study's analysis: from the rows .bench measured to its summary (`summary`, `pct_table`), the goals
+(`goals`), a finding, the tuning records and the access-pattern table, and figures. Reads tables; never measures.
 """
 
 from __future__ import annotations
 
+import textwrap
+
 import numpy as np
 import pandas as pd
 
-from . import timing
-from .paged_bench import COLUMNS, METHODS
+from ... import goals as G
+from ... import plots, timing
+from .bench import COLUMNS, METHODS
 
 __all__ = ["merge", "summary", "pct_table", "goals", "finding", "plot_gbps_vs_block_size", "tuning_table",
            "pattern_summary", "plot_patterns"]
@@ -104,8 +106,6 @@ def goals(df: pd.DataFrame, context: int | None = None, block_size: int | None =
     """The paged goals (kvlab.goals, study "paged_transfer") judged at the headline configuration: triton ≥ 95 %
     of the contiguous copy to the same GPU, chunked-gather-d2h ≥ 98 % to pinned host, chunked-gather-peer ≥ 98 %
     to a peer — each over the min–max of its sends (the one rule)."""
-    from . import goals as G
-
     return G.evaluate(G.for_study("paged_transfer"), summary(df, context, block_size),
                       keys=("context", "block_size", "destination"))
 
@@ -162,9 +162,7 @@ def plot_gbps_vs_block_size(df: pd.DataFrame, context: int | None = None):
                   include_groups=False)
            .reset_index())
     methods = [m for m in METHODS if m in set(med.method)]
-    from .plots import palette
-
-    colors = palette(methods)
+    colors = plots.palette(methods)
     labels = {}
     for m in methods:
         backends = set(sub[sub.method == m].backend.dropna().astype(str)) - {"", m}
@@ -258,11 +256,7 @@ def pattern_summary(df: pd.DataFrame) -> pd.DataFrame:
 def plot_patterns(summary: pd.DataFrame, title: str = ""):
     """Dots: GB/s per access pattern (median), the contiguous copy as the ceiling line and
     each dot labelled with its share of it. The axis is zoomed on the data: the differences are a few %."""
-    import textwrap
-
     import matplotlib.pyplot as plt
-
-    from . import plots
 
     fig, ax = plt.subplots(figsize=(7.0, 0.42 * len(summary) + 1.6))
     kern = summary[summary.pattern != "contiguous copy_"].reset_index(drop=True)

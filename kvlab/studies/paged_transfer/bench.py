@@ -20,31 +20,29 @@ NIXL, old CUDA runtime, a destination it does not serve) gets one "skipped" row 
 
 Results are tidy: one row per (context, block_size, method, destination, repeat) with pieces (blocks
 moved, one per layer side), bytes, ms, gbps (decimal GB/s), verified, status, note.
+
+Beside it: the decode check (kvlab.studies.paged_transfer.correctness), the access patterns of one kernel launch
+(.patterns) and NIXL in a process of its own (.nixl_only).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 import torch
 
-from . import paged, timing
-from .paged import kernels, nixl, registry, triton_transports
-from .parse import name_list, token_list
-from .paged import BlockAllocator, BlockPool, PoolSpec, verify_transfer
-from .timing import free_device as _free, sync_device as _sync
-from .landing import Landing
-from .transfer import Destination
+from ... import paged, timing
+from ...landing import Landing
+from ...paged import BlockAllocator, BlockPool, PoolSpec, registry, verify_transfer
+from ...parse import name_list, token_list
+from ...timing import free_device as _free, sync_device as _sync
+from ...transfer import Destination
 
 __all__ = ["BenchLayout", "LAYOUTS", "METHODS", "GPU_CONTEXTS", "CPU_CONTEXTS", "BLOCK_SIZES", "COLUMNS",
-           "default_destinations", "resolve", "measure", "decode_check", "run_nixl_only", "PATTERNS",
-           "access_patterns"]
+           "default_destinations", "resolve", "check_list", "check_layout", "measure"]
 
 
 @dataclass(frozen=True)
@@ -128,9 +126,9 @@ def resolve(contexts="auto", block_sizes="auto", methods="auto", destinations="a
         "layout": ("qwen2.5-7b" if gpu else "tiny") if layout == "auto" else layout,
         "device": str(dev),
     }
-    _check_list("contexts", out["contexts"], positive_int=True)
-    _check_list("block_sizes", out["block_sizes"], positive_int=True)
-    _check_list("methods", out["methods"], valid=METHODS)
+    check_list("contexts", out["contexts"], positive_int=True)
+    check_list("block_sizes", out["block_sizes"], positive_int=True)
+    check_list("methods", out["methods"], valid=METHODS)
     check_layout(out["layout"])
     for d in out["destinations"]:
         Destination.parse(d, dev)
@@ -192,7 +190,9 @@ class _Contiguous:
 # measurement
 
 
-def _check_list(name: str, values, valid=None, positive_int=False) -> list:
+def check_list(name: str, values, valid=None, positive_int=False) -> list:
+    """`values` (one value or a list) as a non-empty list, each a positive int (`positive_int`) or one of `valid`;
+    ValueError naming `name` and the bad entry otherwise."""
     if isinstance(values, (str, int)):
         values = [values]
     values = list(values)
@@ -207,6 +207,8 @@ def _check_list(name: str, values, valid=None, positive_int=False) -> list:
 
 
 def check_layout(layout) -> BenchLayout:
+    """The BenchLayout named by `layout` (a LAYOUTS name, a dict of BenchLayout fields, a BenchLayout; None: Qwen2.5-7B);
+    ValueError naming the valid names otherwise."""
     if layout is None:
         return LAYOUTS["qwen2.5-7b"]
     if isinstance(layout, BenchLayout):
@@ -242,13 +244,13 @@ def measure(contexts=GPU_CONTEXTS, block_sizes=BLOCK_SIZES, methods=METHODS, des
     `df.attrs["transports"]` holds each transport's configuration (backend, notes, tuning, NIXL setup).
     """
     device = timing.resolve_device(device)
-    contexts = _check_list("contexts", contexts, positive_int=True)
-    block_sizes = _check_list("block_sizes", block_sizes, positive_int=True)
-    methods = _check_list("methods", methods, valid=METHODS)
+    contexts = check_list("contexts", contexts, positive_int=True)
+    block_sizes = check_list("block_sizes", block_sizes, positive_int=True)
+    methods = check_list("methods", methods, valid=METHODS)
     if "contiguous" in methods:
         methods.remove("contiguous")
     methods = ["contiguous", *dict.fromkeys(methods)]
-    dests = [Destination.parse(d, device) for d in _check_list(
+    dests = [Destination.parse(d, device) for d in check_list(
         "destinations", destinations if destinations is not None else default_destinations(device))]
     if pool_layout not in paged.LAYOUTS:
         raise ValueError(f"pool_layout {pool_layout!r} is not valid; use one of {list(paged.LAYOUTS)}")
@@ -386,218 +388,3 @@ def _time(t, src_pool, src_table, dst_table, reps, warm, device) -> list[float]:
         t.send(src_pool, src_table, dst_table).wait()
 
     return timing.time_fn(host_fn, n=reps, warmup=warm, device="cpu")
-
-
-# ---------------------------------------------------------------------------------------------------
-# analysis (reads what measure wrote; never measures)
-
-
-# ---------------------------------------------------------------------------------------------------
-# correctness: decode from a cache that travelled through each transport
-
-
-def decode_check(model, methods=METHODS, destinations=None, tokens: int = 64, block_size: int = 16,
-                 steps: int = 8, device=None, pool_layout: str = "nhd", seed: int = 0,
-                 layerwise: bool = True) -> pd.DataFrame:
-    """For each method × destination: prefill into a paged pool, move the blocks, rebuild a contiguous
-    cache from the destination blocks, decode `steps` greedy tokens, and compare tokens and logits with
-    the colocated decode (prefill into one contiguous buffer, decode from it) bit for bit.
-
-    layerwise=True also sends each stream-ordered method layer by layer from the forward hooks while the
-    prefill writes the pages (mode "layerwise"). Returns one row per (method, destination, mode):
-    tokens_match, logits_equal, logits_max_abs_diff, poison_left (NaNs in the rebuilt cache), blocks_ok
-    (byte-exact check, poison outside the table), status, note.
-    """
-    from .steps import correctness_check, decode, make_prompt, prefill
-    from .hooks import LayerHooks
-    from .kvcache import KVBuffer, layout_for
-
-    device = timing.resolve_device(device)
-    methods = [m for m in _check_list("methods", methods, valid=METHODS) if m != "contiguous"]
-    dests = [Destination.parse(d, device) for d in _check_list(
-        "destinations", destinations if destinations is not None else default_destinations(device))]
-    dtype = next(model.parameters()).dtype
-    layout = layout_for(model, tokens, dtype=dtype)
-    vocab = model.config.get_text_config(decoder=True).vocab_size
-    ids = make_prompt(vocab, tokens, device, seed)
-
-    colocated = KVBuffer(layout, device=device).poison()
-    first = prefill(model, ids, colocated).argmax(-1)
-    ref_tokens, ref_logits = decode(model, colocated, first, steps)
-
-    spec = paged.PoolSpec.from_kv_layout(layout, block_size, pool_layout)
-    n = spec.blocks_for(tokens)
-    src_table = BlockAllocator(2 * n, block_size, seed=seed).allocate(tokens)
-    src_pool = BlockPool(spec, 2 * n, device=device).poison()
-    paged_logits = paged.prefill_into_pages(model, ids, src_pool, src_table)
-    rows = []
-
-    def check(t, dst_table, mode, pool):
-        got = t.pool.read(dst_table if dst_table is not None else paged.BlockTable.packed(tokens, block_size),
-                          device=device)
-        toks, lg = decode(model, got, first, steps)
-        row = correctness_check(ref_tokens, ref_logits, toks, lg, got.count_poison())
-        row["blocks_ok"] = verify_transfer(pool, src_table, t.pool, dst_table)["ok"]
-        return row
-
-    for dest in dests:
-        host = dest.kind in ("pinned", "pageable")
-        dst_table = None if host else BlockAllocator(2 * n, block_size, seed=seed + 1).allocate(tokens)
-        for method in methods:
-            cls = registry.TRANSPORTS[method]
-            if dest.kind not in cls.kinds:
-                continue
-            base = dict(method=method, destination=dest.label)
-            why = cls.unavailable(device, dest)
-            if why is not None:
-                rows.append({**base, "mode": "bulk", "status": "skipped", "note": why})
-                continue
-            t = registry.make_transport(method, spec, dest, n if host else 2 * n, device, tune=False) \
-                if method in ("triton", "chunked-gather-d2h", "mapped-pinned") else \
-                registry.make_transport(method, spec, dest, n if host else 2 * n, device)
-            try:
-                t.prepare(src_pool, src_table, dst_table)
-                t.poison()
-                t.send(src_pool, src_table, dst_table).wait()
-                rows.append({**base, "mode": "bulk", "status": "ok", "note": "; ".join(t.notes),
-                             **check(t, dst_table, "bulk", src_pool)})
-                if layerwise and cls.stream_ordered:
-                    lw_pool = BlockPool(spec, 2 * n, device=device).poison()
-                    sender = t.layerwise(lw_pool, src_table, dst_table)
-                    t.poison()
-                    # the paged prefill writes through its own cache, so the signal is the attention hook
-                    with LayerHooks(model, on_kv_ready=sender.on_layer, ranges=False, point="attention"):
-                        sender.begin()
-                        paged.prefill_into_pages(model, ids, lw_pool, src_table)
-                        landing = sender.finish()
-                    landing.wait()
-                    rows.append({**base, "mode": "layerwise", "status": "ok", "note": "; ".join(t.notes),
-                                 **check(t, dst_table, "layerwise", lw_pool)})
-            finally:
-                t.close()
-    out = pd.DataFrame(rows)
-    out.attrs["paged_prefill_logits_equal"] = bool(torch.equal(paged_logits.cpu(), prefill(
-        model, ids, KVBuffer(layout, device=device)).cpu()))
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------
-# what the access pattern costs (GPU): one Triton launch, the same bytes, rows in different orders
-
-
-PATTERNS = (
-    ("contiguous copy_", "one copy of the same bytes between contiguous buffers (the ceiling)"),
-    ("kernel: rows in place", "the row-copy kernel with source row i → destination row i (no scatter)"),
-    ("kernel: gather → packed", "the sequence's scattered source blocks → consecutive destination rows"),
-    ("kernel: paged → paged, layer order", "scattered → scattered; layer, side, destination block (the plan)"),
-    ("kernel: paged → paged, interleaved", "scattered → scattered; block-major across all layer sides"),
-    ("kernel: paged → paged, source order", "scattered → scattered; layer, side, source block"),
-    ("kernel: paged → paged, random order", "scattered → scattered; rows in a random order"),
-)
-
-
-def access_patterns(context: int = 32768, block_size: int = 16, device=None, layout="auto", repeats: int = 9,
-                    warmup: int = 2, seed: int = 0, progress=None) -> pd.DataFrame:
-    """What the access pattern costs the row-copy kernel (GPU only; an empty table elsewhere).
-
-    The same rows — one sequence of `context` tokens in `block_size`-token blocks, every layer's K and V,
-    scattered over a pool twice the size as in measure() — moved by one Triton launch with the source and
-    destination rows in different orders (PATTERNS), beside one contiguous copy of the same bytes. Each
-    kernel pattern is tuned on its own rows (kvlab.paged.kernels.tune over candidate_configs) and then timed
-    `repeats` times with CUDA events. Every pattern's result is checked on a sample of rows.
-
-    Rows: pattern, description, repeat, ms, gbps, bytes, rows, config (the tuned kernel).
-    """
-    dev = timing.resolve_device(device)
-    if dev.type != "cuda":
-        return pd.DataFrame(columns=["pattern", "description", "repeat", "ms", "gbps", "bytes", "rows", "config"])
-
-    say = progress or (lambda s: None)
-    lay = check_layout("qwen2.5-7b" if layout == "auto" else layout)
-    spec = lay.spec(block_size)
-    n = spec.blocks_for(context)
-    src_pool = BlockPool(spec, 2 * n, device=dev).fill_random(seed)
-    src_table = BlockAllocator(2 * n, block_size, seed=seed).allocate(context)
-    dst_table = BlockAllocator(2 * n, block_size, seed=seed + 1).allocate(context)
-    t = registry.make_transport("triton", spec, "same-gpu", 2 * n, dev, tune=False, order="layer")
-    plan = t.prepare(src_pool, src_table, dst_table)
-    src, dst = src_pool.rows, t.pool.rows
-    R = plan.rows
-    packed = torch.empty((R, src.shape[1]), dtype=src.dtype, device=dev)
-    nbytes = R * spec.block_bytes
-    on = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)  # noqa: E731
-    ident = torch.arange(R, device=dev)
-    s_plan, d_plan = on(plan.src_rows), on(plan.dst_rows)
-    rng = np.random.default_rng(seed)
-    cases = {
-        "kernel: rows in place": (ident, ident, dst),
-        "kernel: gather → packed": (s_plan, None, packed),
-    }
-    for name, order in (("layer order", "layer"), ("interleaved", "interleaved"), ("source order", "src")):
-        perm = triton_transports.bulk_order(plan, order)
-        cases[f"kernel: paged → paged, {name}"] = (on(plan.src_rows[perm]), on(plan.dst_rows[perm]), dst)
-    perm = rng.permutation(R)
-    cases["kernel: paged → paged, random order"] = (on(plan.src_rows[perm]), on(plan.dst_rows[perm]), dst)
-    desc = dict(PATTERNS)
-    rows = []
-
-    def add(name, times, config=""):
-        for r, ms in enumerate(times):
-            rows.append(dict(pattern=name, description=desc[name], repeat=r, ms=ms, gbps=nbytes / ms / 1e6,
-                             bytes=nbytes, rows=R, config=config))
-
-    flat_src = src.view(-1)[: R * src.shape[1]]
-    flat_dst = packed.view(-1)
-    say("contiguous copy")
-    add("contiguous copy_", timing.time_fn(lambda: flat_dst.copy_(flat_src), n=repeats, warmup=warmup, device=dev))
-    for name, (s, d, out) in cases.items():
-        say(name)
-        cfg, _ = kernels.tune(src, s, out, d, repeats=5)
-        times = timing.time_fn(lambda: kernels.launch_rows(src, s, out, d, cfg), n=repeats, warmup=warmup, device=dev)
-        k = torch.randint(0, R, (512,), device=dev)
-        got = out[k if d is None else d[k]]
-        if not torch.equal(got.view(torch.int16), src[s[k]].view(torch.int16)):
-            raise RuntimeError(f"access pattern {name!r}: the kernel moved the wrong bytes")
-        add(name, times, json.dumps(cfg.as_dict()))
-    del src_pool, t, packed
-    _free(dev)
-    return pd.DataFrame(rows)
-
-
-# ---------------------------------------------------------------------------------------------------
-# NIXL in a call of its own (it is installed separately from the notebook environment)
-
-
-def run_nixl_only(out_dir, contexts=GPU_CONTEXTS, block_sizes=(16,), destinations=None, repeats: int = 9,
-                  warmup: int = 2, device=None, layout=None, pool_layout: str = "nhd", seed: int = 0,
-                  max_call_s: float = 120.0, slow_call_s: float = 1.0) -> pd.DataFrame:
-    """Measure NIXL (and the contiguous ceiling beside it) and write the results to `out_dir`:
-    `nixl_results.csv` (the same columns as measure()) and `nixl_config.json` (NIXL version, backend,
-    descriptor counts per configuration, UCX_* environment, the device). Returns the results.
-
-    The notebook can merge the CSV (its `nixl_csv` parameter) so NIXL appears beside the other methods.
-    slow_call_s: a send slower than this is timed once (measure()'s rule); raise it to time NIXL's
-    multi-second sends `repeats` times.
-    """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    why = registry.unavailable("nixl", timing.resolve_device(device), "same-gpu")
-    t0 = time.time()
-    df = measure(contexts, block_sizes, ["contiguous", "nixl"], destinations, repeats, warmup, device, layout,
-                 pool_layout, seed, max_call_s=max_call_s, slow_call_s=slow_call_s)
-    df.to_csv(out / "nixl_results.csv", index=False)
-    from . import devices, provenance
-
-    record = {
-        "git": provenance.git_state(), "seconds": round(time.time() - t0, 1),
-        "parameters": {"contexts": list(contexts), "block_sizes": list(block_sizes), "destinations": destinations,
-                       "repeats": repeats, "warmup": warmup, "slow_call_s": slow_call_s, "max_call_s": max_call_s},
-        "nixl_available": why is None, "nixl_unavailable_reason": why,
-        "nixl_version": nixl.nixl_version(),
-        "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
-        "layout": asdict(check_layout(layout)), "pool_layout": pool_layout,
-        "transports": df.attrs.get("transports", []),
-        "devices": devices.describe(),
-    }
-    (out / "nixl_config.json").write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
-    return df

@@ -35,11 +35,11 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .paged import kernels, registry
-from .paged import BlockAllocator, BlockPool, PoolSpec
-from .timing import sync_device
+from ... import plots
+from ...paged import BlockAllocator, BlockPool, PoolSpec, kernels, registry
+from ...timing import ratio_ci, sync_device
 
-__all__ = ["H2D_METHODS", "measure", "summarise", "plot", "run"]
+__all__ = ["H2D_METHODS", "measure", "paged_rows", "summarise", "plot"]
 
 H2D_METHODS = ("triton-uva", "staged")
 _TUNE_ROWS = 16384  # tune triton-uva's tile on the first 16,384 rows (256 MiB of 16 KiB rows), as notebook 04 does
@@ -189,8 +189,6 @@ def paged_rows(spec: PoolSpec, num_blocks: int, ids) -> np.ndarray:
 def summarise(df: pd.DataFrame) -> pd.DataFrame:
     """Per (context, direction, host layout, method): median ms (min–max), GB/s, and % of the same direction's
     contiguous copy with the 95 % interval of that ratio (kvlab.timing.ratio_ci)."""
-    from .timing import ratio_ci
-
     if "host_layout" not in df.columns:  # run 20261201-030223 (before the column): every host pool was scattered
         df = df.assign(host_layout=np.where(df["method"] == "contiguous", "contiguous", "scattered"))
     out = []
@@ -200,7 +198,7 @@ def summarise(df: pd.DataFrame) -> pd.DataFrame:
             ms = m["ms"].dropna().tolist()
             row = {"context": int(context), "direction": direction, "host_layout": layout, "method": method,
                    "n": len(ms),
-                   "bytes": int(m["bytes"].iloc[0]), "note": "; ".join(sorted(set(m["note"].fillna("")) - {""}))}
+                   "bytes": int(m["bytes"].iloc[0]), "note": "; ".join(sorted(set(m["note"].dropna().astype(str)) - {""}))}
             if ms:
                 med = statistics.median(ms)
                 lo, hi = ratio_ci(ceil, ms) if method != "contiguous" else (1.0, 1.0)
@@ -214,9 +212,6 @@ def plot(summary: pd.DataFrame, title: str = ""):
     """Each method's share of the contiguous copy of the same bytes (median, 95 % interval), host → GPU on the
     left and GPU → host on the right, one bar per context; methods that did not run are left out."""
     import matplotlib.pyplot as plt
-    import numpy as np
-
-    from . import plots
 
     s = summary[(summary["method"] != "contiguous") & (summary["n"] > 0)]
     if s.empty:
@@ -252,55 +247,3 @@ def plot(summary: pd.DataFrame, title: str = ""):
     fig.suptitle(title or "A paged cache across PCIe: what each method keeps of the link")
     fig.tight_layout()
     return fig
-
-
-def run(model: str = "qwen2.5-7b", contexts=("4k", "32k"), block_size: int = 16, kv_dtype: str = "bf16",
-        device: str = "auto", repeats: int = 9, seed: int = 0, out: str = "", argv=None) -> tuple[str, pd.DataFrame]:
-    """Check every value, then measure into a run folder (data/swapin/<run_id>/ unless `out`): results.csv,
-    summary.csv, run.json. Returns (run folder, summary)."""
-    import os
-
-    from . import devices, models, results
-    from .parse import token_list
-    from .disagg.config import kv_dtype_name, norm_device
-
-    ctx = token_list(contexts, "context", 1)
-    dt = kv_dtype_name(kv_dtype, "kv-dtype")
-    for name, v, low in (("block-size", block_size, 1), ("repeats", repeats, 1), ("seed", seed, 0)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise ValueError(f"{name} = {v!r}: give an int ≥ {low}")
-    model = models.model_ref(model, "model")
-    spec_m = models.from_hf_config(model) if os.path.exists(model) else models.get(model)
-    if device != "auto" and not (device == "cpu" or str(device).startswith("cuda")):
-        raise ValueError(f"device = {device!r} is not a device; give 'auto', 'cpu' or 'cuda:N'")
-    dev = torch.device(("cuda:0" if torch.cuda.is_available() else "cpu") if device == "auto" else norm_device(device))
-    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if dev.type == "cuda" and (dev.index or 0) >= n_gpu:
-        raise ValueError(f"device = {device!r} does not exist: this machine has {n_gpu} GPU(s)")
-    spec = PoolSpec(spec_m.layers, block_size, spec_m.kv_heads, spec_m.head_dim, dt)
-    if dev.type == "cpu":  # host and "device" pools, staging and copies all live in this machine's memory
-        need = 13 * spec.pool_bytes(spec.blocks_for(max(ctx)))  # 22.8 GB resident seen for a 1.75 GiB cache
-        free = devices.host_available_bytes()
-        if free is not None and need > 0.8 * free:
-            raise ValueError(f"{spec_m.name} at {max(ctx)} tokens needs about {need / 2**30:.1f} GiB on a CPU (pools, "
-                             f"staging, copies) and {free / 2**30:.1f} GiB is free; give a smaller --model or "
-                             "--context (e.g. --model kvlab-tiny --context 256), or run it on a GPU")
-    params = {"model": spec_m.name, "contexts": ctx, "block_size": block_size, "kv_dtype": dt,
-              "device": str(dev), "repeats": repeats, "seed": seed}
-    r = None
-    try:
-        r = results.start("swapin", params, run_dir=out)
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(ctx), desc="swapin", unit="context")
-        df = measure(spec, ctx, dev, repeats=repeats, seed=seed, progress=lambda _: bar.update(1))
-        bar.close()
-        r.save_table(df, "results")
-        s = summarise(df)
-        r.save_table(s, "summary")
-        r.finish()
-        return str(r.dir), s
-    except BaseException as err:
-        if r is not None:
-            results.record_execution(r.dir, "kvlab swapin", ok=False, seconds=0.0, error=results.stop_reason(err))
-        raise

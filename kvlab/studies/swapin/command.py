@@ -1,0 +1,77 @@
+"""`kvlab swapin`: the swap-in study from the command line — check, measure, analyse and write a swapin run
+(results.csv, the analysis's summary.csv, run.json), then print one line per method."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+
+from ... import results
+from ...study import Analysis
+from . import NAME, PARAMS, analyse, check, measure
+
+__all__ = ["add_arguments", "run", "run_args", "main"]
+
+_DEFAULTS = {p.name: p.default for p in PARAMS}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``kvlab swapin`` options to ``parser`` (for a CLI subparser); defaults are the study's PARAMS'."""
+    d = _DEFAULTS
+    parser.add_argument("--model", default=d["model"], help="registry name or a config.json / model folder: the "
+                        "cache's shape (default auto: qwen2.5-7b on a GPU, kvlab-tiny on a CPU)")
+    parser.add_argument("--context", default=d["contexts"], help="tokens in the cache; a list runs each (default "
+                        "auto: 4k,32k on a GPU, 256 on a CPU)")
+    parser.add_argument("--block-size", type=int, default=d["block_size"], help="tokens per block (default 16)")
+    parser.add_argument("--kv-dtype", default=d["kv_dtype"], help="bf16, fp16 or fp32 (default bf16)")
+    parser.add_argument("--device", default=d["device"], help="the GPU the pool is on: auto (cuda:0), cuda:N, or cpu "
+                        "(checks the logic)")
+    parser.add_argument("--repeats", type=int, default=d["repeats"], help="timed sends per method and context "
+                        "(default 9)")
+    parser.add_argument("--seed", type=int, default=d["seed"], help="seed of the block tables and the data")
+    parser.add_argument("--out", default=None, help="run folder (default: a new data/swapin/<run_id>/)")
+    return parser
+
+
+def run(params: Mapping, out: str = "") -> tuple[str, Analysis]:
+    """Check every value (ValueError before a folder is made), then measure into a run folder (data/swapin/<run_id>/
+    unless `out`), analyse and finish it. Returns (run folder, analysis). A run that stops says so in its folder."""
+    cfg = check(params)
+    given = {**_DEFAULTS, **params}
+    r = None
+    try:
+        r = results.start(NAME, given, run_dir=out)
+        measure(cfg, r)
+        analysis = analyse(r.record, r.tables())
+        r.save_analysis(analysis)
+        r.finish()
+        return str(r.dir), analysis
+    except BaseException as err:
+        if r is not None:
+            results.record_execution(r.dir, "kvlab swapin", ok=False, seconds=0.0, error=results.stop_reason(err))
+        raise
+
+
+def run_args(args: argparse.Namespace) -> int:
+    """Run ``kvlab swapin`` from parsed arguments; returns the exit status (bad input: ValueError, one line)."""
+    if args.out is not None:  # before anything is measured: a finished run is never overwritten
+        results.check_run_folder(args.out, "--out")
+    params = {"model": args.model, "contexts": args.context, "block_size": args.block_size, "kv_dtype": args.kv_dtype,
+              "device": args.device, "repeats": args.repeats, "seed": args.seed}
+    path, analysis = run(params, out=args.out or "")
+    for r in analysis.tables["summary"].itertuples():
+        what = f"{r.context:>6} {r.direction:9} {r.host_layout:10} {r.method:19}"
+        if r.n:
+            print(f"{what} {r.ms:9.3f} ms ({r.ms_min:.3f}–{r.ms_max:.3f}) {r.gbps:8.1f} GB/s  "
+                  f"{r.pct_of_ceiling:5.1f} % of the contiguous copy [{r.pct_lo:.1f}, {r.pct_hi:.1f}]")
+        else:
+            print(f"{what} not run: {r.note}")
+    print(f"run: {path}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``kvlab swapin [--model M] [--context 4k,32k] [--block-size 16] [--repeats 9] [--out DIR]``: measure and write
+    a swapin run; returns the exit status."""
+    parser = add_arguments(argparse.ArgumentParser(prog="kvlab swapin", description=main.__doc__.splitlines()[0]))
+    return run_args(parser.parse_args(argv))
