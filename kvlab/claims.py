@@ -18,7 +18,7 @@ import secrets
 import socket
 from pathlib import Path
 
-__all__ = ["CLAIM", "ENV", "claim", "held", "owns", "alive", "boot_id"]
+__all__ = ["CLAIM", "ENV", "claim", "held", "held_by_me", "owns", "alive", "boot_id"]
 
 CLAIM = ".kvlab-claim.json"
 ENV = "KVLAB_CLAIM"
@@ -70,6 +70,17 @@ def alive(claim: dict) -> bool:
     return True
 
 
+def _ours(claim: dict) -> bool:
+    return (claim.get("pid") == os.getpid() and claim.get("host") == socket.gethostname()
+            and claim.get("boot", "") == boot_id())
+
+
+def held_by_me(folder: str | os.PathLike) -> bool:
+    """Did this very process claim `folder` (a notebook cell run again in the same kernel)?"""
+    c = held(folder)
+    return c is not None and not c.get("unreadable") and _ours(c)
+
+
 def owns(folder: str | os.PathLike, token: str | None = None) -> bool:
     """Does this process hold `folder`'s claim (its token is `token`, default the one handed on in KVLAB_CLAIM)?"""
     token = token if token is not None else os.environ.get(ENV, "")
@@ -101,6 +112,12 @@ def claim(folder: str | os.PathLike, flag: str = "--run-dir", set_aside=None) ->
         c = held(folder)
         if c is None:  # released between our try and our look: try again
             continue
+        if _ours(c):  # this very process claimed it before (a notebook cell run again): the folder is still ours
+            token = secrets.token_hex(16)
+            tmp = folder / f".{CLAIM}.{os.getpid()}"
+            tmp.write_text(json.dumps(dict(c, token=token)) + "\n", encoding="utf-8")
+            os.replace(tmp, folder / CLAIM)
+            return token
         if alive(c):
             who = ("a claim file kvlab cannot read" if c.get("unreadable") else
                    f"process {c.get('pid')} on {c.get('host')} since {c.get('utc')}")

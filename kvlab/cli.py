@@ -517,7 +517,9 @@ def parse_grid(text: str, path: str | os.PathLike = "grid", as_json: bool = Fals
             if not isinstance(values, list) or not values:
                 raise UsageError(
                     f"grid {path}: {reprlib.repr(name)} must map to a non-empty list of values, got "
-                    f"{reprlib.repr(values)}; write e.g. {reprlib.repr(name)}: [{reprlib.repr(values)}]")
+                    f"{reprlib.repr(values)}; write e.g. "
+                    f"{name if isinstance(name, str) and name.isidentifier() else reprlib.repr(name)}: "
+                    f"[{reprlib.repr(values)}]")
         names = list(grid)
         size = 1
         for values in grid.values():

@@ -414,10 +414,6 @@ def check_run_folder(folder: str | os.PathLike, flag: str = "--run-dir") -> None
         raise ValueError(f"{flag} {str(folder)!r} is a file, not a folder")
     record = folder / RUN_JSON
     c = claims.held(folder) if folder.is_dir() else None
-    if c is not None and claims.alive(c) and not claims.owns(folder):
-        who = "a claim file kvlab cannot read" if c.get("unreadable") else f"process {c.get('pid')} on {c.get('host')}"
-        raise ValueError(f"{flag} {str(folder)!r} is being written by another run ({who}); give another folder — two "
-                         "runs in one folder would overwrite each other's tables")
     if record.is_file():
         try:
             earlier = json.loads(record.read_text(encoding="utf-8"))
@@ -433,9 +429,14 @@ def check_run_folder(folder: str | os.PathLike, flag: str = "--run-dir") -> None
         if status == "running" and c is None and (pid := _live_writer(earlier)) is not None:
             raise ValueError(f"{flag} {str(folder)!r} holds a run still in progress (process {pid} on this host); "
                              "give another folder — two runs in one folder overwrite each other's tables")
-    elif folder.is_dir() and any(folder.iterdir()) and not (folder / STOPPED).is_file():
+    elif (folder.is_dir() and any(p.name != claims.CLAIM for p in folder.iterdir())
+          and not (folder / STOPPED).is_file()):
         raise ValueError(f"{flag} {str(folder)!r} is a folder with other files in it and no run.json; give a new "
                          "or empty folder")
+    if c is not None and claims.alive(c) and not claims.owns(folder) and not claims.held_by_me(folder):
+        who = "a claim file kvlab cannot read" if c.get("unreadable") else f"process {c.get('pid')} on {c.get('host')}"
+        raise ValueError(f"{flag} {str(folder)!r} is being written by another run ({who}); give another folder — two "
+                         "runs in one folder would overwrite each other's tables")
 
 
 def run_state(folder: str | os.PathLike) -> str:

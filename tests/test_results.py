@@ -169,7 +169,10 @@ def test_save_table_writes_tidy_csv_and_lists_it(kvlab_dirs):
     filtered = df[df.ms > 0.6]  # an unnamed index is only row numbers: dropped
     assert list(pd.read_csv(run.save_table(filtered, "filtered")).columns) == ["size_bytes", "ms"]
     tables = read_json(run.dir / "run.json")["tables"]
-    assert tables["results"] == {"file": "results.csv", "rows": 2, "columns": ["size_bytes", "ms"]}
+    import hashlib
+
+    digest = hashlib.sha256((run.dir / "results.csv").read_bytes()).hexdigest()
+    assert tables["results"] == {"file": "results.csv", "rows": 2, "columns": ["size_bytes", "ms"], "sha256": digest}
     assert set(tables) == {"results", "medians", "filtered"}
     with pytest.raises(ValueError, match="sub/dir"):
         run.save_table(df, "sub/dir")

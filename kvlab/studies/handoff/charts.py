@@ -158,10 +158,12 @@ def plot_ttft(summary: pd.DataFrame, preds: pd.DataFrame | None = None, title: s
     hi_lim = 10 ** np.ceil(np.log10(max(highs + [1]) * 1.05))
     axes[0].set_ylim(lo_lim * 1.3, hi_lim * 1.3)
     axes[0].set_ylabel("added to time to first token, ms\n(symlog; 0 = colocated)", fontsize=9)
-    fig.supxlabel("context in tokens, with its colocated prefill time", fontsize=9, y=0.13)
+    # room under the panels for the legend's rows (two entries a row) and the axis label above them
+    bottom = 0.04 + 0.04 * -(-len(handles) // 2)
+    fig.supxlabel("context in tokens, with its colocated prefill time", fontsize=9, y=bottom + 0.01)
     fig.suptitle("\n".join(textwrap.wrap(title or "What moving the KV cache adds to the time to first token", 70)),
                  fontsize=11)
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     fig.legend(handles.values(), [h.get_label() for h in handles.values()], loc="lower center", ncol=2,
                fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.0))
     return fig
