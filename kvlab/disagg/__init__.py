@@ -14,7 +14,8 @@
 
 from .backends import BACKENDS, Backend, backend
 from .config import LAYOUTS, MODES, DisaggConfig, check, from_params
-from .launch import DisaggError, run, summarise
+from .launch import DisaggError, run
+from .summary import summarise
 from .protocol import IncompleteCacheError, LandedLayers
 
 __all__ = ["DisaggConfig", "from_params", "run", "check", "backend", "Backend", "DisaggError", "IncompleteCacheError",

@@ -12,11 +12,12 @@ and the inputs of the goals (kvlab.goals, study "disagg"). Nothing here measures
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from pathlib import Path
 
 import pandas as pd
+
+from .summary import bench_table
 
 __all__ = ["load", "ttft_extra", "goal_table", "bench_table", "plot", "fault_table", "plot_faults", "nixl_table",
            "checksum_table"]
@@ -52,36 +53,6 @@ def ttft_extra(req: pd.DataFrame) -> pd.DataFrame:
             ok = m[["tokens_match", "logits_equal", "bytes_equal"]].astype(bool).all(axis=1)
             row["mismatched"] = int((~ok).sum() + (m["poison_left"] > 0).sum())
             rows.append(row)
-    return pd.DataFrame(rows)
-
-
-def bench_table(bench: pd.DataFrame) -> pd.DataFrame:
-    """Per (layout, context): the send alone (tuned kernel for a paged cache) against a plain copy of the same
-    bytes in the prefill process, with the ratio's 95 % interval (timing.ratio_ci resamples both), and one layer's
-    send time."""
-    from ..timing import ratio_ci
-
-    rows = []
-    for (layout, context), g in bench.groupby(["layout", "context"]):
-        send = g[g["kind"] == "send"]["ms"].tolist()
-        ceil = g[g["kind"] == "ceiling"]["ms"].tolist()
-        nbytes = int(g[g["kind"] == "send"]["bytes"].iloc[0])
-        finite = all(math.isfinite(x) for x in send + ceil)
-        # two hosts have no clock in common: their bench's times are NaN, and so is every ratio of them
-        lo, hi = ratio_ci(ceil, send) if finite else (float("nan"), float("nan"))
-        row = {"layout": layout, "context": int(context), "n": len(send), "bytes": nbytes,
-               "send_ms": statistics.median(send), "ceiling_ms": statistics.median(ceil),
-               "send_gbps": nbytes / statistics.median(send) / 1e6,
-               "ceiling_gbps": nbytes / statistics.median(ceil) / 1e6,
-               "pct_of_ceiling": 100 * statistics.median(ceil) / statistics.median(send),
-               "pct_lo": 100 * lo, "pct_hi": 100 * hi,
-               "layer_ms": statistics.median(g[g["kind"] == "layer"]["ms"].tolist()),
-               "kernel": g[g["kind"] == "send"]["kernel"].iloc[0]}
-        d = g[g["kind"] == "send_default"]["ms"].tolist()
-        if d:
-            row["send_default_ms"] = statistics.median(d)
-            row["pct_default_of_ceiling"] = 100 * statistics.median(ceil) / statistics.median(d)
-        rows.append(row)
     return pd.DataFrame(rows)
 
 
