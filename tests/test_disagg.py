@@ -484,7 +484,7 @@ def test_a_context_leaves_nothing_behind_for_the_next(layouts, tmp_path):
 
 def test_an_out_of_memory_in_the_decode_process_becomes_one_line_naming_the_request_and_step():
     from kvlab.disagg.memory import DecodeMemory, DecodeOutOfMemory
-    from kvlab.disagg.workers import DecodeWorker
+    from kvlab.disagg.decode import DecodeWorker
 
     w = object.__new__(DecodeWorker)
     w.mem = DecodeMemory(torch.device("cpu"))
@@ -519,7 +519,7 @@ def test_an_out_of_memory_in_the_decode_process_becomes_one_line_naming_the_requ
 
 
 def test_layer_lists_are_written_as_runs():
-    from kvlab.disagg.workers import _layers_text
+    from kvlab.disagg.decode import _layers_text
 
     assert _layers_text([3, 4, 5, 9]) == "3…5, 9"
     assert _layers_text([0]) == "0" and _layers_text([]) == "none" and _layers_text([1, 3]) == "1, 3"
@@ -954,7 +954,7 @@ def test_checksums_together_are_the_checksums_one_by_one():
 def test_a_bench_without_a_common_clock_is_tabulated_as_unknown():
     """Across two hosts the bench's times are NaN (no clock in common): the table says so instead of failing the
     run while it writes its results."""
-    from kvlab.disagg.report import bench_table
+    from kvlab.disagg.summary import bench_table
 
     nan = float("nan")
     rows = [{"layout": "contiguous", "context": 128, "kind": k, "sample": i, "ms": nan if k != "ceiling" else 1.0,
