@@ -12,7 +12,7 @@ time and what was written, so a reader can always tell which code drew which fig
     handoff            the seed-004 summary, the goals, the figure
     paged_transfer     summary, goals
     link_ceilings      the fit and its figure
-    disagg             the goal table and the TTFT figure
+    disagg             the goal rows, bench, NIXL and campaign tables; the TTFT and fault figures
     swapin             the summary and the share-of-the-link figure
 """
 
@@ -32,7 +32,7 @@ STUDIES = ("overlap_timeline", "handoff", "paged_transfer", "link_ceilings", "di
 # the figures each study's analysis can draw (which of them it draws depends on the run's tables)
 FIGURES = {"overlap_timeline": ("decomposition", "event_timeline", "patterns", "clock_timeline"),
            "handoff": ("handoff_ttft",), "paged_transfer": ("gbps_vs_block_size", "access_patterns"),
-           "disagg": ("disagg_ttft",), "swapin": ("swapin_pct",)}
+           "swapin": ("swapin_pct",)}
 
 
 def _need(tables: dict, run: Path, name: str) -> pd.DataFrame:
@@ -210,21 +210,6 @@ def _paged(run: Path, record: dict, tables: dict, out: _Out) -> None:
                                                          "the access pattern costs one kernel launch"), "access_patterns")
 
 
-def _disagg(run: Path, record: dict, tables: dict, out: _Out) -> None:
-    from . import goals, plots
-    from .disagg import report as dr
-
-    plots.style()
-    _need(tables, run, "requests")
-    t = dr.goal_table(run)
-    out.table(t, "summary")
-    g = goals.evaluate(goals.for_study("disagg"), t, keys=("layout", "mode", "context"))
-    out.table(g, "goals")
-    out.meta["findings"] += [f"{r.goal} ({r.layout} {r.mode} {r.context}): {r.value} — {r.verdict}"
-                             for r in g.itertuples() if r.id != "disagg.identical"]
-    out.figure(dr.plot(run), "disagg_ttft")
-
-
 def _swapin(run: Path, record: dict, tables: dict, out: _Out) -> None:
     from . import plots, swapin
 
@@ -236,7 +221,7 @@ def _swapin(run: Path, record: dict, tables: dict, out: _Out) -> None:
 
 
 _DISPATCH = {"overlap_timeline": _overlap_timeline, "handoff": _handoff, "paged_transfer": _paged,
-             "disagg": _disagg, "swapin": _swapin}
+             "swapin": _swapin}
 
 
 def _face(study: str):

@@ -151,11 +151,6 @@ CHECKS: dict[str, dict[str, Callable]] = {
                        "methods": _methods, "destinations": _destinations, "layout": _layout,
                        "pool_layout": _choice("nhd", "hnd"), "repeats": _int_at_least(1), "warmup": _int_at_least(0),
                        "check_model": lambda v, w: v == "" or models.model_ref(v, w)},
-    "disagg": {"backend": _choice("gloo", "ipc", "nccl", "nixl"), "model": lambda v, w: models.model_ref(v, w),
-               "weights": models.check_weights, "contexts": lambda v, w: token_list(v, w, 1), "repeats": _int_at_least(1),
-               "warmup": _int_at_least(0), "decode_tokens": _int_at_least(1), "block_size": _int_at_least(1),
-               "bench": _choice("auto", "on", "off"), "faults": _int_at_least(0),
-               "policy": _choice("fail", "retry", "recompute")},
     "calculator": {"models": _model_names, "ratio_models": _model_names, "tp_models": _model_names,
                    "links": _links, "ratio_links": _links, "tp_link": _links, "kv_dtype": _kv_dtype,
                    "exposure_cases": _exposure_cases, "prompt_tokens": _int_at_least(1),
@@ -175,12 +170,6 @@ def _handoff_together(params: Mapping) -> None:
                              "destination or pinned host; drop pageable from destinations or use policy eager")
 
 
-def _disagg_together(params: Mapping) -> None:
-    from .disagg import from_params
-
-    from_params(params)  # the whole configuration: backend on this machine, devices, lists, dtype
-
-
 def _calculator_together(params: Mapping) -> None:
     lo, hi = params.get("ratio_min_tokens", 128), params.get("ratio_max_tokens", 131072)
     if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
@@ -189,8 +178,7 @@ def _calculator_together(params: Mapping) -> None:
 
 
 # checks of several parameters together, after each has passed alone
-TOGETHER: dict[str, Callable] = {"handoff": _handoff_together, "disagg": _disagg_together,
-                                 "calculator": _calculator_together}
+TOGETHER: dict[str, Callable] = {"handoff": _handoff_together, "calculator": _calculator_together}
 
 
 def check(study: str, params: Mapping) -> None:

@@ -86,13 +86,6 @@ _LEGACY = {
     ("overlap_timeline", "runs"): lambda runs, labels: report_legacy.overlap_runs(runs),
     ("paged_transfer", "table"): lambda runs, labels: report_legacy.paged(runs[0]),
     ("paged_transfer", "access_patterns"): lambda runs, labels: report_legacy.access_patterns(runs[0]),
-    ("disagg", "ttft"): lambda runs, labels: report_legacy.disagg(runs),
-    ("disagg", "bench"): lambda runs, labels: report_legacy.disagg_bench(runs),
-    ("disagg", "nixl"): lambda runs, labels: report_legacy.disagg_nixl(runs),
-    ("disagg", "faults"): lambda runs, labels: report_legacy.faults(runs),
-    ("disagg", "checksum_cost"): lambda runs, labels: report_legacy.checksum_cost(runs),
-    ("disagg", "decode_memory"): lambda runs, labels: report_legacy.decode_memory(runs),
-    ("disagg", "decode_oom"): lambda runs, labels: report_legacy.decode_oom(runs),
     ("swapin", "table"): lambda runs, labels: report_legacy.swapin(runs),
 }
 

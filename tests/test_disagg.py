@@ -811,7 +811,7 @@ def test_a_polled_nccl_receive_is_waited_for_until_the_host_deadline_then_refuse
 
 
 def test_checksum_table_reports_each_side_and_skips_what_was_not_checked():
-    from kvlab.disagg.report import checksum_table
+    from kvlab.studies.disagg.analysis import checksum_table
 
     f = pd.DataFrame({"checksum_send_ms": [1.0, 3.0, float("nan")], "checksum_send_bytes": [2e6, 2e6, float("nan")],
                       "checksum_recv_ms": [0.5, 2.0, 1.0], "checksum_recv_bytes": [1e6, 1e6, 0]})
