@@ -5,16 +5,9 @@
 A run folder keeps its original tables and figures as the code of its commit made them. When the analysis
 code changes (a better decomposition, a clearer figure), `analyse(run_dir)` recomputes the analysis from
 the run's raw tables into `<run>/analysis/<when>-<commit>/`, with `analysis.json` naming the commit, the
-time and what was written, so a reader can always tell which code drew which figure. Studies:
-
-    calculator         the KV table as shown, a summary per figure, the exposure timelines, all four figures
-    overlap_timeline   decomposition (with the SM-clock term when the run sampled clocks), causes,
-                       backlog, findings; the send-pattern summary, findings and figures when it ran them
-    handoff            the seed-004 summary, predictions, attribution, goals, findings; both notebook figures
-    paged_transfer     summary, goals
-    link_ceilings      the fit and its figure
-    disagg             the goal table and the TTFT figure
-    swapin             the summary and the share-of-the-link figure
+time and what was written, so a reader can always tell which code drew which figure. Every study's analysis is
+its own `analyse` and `figures` (kvlab.studies.<study>), the very functions its notebook calls: tables, goals,
+findings and every figure the notebook draws.
 """
 
 from __future__ import annotations
@@ -27,17 +20,7 @@ import pandas as pd
 
 from . import plots, provenance, results, studies
 
-__all__ = ["analyse", "STUDIES", "FIGURES", "add_arguments", "run_args"]
-
-STUDIES = ("calculator", "overlap_timeline", "handoff", "paged_transfer", "link_ceilings", "disagg", "swapin")
-# the figures each study's analysis can draw (which of them it draws depends on the run's tables)
-FIGURES = {"disagg": ("disagg_ttft",)}
-
-
-def _need(tables: dict, run: Path, name: str) -> pd.DataFrame:
-    if name not in tables:
-        raise FileNotFoundError(f"{run} has no {name}.csv(.gz): this run did not write what its analysis needs")
-    return tables[name]
+__all__ = ["analyse", "add_arguments", "run_args"]
 
 
 class _Out:
@@ -100,31 +83,6 @@ class _Out:
 
 
 
-def _disagg(run: Path, record: dict, tables: dict, out: _Out) -> None:
-    from . import goals, plots
-    from .disagg import report as dr
-
-    plots.style()
-    _need(tables, run, "requests")
-    t = dr.goal_table(run)
-    out.table(t, "summary")
-    g = goals.evaluate(goals.for_study("disagg"), t, keys=("layout", "mode", "context"))
-    out.table(g, "goals")
-    out.meta["findings"] += [f"{r.goal} ({r.layout} {r.mode} {r.context}): {r.value} — {r.verdict}"
-                             for r in g.itertuples() if r.id != "disagg.identical"]
-    out.figure(dr.plot(run), "disagg_ttft")
-
-
-_DISPATCH = {"disagg": _disagg}
-
-
-def _face(study: str):
-    """The study's package when it has the one shape (kvlab.study); None for a study still analysed here."""
-    try:
-        module = studies.get(study)
-    except (ModuleNotFoundError, ValueError):
-        return None
-    return module if studies.has_face(module) else None
 
 
 def analyse(run_dir, out: str | Path | None = None, publish: bool = False, suffix: str = "",
@@ -137,12 +95,12 @@ def analyse(run_dir, out: str | Path | None = None, publish: bool = False, suffi
         raise FileNotFoundError(f"{run} is not a run folder: it has no run.json")
     record, tables = results.load(run)
     study = record.get("study")
-    if study not in _DISPATCH and _face(study) is None:
-        raise ValueError(f"run {run.name} is a {study!r} run; kvlab analyse knows {list(_DISPATCH)}")
-    drawn = face.FIGURES if (face := _face(study)) is not None else FIGURES[study]
-    bad = sorted(set(only or []) - set(drawn))
+    if study not in studies.NAMES:
+        raise ValueError(f"run {run.name} is a {study!r} run; kvlab analyse knows {', '.join(studies.NAMES)}")
+    face = studies.get(study)
+    bad = sorted(set(only or []) - set(face.FIGURES))
     if bad:  # before anything is written
-        raise ValueError(f"--only {', '.join(bad)}: a {study} analysis draws {', '.join(drawn)}")
+        raise ValueError(f"--only {', '.join(bad)}: a {study} analysis draws {', '.join(face.FIGURES)}")
     if record.get("status") != "finished":
         raise ValueError(f"run {run.name} did not finish (status {record.get('status')!r}): its tables may be "
                          "partial; analyse a finished run")
@@ -155,22 +113,18 @@ def analyse(run_dir, out: str | Path | None = None, publish: bool = False, suffi
                              f"{' (a run: it has a run.json)' if (target / 'run.json').is_file() else ''}; give a "
                              "new or empty folder — kvlab analyse does not overwrite")
     o = _Out(run, record, Path(out) if out is not None else None)
-    face = _face(study)
-    if face is not None:  # a study of the one shape: its own analyse and figures, as the notebook calls them
-        a = face.analyse(record, tables)
-        for name, df in a.tables.items():
-            o.table(df, name)
-        if len(a.goals):
-            o.table(a.goals, "goals")
-        o.meta["findings"] += a.findings
-        o.meta["values"] = a.values
-        # the run.json fields the analysis adds (e.g. decomposition_totals), as its run would keep them
-        o.meta.update({k: v for k, v in a.fields.items() if k not in o.meta})
-        plots.style()
-        for name, fig in face.figures(a).items():
-            o.figure(fig, name)
-    else:
-        _DISPATCH[study](run, record, tables, o)
+    a = face.analyse(record, tables)  # the study's own analyse and figures, as its notebook calls them
+    for name, df in a.tables.items():
+        o.table(df, name)
+    if len(a.goals):
+        o.table(a.goals, "goals")
+    o.meta["findings"] += a.findings
+    o.meta["values"] = a.values
+    # the run.json fields the analysis adds (e.g. decomposition_totals), as its run would keep them
+    o.meta.update({k: v for k, v in a.fields.items() if k not in o.meta})
+    plots.style()
+    for name, fig in face.figures(a).items():
+        o.figure(fig, name)
     where = o.done()
     if publish:
         o.publish(run, suffix, only)  # each published figure says what it replaced (kvlab.plots.publish_files)

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
-from kvlab import __version__, claims, paths, results
+from kvlab import __version__, claims, paths, results, studies
 from kvlab.parse import MAX_YAML_BYTES, OneLineParser, UsageError, token_list, yaml_load
 from kvlab.params import (RUN_DIR_IS_SET, Parameter, check_names, coerce, find_notebook,
                           list_notebooks, notebooks_dir, parse_params, runnable_parameters)
@@ -181,21 +181,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _preflight(notebook: Path, params: Mapping) -> None:
-    """Every value given for ``notebook`` checked the way the notebook will read it, before a kernel starts or a
-    folder is made: by its study's own `check` (kvlab.study), or kvlab.preflight for a study not yet of that shape;
-    a bad value is a one-line UsageError."""
-    from kvlab import preflight, studies
-
+    """Every value given for ``notebook`` checked the way the notebook will read it — by its study's own `check`
+    (kvlab.study) — before a kernel starts or a folder is made; a bad value is a one-line UsageError."""
     name = paths.study_of(notebook)
+    if name not in studies.NAMES:  # a notebook of no study (a user's own): papermill and the notebook check it
+        return
     try:
-        study = studies.get(name) if name in studies.NAMES else None
-    except ModuleNotFoundError:
-        study = None
-    try:
-        if study is not None and studies.has_face(study):
-            study.check(params)
-        else:
-            preflight.check(name, params)
+        studies.get(name).check(params)
     except ValueError as err:
         raise UsageError(str(err).splitlines()[0]) from None
 
@@ -780,55 +772,9 @@ def _cmd_trace(args) -> int:
     return command.trace_main(args.rest or ["--help"])
 
 
-@subcommand(
-    "disagg", "prefill and decode as two processes: move the cache across (gloo, ipc, nccl, nixl), decode, compare",
-    arg("--backend", default="gloo", help="gloo (TCP; CPU or GPU via the host), ipc (CUDA IPC, one host, 1–2 GPUs), "
-                                        "nccl (two GPUs; two nodes under torchrun), nixl (two NIXL agents, UCX; "
-                                        "pip install 'kvlab[nixl]') (default gloo)"),
-    arg("--model", default="kvlab-tiny", help="registry name or a config.json / model folder (default kvlab-tiny)"),
-    arg("--weights", default="random", help="'random' (seeded, identical in both processes) or a local checkpoint"),
-    arg("--context", default="128", help="prompt tokens; a list runs each: 128 or 4k,32k (default 128)"),
-    arg("--mode", default="bulk,layerwise", help="bulk, layerwise or both (default both)"),
-    arg("--layout", default="contiguous", help="contiguous, paged or both (default contiguous)"),
-    arg("--block-size", type=int, default=16, help="tokens per block of a paged cache (default 16)"),
-    arg("--kv-dtype", default="bf16", help="the model's and cache's dtype: bf16, fp16, fp32 (default bf16)"),
-    arg("--device", default="auto", help="the prefill process's device: auto (cuda:0, else cpu), cpu, cuda:N"),
-    arg("--decode-device", default="auto", help="the decode process's device (auto: cuda:1 for nccl, else the "
-                                               "prefill device)"),
-    arg("--repeats", type=int, default=3, help="timed rounds; each round is every mode and a colocated prefill, "
-                                            "in rotated order (default 3; ≥ 9 for published numbers)"),
-    arg("--warmup", type=int, default=1, help="untimed rounds first (default 1)"),
-    arg("--decode-tokens", type=int, default=20, help="greedy tokens compared with the colocated decode (default 20)"),
-    arg("--timeout", type=float, default=120.0, help="deadline in seconds of every wait across the boundary (default 120)"),
-    arg("--bench", action="store_true", help="ipc: also time the bulk send alone beside an in-process copy of the "
-                                            "same bytes (its ceiling)"),
-    arg("--nixl-descs", default="block", help="nixl, paged: one descriptor per block (block) or per run of blocks "
-                                              "adjacent in both pools (merged) (default block)"),
-    arg("--block-order", default="random", help="paged: both sides' allocators hand out blocks at random (a busy "
-                                                "server) or packed, lowest ids first (a fresh one) (default random)"),
-    arg("--in-order", action="store_true", help="gloo: match sends to receives in order, as nccl does (every "
-                                                "unit tag 0), to run nccl's fault protocol on a CPU"),
-    arg("--port", type=int, default=0, help="port of the control store (default 0: a free one)"),
-    arg("--seed", type=int, default=0, help="seed of the weights, the prompt, the block tables and the fault plan"),
-    arg("--faults", type=int, default=0, help="a fault-injection campaign of N layer-wise requests (drop, delay, "
-                                                 "corrupt a layer) after the measurement; writes faults.csv"),
-    arg("--fault-kinds", default="drop,delay,corrupt",
-        help="the campaign's fault kinds, in turn: drop, delay, corrupt, kill (the prefill process dies mid-send and "
-             "a new one takes over; gloo), oom (the decode side runs out of memory as a layer lands; injected: for a "
-             "real one, --decode-memory-gib) "
-             "(default drop,delay,corrupt)"),
-    arg("--policy", default="fail", help="what decode does about a fault: fail, retry, recompute (default fail)"),
-    arg("--retries", type=int, default=2, help="retry: attempts after the first (default 2)"),
-    arg("--fault-timeout", type=float, default=1.0, help="the campaign's deadline for a request's layers, counted from "
-                                                          "the request, prefill included: above the prefill time "
-                                                          "(default 1 s)"),
-    arg("--decode-memory-gib", type=float, default=0.0,
-        help="cap the decode process's allocator at this many GiB while it serves (its weights, the reference it "
-             "keeps, its destination, every request); past it a real out-of-memory stops the run with one line "
-             "naming the request and step (default 0: no cap; a GPU decode device only)"),
-    arg("--out", default=None, help="run folder (default: a new data/disagg/<run_id>/)"),
-    arg("--quiet", action="store_true", help="no progress bar"),
-)
+@subcommand("disagg",
+            "prefill and decode as two processes: move the cache across (gloo, ipc, nccl, nixl), decode, compare",
+            configure="kvlab.studies.disagg.command:add_arguments")
 def _cmd_disagg(args) -> int:
     """Start a prefill process and a decode process, each with its own copy of the model (same seed, same
     weights). The decode process allocates its cache (poisoned), the prefill process prefills and sends it
@@ -837,42 +783,9 @@ def _cmd_disagg(args) -> int:
     Under torchrun (2 processes; rank 0 decodes) the same command runs across two nodes: see README.
 
 Example: kvlab disagg --backend gloo --model kvlab-tiny --context 128 --decode-tokens 20 --out /tmp/kvlab-disagg"""
-    from kvlab import disagg
+    from kvlab.studies.disagg import command  # imports torch: only when this subcommand runs
 
-    if args.out is not None:
-        _refuse_finished(args.out, "--out")
-    cfg = disagg.DisaggConfig(
-        backend=args.backend, model=args.model, weights=args.weights, contexts=args.context, modes=args.mode,
-        layouts=args.layout, block_size=args.block_size, kv_dtype=args.kv_dtype, device=args.device,
-        decode_device=args.decode_device, repeats=args.repeats, warmup=args.warmup,
-        decode_tokens=args.decode_tokens, timeout_s=args.timeout, bench=args.bench, port=args.port,
-        faults=args.faults, policy=args.policy, retries=args.retries, fault_timeout_s=args.fault_timeout,
-        fault_kinds=args.fault_kinds, nixl_descs=args.nixl_descs, block_order=args.block_order,
-        seed=args.seed, decode_memory_gib=args.decode_memory_gib, in_order=args.in_order)
-    try:
-        summary = disagg.run(cfg, args.out or "", progress=not args.quiet)
-    except (disagg.DisaggError, disagg.IncompleteCacheError, TimeoutError) as err:
-        print(f"kvlab disagg: error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt as err:
-        print(f"kvlab disagg: stopped ({results.stop_reason(err)}); the run folder says so", file=sys.stderr)
-        return 143 if isinstance(err, results.Terminated) else 130
-    if not summary:  # the prefill rank under torchrun: rank 0 reports
-        return 0
-    ok = summary["tokens_match"] and summary["logits_equal"] and summary["poison_left"] == 0
-    print(f"{summary['backend']}: {summary['requests']} requests, {fmt_bytes(summary['bytes_moved'])} a request, "
-          f"tokens {'match' if summary['tokens_match'] else 'DIFFER'}, logits "
-          f"{'equal' if summary['logits_equal'] else 'DIFFER'}, poison left {summary['poison_left']}")
-    for c in summary["configs"]:
-        ex = f", exposed {c['exposed_ms']:.3f} ms" if c.get("exposed_ms") is not None else ""
-        print(f"  {c['layout']:10} {c['mode']:9} {c['context']:>6} tokens: TTFT {c['ttft_ms']:.2f} ms"
-              f" (prefill {c['prefill_ms']:.2f} ms{ex})")
-    if summary.get("faults_injected"):
-        print(f"faults: {summary['faults_injected']} injected (policy {summary['policy']}): {summary['recovered']} "
-              f"recovered, {summary['refused']} refused, {summary['undetected']} undetected, "
-              f"{summary['decoded_from_partial']} decoded from a partial or corrupt cache")
-        ok = ok and summary["decoded_from_partial"] == 0 and summary["undetected"] == 0
-    return 0 if ok else 1
+    return command.run_args(args)
 
 
 @subcommand("swapin", "a paged cache from pinned host memory into a GPU pool by block table (swap-in), beside the "

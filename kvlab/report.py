@@ -7,8 +7,7 @@ A document (the README, a docs/results page) marks each generated table with a p
     <!-- /kvlab-report -->
 
 Which runs a block reads, and which study's table draws it, is said once, in data/PUBLISHED.yaml (`manifest()`):
-a block of a study with the one shape is drawn by that study's BLOCKS[kind] from its analyses of those runs
-(kvlab.studies.analyse_run), the others by kvlab.report_legacy. `kvlab report` rewrites every marked block of the
+a block is drawn by that study's BLOCKS[kind] from its analyses of those runs (kvlab.studies.analyse_run). `kvlab report` rewrites every marked block of the
 documents it is given; `kvlab report --check` (a test runs it) fails when one differs from what the committed runs
 give. The verdicts come from kvlab.goals, under its one rule.
 """
@@ -23,7 +22,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from . import docgen, goals, provenance, report_legacy, studies
+from . import docgen, goals, provenance, studies
 from .paths import read_json, repo_root
 from .study import ctx_label, md_table, run_link
 
@@ -74,40 +73,15 @@ def analysis(path: str):
     return _analysis(path, str(_data()))
 
 
-_LEGACY = {
-    ("disagg", "ttft"): lambda runs, labels: report_legacy.disagg(runs),
-    ("disagg", "bench"): lambda runs, labels: report_legacy.disagg_bench(runs),
-    ("disagg", "nixl"): lambda runs, labels: report_legacy.disagg_nixl(runs),
-    ("disagg", "faults"): lambda runs, labels: report_legacy.faults(runs),
-    ("disagg", "checksum_cost"): lambda runs, labels: report_legacy.checksum_cost(runs),
-    ("disagg", "decode_memory"): lambda runs, labels: report_legacy.decode_memory(runs),
-    ("disagg", "decode_oom"): lambda runs, labels: report_legacy.decode_oom(runs),
-}
-
-
-def _study(name: str):
-    try:
-        module = studies.get(name)
-    except ModuleNotFoundError:  # not yet moved into kvlab/studies/
-        return None
-    return module if studies.has_face(module) else None
-
-
 def _render_block(name: str, prefix: str) -> str:
     entry = manifest()["blocks"][name]
     runs, labels = _runs(entry), _labels(entry)
-    study = _study(entry["study"])
-    if study is not None:
-        fn = study.BLOCKS.get(entry["kind"])
-        if fn is None:
-            raise ValueError(f"{MANIFEST}: block {name}: study {entry['study']} has no table {entry['kind']!r}; it "
-                             f"has {', '.join(study.BLOCKS)}")
-        return fn([analysis(r) for r in runs], link=lambda p: run_link(p, prefix), labels=labels)
-    report_legacy.LINK_PREFIX = prefix
-    try:
-        return _LEGACY[(entry["study"], entry["kind"])](runs, labels)
-    finally:
-        report_legacy.LINK_PREFIX = ""
+    study = studies.get(entry["study"])
+    fn = study.BLOCKS.get(entry["kind"])
+    if fn is None:
+        raise ValueError(f"{MANIFEST}: block {name}: study {entry['study']} has no table {entry['kind']!r}; it "
+                         f"has {', '.join(study.BLOCKS)}")
+    return fn([analysis(r) for r in runs], link=lambda p: run_link(p, prefix), labels=labels)
 
 
 # ------------------------------------------------------------------------------------- the verdicts
@@ -115,16 +89,28 @@ def _render_block(name: str, prefix: str) -> str:
 
 def goals_of(study: str, path: str) -> pd.DataFrame:
     """The goal table of committed run `path` as its study judges it ("faults": a fault campaign's goals)."""
-    module = _study("disagg" if study == "faults" else study)
-    if module is not None and hasattr(module, "goal_table"):
-        return module.goal_table(analysis(path), study)
-    return report_legacy.goals_of(study, path)
+    return studies.get("disagg" if study == "faults" else study).goal_table(analysis(path), study)
+
+
+def host_label(record: dict) -> str:
+    """The host a run ran on, as the verdicts name it: "1×H200 host (16 vCPU)", "CPU host (2 vCPU)"."""
+    devices = record.get("devices") or []
+    cpus = (record.get("host") or {}).get("cpu_count")
+    if not devices:
+        return f"CPU host ({cpus} vCPU)"
+    name = str(devices[0].get("name", "GPU")).removeprefix("NVIDIA ")
+    return f"{len(devices)}×{name} host ({cpus} vCPU)"
+
+
+def host_bound_label(record: dict) -> str:
+    """'1k colocated prefill X ms' of a run: its record's host_bound, "" when it has none."""
+    hb = record.get("host_bound")
+    return f"1k colocated prefill {hb['colocated_prefill_ms']:.1f} ms" if hb else ""
 
 
 def _with_host_bound(study: str, path: str, record: dict) -> dict:
     """`record` with its host-bound prefill rate: run.json's, or (older runs) what its study's analysis finds."""
-    module = _study(study)
-    if record.get("host_bound") is not None or module is None:
+    if record.get("host_bound") is not None:
         return record
     return {**record, "host_bound": analysis(path).fields.get("host_bound")}
 
@@ -143,10 +129,10 @@ def verdicts(prefix: str = "") -> str:
                                               getattr(r, "destination", "") or "", getattr(r, "layout", "") or "",
                                               getattr(r, "mode", "") or "",
                                               f"policy {r.policy}" if getattr(r, "policy", "") else "") if x)
-                host = report_legacy.host_label(record)
+                host = host_label(record)
                 if has_ctx and int(ctx) <= goals.HOST_BOUND_CONTEXT:
-                    host += "; " + report_legacy.host_bound_label(study, path, _with_host_bound(study, path, record)) \
-                        + " (host-bound: holds on this host)"
+                    host += "; " + host_bound_label(_with_host_bound(study, path, record)) + \
+                        " (host-bound: holds on this host)"
                 rows.append({"goal": r.goal, "run": run_link(path, prefix), "host": host, "where": where or "—",
                              "value [95 % interval] vs goal": r.value,
                              "verdict": f"**{r.verdict}**" if r.verdict != "met" else r.verdict})

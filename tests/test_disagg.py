@@ -484,7 +484,7 @@ def test_a_context_leaves_nothing_behind_for_the_next(layouts, tmp_path):
 
 def test_an_out_of_memory_in_the_decode_process_becomes_one_line_naming_the_request_and_step():
     from kvlab.disagg.memory import DecodeMemory, DecodeOutOfMemory
-    from kvlab.disagg.workers import DecodeWorker
+    from kvlab.disagg.decode import DecodeWorker
 
     w = object.__new__(DecodeWorker)
     w.mem = DecodeMemory(torch.device("cpu"))
@@ -519,7 +519,7 @@ def test_an_out_of_memory_in_the_decode_process_becomes_one_line_naming_the_requ
 
 
 def test_layer_lists_are_written_as_runs():
-    from kvlab.disagg.workers import _layers_text
+    from kvlab.disagg.decode import _layers_text
 
     assert _layers_text([3, 4, 5, 9]) == "3…5, 9"
     assert _layers_text([0]) == "0" and _layers_text([]) == "none" and _layers_text([1, 3]) == "1, 3"
@@ -811,7 +811,7 @@ def test_a_polled_nccl_receive_is_waited_for_until_the_host_deadline_then_refuse
 
 
 def test_checksum_table_reports_each_side_and_skips_what_was_not_checked():
-    from kvlab.disagg.report import checksum_table
+    from kvlab.studies.disagg.analysis import checksum_table
 
     f = pd.DataFrame({"checksum_send_ms": [1.0, 3.0, float("nan")], "checksum_send_bytes": [2e6, 2e6, float("nan")],
                       "checksum_recv_ms": [0.5, 2.0, 1.0], "checksum_recv_bytes": [1e6, 1e6, 0]})
@@ -954,7 +954,7 @@ def test_checksums_together_are_the_checksums_one_by_one():
 def test_a_bench_without_a_common_clock_is_tabulated_as_unknown():
     """Across two hosts the bench's times are NaN (no clock in common): the table says so instead of failing the
     run while it writes its results."""
-    from kvlab.disagg.report import bench_table
+    from kvlab.disagg.summary import bench_table
 
     nan = float("nan")
     rows = [{"layout": "contiguous", "context": 128, "kind": k, "sample": i, "ms": nan if k != "ceiling" else 1.0,

@@ -173,14 +173,21 @@ def test_the_disagg_goals_judge_their_own_rows_only():
     assert len(got[got.id == "disagg.identical"]) == 1
 
 
+def _fault_goal_rows(run_dir: Path) -> pd.DataFrame:
+    """What the fault goals read, from a run folder's summary.json and faults.csv."""
+    import json
+
+    from kvlab.studies.disagg.analysis import fault_goal_rows
+
+    return fault_goal_rows(json.loads((run_dir / "summary.json").read_text()), pd.read_csv(run_dir / "faults.csv"))
+
+
 def test_the_fault_campaigns_goals_from_their_committed_runs_and_from_a_bad_one(tmp_path):
     import json
 
-    from kvlab.disagg import report as dr
-
     for run, policy in (("20261130-190554-cpu", "fail"), ("20261130-190727-cpu", "retry"),
                         ("20261130-190910-cpu", "recompute")):
-        t = dr.fault_goal_table(DATA / "disagg" / run)
+        t = _fault_goal_rows(DATA / "disagg" / run)
         assert t.policy.tolist() == [policy]
         got = G.evaluate(G.for_study("faults"), t, keys=("policy",))
         assert got.verdict.tolist() == ["met"] * 4, got[["id", "value", "verdict"]]
@@ -188,7 +195,7 @@ def test_the_fault_campaigns_goals_from_their_committed_runs_and_from_a_bad_one(
     # prefill process to start
     for run, missed in (("20261130-231101-cpu", []), ("20261130-231342-cpu", ["faults.deadline"]),
                         ("20261130-231636-cpu", [])):
-        got = G.evaluate(G.for_study("faults"), dr.fault_goal_table(DATA / "disagg" / run), keys=("policy",))
+        got = G.evaluate(G.for_study("faults"), _fault_goal_rows(DATA / "disagg" / run), keys=("policy",))
         assert sorted(got.loc[got.verdict != "met", "id"]) == missed, got[["id", "value", "verdict"]]
     # a retry campaign where one fault was decoded from a partial cache, one was not recovered, and one decision
     # came 1.2 s after its only deadline: three goals missed, and the count of 3 faults misses too
@@ -197,6 +204,6 @@ def test_the_fault_campaigns_goals_from_their_committed_runs_and_from_a_bad_one(
     (bad / "summary.json").write_text(json.dumps({"policy": "retry", "faults_injected": 3, "decoded_from_partial": 1,
                                                   "refused": 1, "recovered": 2}))
     (bad / "faults.csv").write_text("recover_ms,attempts,fault_timeout_s\n900,1,1.0\n2200,1,1.0\n2500,2,1.0\n")
-    got = G.evaluate(G.for_study("faults"), dr.fault_goal_table(bad), keys=("policy",)).set_index("id")
+    got = G.evaluate(G.for_study("faults"), _fault_goal_rows(bad), keys=("policy",)).set_index("id")
     assert (got.verdict == "missed").all(), got[["value", "verdict"]]
     assert got.loc["faults.deadline", "value"].startswith("1,200.0 ms")

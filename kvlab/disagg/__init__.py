@@ -7,14 +7,17 @@
     kvlab.disagg.protocol          request ids, landed layers, the refusal to decode a partial cache, deadlines
     kvlab.disagg.endpoints         both ends of the data path: Source, Sink, a paged cache's rows
     kvlab.disagg.links             the data path per backend: ipc (CUDA IPC), nccl, gloo (nixl_link: NIXL)
-    kvlab.disagg.workers           the prefill worker and the decode worker
+    kvlab.disagg.workers           one worker process: entry (kvlab.disagg.prefill, .decode: the two workers;
+                                   .group: the control store, the process group, the host's clock)
+    kvlab.disagg.summary           summary.json: medians and checks per config, the bench, the campaign
 
 `kvlab disagg --help` shows the command; README's "Two processes" section the two-node form under torchrun.
 """
 
 from .backends import BACKENDS, Backend, backend
 from .config import LAYOUTS, MODES, DisaggConfig, check, from_params
-from .launch import DisaggError, run, summarise
+from .launch import DisaggError, run
+from .summary import summarise
 from .protocol import IncompleteCacheError, LandedLayers
 
 __all__ = ["DisaggConfig", "from_params", "run", "check", "backend", "Backend", "DisaggError", "IncompleteCacheError",

@@ -101,7 +101,7 @@ def _sink_checksums(sink, layers) -> dict[int, str]:
 
 
 def run_campaign(w, base: dict, sink, table, ref) -> list[dict]:
-    """The campaign on one (layout, context), by the decode worker `w` (kvlab.disagg.workers.DecodeWorker)."""
+    """The campaign on one (layout, context), by the decode worker `w` (kvlab.disagg.decode.DecodeWorker)."""
     from ..steps import decode
     from .protocol import IncompleteCacheError, LandedLayers
 

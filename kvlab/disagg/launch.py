@@ -11,20 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import signal
-import statistics
 import time
 from pathlib import Path
+
+import pandas as pd
 
 from .. import results
 from .backends import BACKENDS
 from .config import DECODE, DisaggConfig, check
 from .memory import DecodeOutOfMemory
+from .summary import build as summary_of
 from .workers import ROWS_FILE, entry
 
-__all__ = ["run", "DisaggError", "under_torchrun", "summarise", "gloo_interface"]
+__all__ = ["run", "DisaggError", "under_torchrun", "gloo_interface"]
 
 
 class DisaggError(RuntimeError):
@@ -116,8 +117,6 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True, r
     its folder is used and the caller finishes it. Raises ValueError for bad input (before anything is written)
     and DisaggError when a worker fails (the run folder then says it stopped; each worker's output is in
     <run>/worker-<role>.log)."""
-    from .. import results
-
     check(cfg)
     if under_torchrun():
         if cfg.faults and "kill" in cfg.fault_kinds:
@@ -330,8 +329,6 @@ def gloo_interface(master_addr: str, nnodes: int = 1) -> tuple[str | None, str]:
 
 
 def _torchrun(cfg: DisaggConfig, out, progress: bool) -> dict:
-    from .. import results
-
     rank, world = int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", "0"))
     if world != 2:
         raise ValueError(f"kvlab disagg under torchrun needs exactly 2 processes (decode = rank 0, prefill = rank 1), "
@@ -368,130 +365,18 @@ def _torchrun(cfg: DisaggConfig, out, progress: bool) -> dict:
         raise
 
 
-def summarise(rows: list[dict], cfg: DisaggConfig) -> list[dict]:
-    """Per (layout, mode, context): medians of the timed rounds and whether every check held."""
-    from ..timing import median_ci
-
-    groups: dict = {}
-    for r in rows:
-        if not r.get("warmup"):
-            groups.setdefault((r["layout"], r["mode"], r["context"]), []).append(r)
-    out = []
-    for (layout, mode, context), rs in sorted(groups.items()):
-        g = {"layout": layout, "mode": mode, "context": context, "n": len(rs)}
-        for col in ("prefill_ms", "ttft_ms", "exposed_ms", "step_ms", "send_host_ms", "read_ms"):
-            vals = [r[col] for r in rs if col in r and r[col] == r[col]]
-            if vals:
-                g[col] = statistics.median(vals)
-                lo, hi = median_ci(vals)
-                g[f"{col}_lo"], g[f"{col}_hi"] = lo, hi
-        if mode != "colocated":
-            for col in ("tokens_match", "logits_equal", "bytes_equal", "first_token_match"):
-                g[col] = all(r[col] for r in rs)
-            g["poison_left"] = sum(r["poison_left"] for r in rs)
-            g["bytes_moved"] = rs[0]["bytes_moved"]
-            g["kv_bytes"] = rs[0]["kv_bytes"]
-        out.append(g)
-    return out
-
-
-def _clean(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_clean(v) for v in x]
-    return x
-
-
 def _write(run_, cfg: DisaggConfig, seconds: float, launcher: dict | None = None, deaths: list | None = None) -> dict:
-    import pandas as pd
-
-    from .. import calculator
-    from .report import bench_table
-
+    """The run's tables (requests.csv, bench.csv, faults.csv) from what the decode worker handed over, and its
+    summary (kvlab.disagg.summary) as summary.json and run.json's `summary`."""
     path = Path(run_.dir, ROWS_FILE)
     got = json.loads(path.read_text())
-    rows = got["rows"]
-    run_.save_table(pd.DataFrame(rows), "requests")
+    run_.save_table(pd.DataFrame(got["rows"]), "requests")
     if got["bench"]:
         run_.save_table(pd.DataFrame(got["bench"]), "bench")
     path.unlink()
-    moved = [r for r in rows if r["mode"] != "colocated"]
-    spec = cfg.spec()
-    pre, dec = cfg.devices()
-    summary = {
-        "backend": cfg.backend,
-        "in_order": bool(got.get("in_order")),  # the decode side's link matched receives in posting order
-        "processes": 2,
-        "launcher": launcher or {"kind": "subprocess"},
-        "prefill_kills": deaths or [],  # kill faults: each dead prefill process (generation, pid, request, layer)
-        "pids": {"decode": got["pid"], "prefill": got["peer_pid"]},
-        "host": got["host"],
-        "model": cfg.model,
-        "context": cfg.contexts[0],
-        "contexts": list(cfg.contexts),
-        "kv_dtype": cfg.kv_dtype,
-        "modes": list(cfg.modes),
-        "layouts": list(cfg.layouts),
-        "prefill_device": pre,
-        "decode_device": dec,
-        "bytes_moved": next((r["bytes_moved"] for r in moved if r["layout"] == "contiguous"
-                             and r["context"] == cfg.contexts[0]), moved[0]["bytes_moved"] if moved else 0),
-        "kv_cache_bytes": calculator.kv_cache_bytes(spec, cfg.contexts[0], cfg.kv_dtype),
-        "requests": len(moved),
-        "tokens_match": all(r["tokens_match"] for r in moved),
-        "logits_equal": all(r["logits_equal"] for r in moved),
-        "bytes_equal": all(r["bytes_equal"] for r in moved),
-        "poison_left": sum(r["poison_left"] for r in moved),
-        "seconds": round(seconds, 3),
-        "configs": summarise(rows, cfg),
-    }
-    if got.get("memory"):  # GPU: the decode process's memory by phase (kvlab.disagg.memory)
-        summary["decode_memory"] = got["memory"]
-    if got["bench"]:
-        summary["bench"] = bench_table(pd.DataFrame(got["bench"])).to_dict("records")
-    if got.get("tuned"):
-        summary["tuned_kernels"] = got["tuned"]
-    if cfg.backend == "nixl":
-        summary["nixl"] = _nixl_summary(run_.dir, cfg, launcher)
+    summary = summary_of(got, cfg, seconds, run_.dir, launcher, deaths)
     if got.get("faults"):
-        summary.update(fault_summary(got["faults"], cfg))
         run_.save_table(pd.DataFrame(got["faults"]), "faults")
-    summary = _clean(summary)
     Path(run_.dir, "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     run_.update(summary={k: v for k, v in summary.items() if k not in ("configs", "bench")})
     return summary
-
-
-def _nixl_summary(run_dir, cfg: DisaggConfig, launcher: dict | None) -> dict:
-    """NIXL's version, the descriptor option and the transports UCX chose for the prefill agent's writes (from
-    UCX_PROTO_INFO in the prefill worker's log; under torchrun the logs are torchrun's: not read)."""
-    from ..paged.nixl import nixl_version
-    from .nixl_link import cache_transports, ucx_transports
-
-    found = ucx_transports(Path(run_dir, "worker-prefill.log")) if not launcher else []
-    used = cache_transports(found, *cfg.devices())  # the cache's memory pair only (ucx_writes keeps every table)
-    return {"version": nixl_version(), "descs": cfg.nixl_descs, "operation": "WRITE", "agents": 2,
-            "ucx_writes": found, "ucx_transports": used or "unknown (no UCX_PROTO_INFO report in the prefill log)",
-            "tcp_fallback": any(t.startswith("tcp/") for t in used) if used else None}
-
-
-def fault_summary(rows: list[dict], cfg: DisaggConfig) -> dict:
-    """The campaign in numbers: faults injected, how each was detected and what came of it. decoded_from_partial
-    counts decodes whose cache was not the reference's bytes (the number that must be 0); recovered counts
-    decodes after a fault that matched the colocated decode exactly; refused, requests not decoded."""
-    decoded = [r for r in rows if r["decoded"]]
-    by = {}
-    for r in rows:
-        by.setdefault(r["kind"], {}).setdefault(r["outcome"], 0)
-        by[r["kind"]][r["outcome"]] += 1
-    return {"faults_injected": len(rows), "policy": cfg.policy, "fault_timeout_s": cfg.fault_timeout_s,
-            "decoded_from_partial": sum(1 for r in decoded if not r["bytes_equal"]),
-            "recovered": sum(1 for r in decoded if r["outcome"] != "delivered" and r["tokens_match"]
-                             and r["logits_equal"]),
-            "refused": sum(1 for r in rows if r["outcome"] == "refused"),
-            "undetected": sum(1 for r in rows if r["detected_by"] == "not detected"),
-            "slowest_decision_ms": max(r["recover_ms"] for r in rows),
-            "outcomes_by_kind": by}

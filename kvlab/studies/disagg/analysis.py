@@ -1,41 +1,38 @@
-"""The analysis of a `kvlab disagg` run, from the tables it wrote (requests.csv, bench.csv): what crossing a
-process boundary adds to the decode side's time to first token, the bulk send beside its in-process ceiling,
-and the inputs of the goals (kvlab.goals, study "disagg"). Nothing here measures.
+"""The analysis of a `kvlab disagg` run, from the tables it wrote (requests.csv, bench.csv, faults.csv) and its
+summary (run.json's `summary`, as summary.json holds it): what crossing a process boundary adds to the decode
+side's time to first token, the bulk send beside its in-process ceiling, the fault campaign, and the inputs of the
+goals (kvlab.goals, studies "disagg" and "faults"). Pure: nothing here measures or reads a file.
 
-    load(run_dir)        → (requests, bench | None, summary dict)
-    ttft_extra(requests) → per (layout, mode, context): paired per-round TTFT − colocated TTFT, median, 95 % interval
-    goal_table(run_dir)  → one row per (layout, mode, context) with what the goals read
-    plot(run_dir)        → the figure: TTFT over colocated (left), the bulk send against its ceiling (right)
-    nixl_table(requests) → a nixl run: descriptors, transfers and posting time per (layout, mode, context)
+    ttft_extra(requests)                  → per (layout, mode, context): paired per-round TTFT − colocated TTFT,
+                                            median, 95 % interval
+    goal_rows(requests, bench, summary)   → one row per (layout, mode, context) with what the disagg goals read
+    fault_goal_rows(summary, faults)      → one row per campaign with what the fault goals read
+    nixl_table(requests)                  → a nixl run: descriptors, transfers and posting time per config
+    fault_table(faults), checksum_table(faults) → the campaign by policy and kind; what its checksums cost
+    plot(requests, bench, summary)        → TTFT over colocated (left), the bulk send against its ceiling (right)
+    plot_faults(faults)                   → time to refuse or recover, by fault kind and policy
+
+bench_table (the send against its ceiling) is the library's (kvlab.disagg.summary): summary.json holds it too.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import statistics
-from pathlib import Path
 
 import pandas as pd
 
-__all__ = ["load", "ttft_extra", "goal_table", "bench_table", "plot", "fault_table", "plot_faults", "nixl_table",
-           "checksum_table"]
+from ... import plots
+from ...disagg.summary import bench_table
+from ...timing import median_ci
 
-
-def load(run_dir) -> tuple[pd.DataFrame, pd.DataFrame | None, dict]:
-    d = Path(run_dir)
-    req = pd.read_csv(d / "requests.csv")
-    bench = pd.read_csv(d / "bench.csv") if (d / "bench.csv").is_file() else None
-    summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else {}
-    return req, bench, summary
+__all__ = ["ttft_extra", "goal_rows", "fault_goal_rows", "bench_table", "plot", "fault_table", "plot_faults",
+           "nixl_table", "checksum_table"]
 
 
 def ttft_extra(req: pd.DataFrame) -> pd.DataFrame:
     """Each mode's TTFT minus the colocated TTFT of the same round (the two ran back to back, in rotated order),
     per (layout, mode, context): median, 95 % interval of the median, n. Also the medians of exposed and
     prefill, with their intervals."""
-    from ..timing import median_ci
-
     timed = req[~req["warmup"].astype(bool)]
     rows = []
     for (layout, context), g in timed.groupby(["layout", "context"]):
@@ -55,40 +52,10 @@ def ttft_extra(req: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def bench_table(bench: pd.DataFrame) -> pd.DataFrame:
-    """Per (layout, context): the send alone (tuned kernel for a paged cache) against a plain copy of the same
-    bytes in the prefill process, with the ratio's 95 % interval (timing.ratio_ci resamples both), and one layer's
-    send time."""
-    from ..timing import ratio_ci
-
-    rows = []
-    for (layout, context), g in bench.groupby(["layout", "context"]):
-        send = g[g["kind"] == "send"]["ms"].tolist()
-        ceil = g[g["kind"] == "ceiling"]["ms"].tolist()
-        nbytes = int(g[g["kind"] == "send"]["bytes"].iloc[0])
-        finite = all(math.isfinite(x) for x in send + ceil)
-        # two hosts have no clock in common: their bench's times are NaN, and so is every ratio of them
-        lo, hi = ratio_ci(ceil, send) if finite else (float("nan"), float("nan"))
-        row = {"layout": layout, "context": int(context), "n": len(send), "bytes": nbytes,
-               "send_ms": statistics.median(send), "ceiling_ms": statistics.median(ceil),
-               "send_gbps": nbytes / statistics.median(send) / 1e6,
-               "ceiling_gbps": nbytes / statistics.median(ceil) / 1e6,
-               "pct_of_ceiling": 100 * statistics.median(ceil) / statistics.median(send),
-               "pct_lo": 100 * lo, "pct_hi": 100 * hi,
-               "layer_ms": statistics.median(g[g["kind"] == "layer"]["ms"].tolist()),
-               "kernel": g[g["kind"] == "send"]["kernel"].iloc[0]}
-        d = g[g["kind"] == "send_default"]["ms"].tolist()
-        if d:
-            row["send_default_ms"] = statistics.median(d)
-            row["pct_default_of_ceiling"] = 100 * statistics.median(ceil) / statistics.median(d)
-        rows.append(row)
-    return pd.DataFrame(rows)
-
-
-def goal_table(run_dir) -> pd.DataFrame:
+def goal_rows(req: pd.DataFrame, bench: pd.DataFrame | None, summary: dict) -> pd.DataFrame:
     """What the disagg goals read, one row per (layout, mode, context): ttft_extra's columns, the run's backend
-    and devices, and — where the run has a bench — the send's % of its ceiling and one layer's send time."""
-    req, bench, summary = load(run_dir)
+    and devices, and — where the run has a bench — the send's % of its ceiling and one layer's send time.
+    `req`: requests.csv; `bench`: bench.csv or None; `summary`: the run's summary ({} when it has none)."""
     t = ttft_extra(req)
     # every request the run decoded counts, warm-up rounds included
     moved = req[req["mode"] != "colocated"]
@@ -105,12 +72,10 @@ def goal_table(run_dir) -> pd.DataFrame:
     return t
 
 
-def fault_goal_table(run_dir) -> pd.DataFrame:
+def fault_goal_rows(summary: dict, f: pd.DataFrame) -> pd.DataFrame:
     """What the fault goals read, one row per campaign run: faults injected, decodes from a partial cache, faults
-    not handled under the run's policy, and the slowest decision's excess over one deadline per attempt."""
-    d = Path(run_dir)
-    summary = json.loads((d / "summary.json").read_text())
-    f = pd.read_csv(d / "faults.csv")
+    not handled under the run's policy, and the slowest decision's excess over one deadline per attempt (ms).
+    `summary`: the run's summary; `f`: faults.csv."""
     handled = summary["refused"] if summary["policy"] == "fail" else summary["recovered"]
     over = (f["recover_ms"] - f["attempts"] * f["fault_timeout_s"] * 1e3).max()
     return pd.DataFrame([{"policy": summary["policy"], "faults_injected": summary["faults_injected"],
@@ -118,16 +83,13 @@ def fault_goal_table(run_dir) -> pd.DataFrame:
                           "unhandled": summary["faults_injected"] - handled, "over_deadline_ms": float(over)}])
 
 
-def plot(run_dir, title: str = ""):
+def plot(req: pd.DataFrame, bench: pd.DataFrame | None, summary: dict, title: str = ""):
     """Left: what each mode adds to the decode side's TTFT over colocated, by context (paired rounds, median and
     95 % interval), per layout. Right (a run with a bench): the bulk send's GB/s beside its ceiling (a plain copy
-    of the same bytes in the prefill process)."""
+    of the same bytes in the prefill process). Arguments as goal_rows'."""
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from .. import plots
-
-    req, bench, summary = load(run_dir)
     t = ttft_extra(req)
     layouts = list(dict.fromkeys(t["layout"]))
     contexts = sorted(t["context"].unique())
@@ -243,8 +205,6 @@ def plot_faults(faults: pd.DataFrame, title: str = ""):
     kind (x) and policy (colour); the deadline drawn for reference."""
     import matplotlib.pyplot as plt
     import numpy as np
-
-    from .. import plots
 
     kinds = list(dict.fromkeys(faults["kind"]))
     policies = list(dict.fromkeys(faults["policy"]))
