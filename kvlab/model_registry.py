@@ -5,9 +5,11 @@ states. Pure data; kvlab.models turns an entry into a ModelSpec through the same
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["REGISTRY", "HF_CONFIG_URL"]
+__all__ = ["REGISTRY", "HF_CONFIG_URL", "norm_name", "alias_table", "names", "aliases", "registry_source"]
 
 # Each entry is the published config.json of the model (fields that do not change the model's shape, such as
 # token ids, are kept as published so the dict can rebuild the model; DeepSeek-V3's fp8
@@ -319,3 +321,49 @@ REGISTRY: dict[str, dict[str, Any]] = {
         "aliases": ["tiny"],
     },
 }
+
+
+# ---- access by name ---------------------------------------------------------------------------
+
+
+def norm_name(name: str) -> str:
+    """Lower-case, drop an ``org/`` prefix, and unify separators so aliases match loosely."""
+    n = name.strip().lower()
+    if "/" in n:
+        n = n.rsplit("/", 1)[1]
+    return re.sub(r"[\s_]+", "-", n)
+
+
+def alias_table() -> dict[str, str]:
+    """Every accepted spelling (normalised) → registry name: names, repo ids and aliases."""
+    table: dict[str, str] = {}
+    for key, entry in REGISTRY.items():
+        table[norm_name(key)] = key
+        if entry.get("repo"):
+            table[norm_name(entry["repo"])] = key
+        for alias in entry.get("aliases", ()):
+            table[norm_name(alias)] = key
+    return table
+
+
+def names() -> list[str]:
+    """Registry names, in the order they are defined (the order tables use)."""
+    return list(REGISTRY)
+
+
+def aliases() -> dict[str, str]:
+    """Every accepted spelling (normalised) → registry name."""
+    return alias_table()
+
+
+def registry_source(key: str, entry: Mapping[str, Any]) -> str:
+    """Where a registry entry's numbers come from, as a ModelSpec's `source` says it."""
+    where = HF_CONFIG_URL.format(entry["repo"]) if entry.get("repo") else "kvlab built-in test config"
+    pub = entry.get("published") or {}
+    parts = [f"config: {where}", "params: computed from the config"]
+    if "params" in pub:
+        note = f"published {pub['params'] / 1e9:g}B"
+        if "active_params" in pub:
+            note += f", {pub['active_params'] / 1e9:g}B active"
+        parts[-1] += f" ({note})"
+    return "; ".join(parts)

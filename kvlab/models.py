@@ -18,16 +18,15 @@ from __future__ import annotations
 import copy
 import json
 import math
-import reprlib
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .model_names import unknown_model
-from .model_registry import HF_CONFIG_URL, REGISTRY
+from .model_config import FIELD_NAMES, first, param_count, refuse_hybrid, sliding, with_layer_types
+from .model_registry import REGISTRY, alias_table, aliases, names, norm_name, registry_source
 
 __all__ = [
     "ModelSpec",
@@ -204,47 +203,6 @@ class ModelSpec:
         }
 
 
-def _norm_name(name: str) -> str:
-    """Lower-case, drop an ``org/`` prefix, and unify separators so aliases match loosely."""
-    n = name.strip().lower()
-    if "/" in n:
-        n = n.rsplit("/", 1)[1]
-    return re.sub(r"[\s_]+", "-", n)
-
-
-def _alias_table() -> dict[str, str]:
-    table: dict[str, str] = {}
-    for key, entry in REGISTRY.items():
-        table[_norm_name(key)] = key
-        if entry.get("repo"):
-            table[_norm_name(entry["repo"])] = key
-        for alias in entry.get("aliases", ()):
-            table[_norm_name(alias)] = key
-    return table
-
-
-def names() -> list[str]:
-    """Registry names, in the order they are defined (the order tables use)."""
-    return list(REGISTRY)
-
-
-def aliases() -> dict[str, str]:
-    """Every accepted spelling (normalised) → registry name."""
-    return _alias_table()
-
-
-def _registry_source(key: str, entry: Mapping[str, Any]) -> str:
-    where = HF_CONFIG_URL.format(entry["repo"]) if entry.get("repo") else "kvlab built-in test config"
-    pub = entry.get("published") or {}
-    parts = [f"config: {where}", "params: computed from the config"]
-    if "params" in pub:
-        note = f"published {pub['params'] / 1e9:g}B"
-        if "active_params" in pub:
-            note += f", {pub['active_params'] / 1e9:g}B active"
-        parts[-1] += f" ({note})"
-    return "; ".join(parts)
-
-
 def get(name: str) -> ModelSpec:
     """The spec of a registry model, by name, case-insensitively.
 
@@ -256,32 +214,19 @@ def get(name: str) -> ModelSpec:
         return name
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"model name {name!r}: expected a non-empty string; known: {names()}")
-    key = _alias_table().get(_norm_name(name))
+    key = alias_table().get(norm_name(name))
     if key is None:  # a hint only for the same model spelled another way (kvlab.model_names)
-        raise ValueError(unknown_model(name, _norm_name(name), _alias_table(), names())
+        raise ValueError(unknown_model(name, norm_name(name), alias_table(), names())
                          + " (or pass a config.json path to models.from_hf_config)")
     entry = REGISTRY[key]
     # A fresh deep copy each time, so a caller editing spec.hf_config cannot change the registry.
     return from_hf_config(copy.deepcopy(entry["config"]), name=key,
-                          source=_registry_source(key, entry))
+                          source=registry_source(key, entry))
 
 
 # ---- from_hf_config ---------------------------------------------------------------------------
 
 # Some model families spell the same quantity differently; the first name present wins.
-_FIELD_NAMES: dict[str, tuple[str, ...]] = {
-    "layers": ("num_hidden_layers", "n_layer", "num_layers"),
-    "hidden_size": ("hidden_size", "n_embd", "d_model"),
-    "heads": ("num_attention_heads", "n_head", "num_heads"),
-    "vocab_size": ("vocab_size",),
-}
-
-
-def _first(cfg: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
-    for k in keys:
-        if cfg.get(k) is not None:
-            return cfg[k]
-    return None
 
 
 _MAX_CONFIG_BYTES = 16 << 20  # a config.json is kilobytes; more is not a config
@@ -321,237 +266,6 @@ def _to_dict(x: Any) -> tuple[dict[str, Any], str]:
                      "PretrainedConfig, a dict, a path to config.json, or a directory holding one")
 
 
-def _refuse_hybrid(cfg: Mapping[str, Any]) -> None:
-    """Jamba-style configs name their attention layers by period and offset; the others are Mamba layers."""
-    if cfg.get("attn_layer_period") is not None or cfg.get("attn_layer_offset") is not None:
-        raise ValueError(f"{cfg.get('model_type', 'this')} config has attn_layer_period/attn_layer_offset: a hybrid "
-                         "model whose other layers keep no KV cache; kvlab would count them all and overstate the "
-                         "cache, so hybrid models are refused until they are modelled")
-
-
-# Keys by which a config.json says which layers attend (and so keep a KV cache) without listing layer_types:
-# sliding-window patterns (Gemma 3, Cohere 2, EXAONE 4), full-attention intervals (Qwen3-Next), and the hybrids'
-# own markers (Jamba, Zamba2, Nemotron-H, RecurrentGemma, Bamba).
-_PATTERN_KEYS = ("sliding_window_pattern", "full_attention_interval", "attn_layer_period", "attn_layer_offset",
-                 "layers_block_type", "hybrid_override_pattern", "block_types", "attn_layer_indices")
-
-# Model types whose layer kinds kvlab reads from the config's own fields exactly as transformers does (_sliding);
-# any other type without layer_types asks transformers which layers are which.
-_NATIVE_LAYER_KINDS = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
-                                 "gemma", "gemma2", "deepseek_v2", "deepseek_v3"})
-
-
-def _with_layer_types(cfg: dict, where: str) -> dict:
-    """`cfg` with layer_types, derived as transformers derives them when config.json leaves them out (Gemma 3's
-    sliding_window_pattern, Qwen3-Next's full_attention_interval, defaults included). A config that marks its layer
-    kinds in a way neither kvlab nor transformers can read is refused: counting every layer as attention would
-    misstate its cache."""
-    if cfg.get("layer_types") is not None:
-        return cfg
-    marked = [k for k in _PATTERN_KEYS if cfg.get(k) is not None]
-    kind = cfg.get("model_type")
-    if kind in _NATIVE_LAYER_KINDS and not marked:
-        return cfg
-    derived = _transformers_layer_types(cfg)
-    if derived is not None:
-        return {**cfg, "layer_types": derived}
-    if marked:
-        raise ValueError(f"model config ({where}): {', '.join(marked)} mark which layers attend, and transformers does "
-                         f"not derive layer_types for model_type {kind!r}: a hybrid or patterned model whose other "
-                         "layers keep a different cache or none; give layer_types (hybrid models are refused until "
-                         "they are modelled)")
-    return cfg
-
-
-def _transformers_layer_types(cfg: Mapping[str, Any]) -> list | None:
-    """The layer_types transformers' own config class gives this config (None: it knows no such model type, cannot
-    build the config, or derives none)."""
-    import logging
-    import warnings
-
-    try:
-        from transformers import AutoConfig
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        return None
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            conf = AutoConfig.for_model(str(cfg.get("model_type")),
-                                        **{k: v for k, v in cfg.items() if k != "model_type"})
-    except Exception:  # an unknown model type, or values its config class rejects: kvlab's own rules apply
-        return None
-    finally:
-        hf_logging.set_verbosity(level)
-    types = getattr(conf, "layer_types", None)
-    return [str(t) for t in types] if isinstance(types, (list, tuple)) else None
-
-
-def _sliding(cfg: Mapping[str, Any], layers: int) -> tuple[int | None, tuple[int, ...]]:
-    """Which layers use a sliding window, and its length (tokens).
-
-    Precedence, matching how transformers reads the same configs:
-      1. ``layer_types``: layers marked ``"sliding_attention"``;
-      2. Gemma-2 (no layer_types): even-indexed layers (0, 2, …) are sliding;
-      3. Qwen2 semantics (``use_sliding_window`` present): only when it is true, layers with
-         index ≥ ``max_window_layers`` slide;
-      4. otherwise a non-null ``sliding_window`` applies to every layer (Mistral v0.1).
-    """
-    window = cfg.get("sliding_window")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, (int, float))
-                               or not math.isfinite(window) or window < 0 or int(window) != window):
-        raise ValueError(f"sliding_window = {window!r}: a window is a whole number of tokens ≥ 0 (0 or null: none)")
-    layer_types = cfg.get("layer_types")
-    if layer_types is not None:
-        if not isinstance(layer_types, (list, tuple)) or not all(isinstance(t, str) for t in layer_types):
-            raise ValueError(f"layer_types = {reprlib.repr(layer_types)}: give a list of layer kinds such as "
-                             "'full_attention', one per layer")
-        if len(layer_types) != layers:
-            raise ValueError(f"layer_types has {len(layer_types)} entries for {layers} layers")
-        other = sorted({str(t) for t in layer_types} - {"full_attention", "sliding_attention"})
-        hybrid = [t for t in other if any(k in t for k in ("linear", "mamba", "conv", "recurrent", "ssm"))]
-        if hybrid:
-            raise ValueError(f"layer_types holds {hybrid} layers: a hybrid model (linear-attention or state-space "
-                             "layers keep no KV cache); kvlab counts every layer as an attention layer and would "
-                             "overstate this cache, so hybrid models are refused until they are modelled")
-        if other:
-            raise ValueError(f"layer_types holds {other} layers; kvlab models full and sliding attention only, and "
-                             "would misstate this cache")
-        idx = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
-        if idx and not window:
-            raise ValueError("layer_types marks sliding_attention layers but sliding_window is "
-                             f"{window!r}")
-        return (int(window) if idx else None), idx
-    if not window:
-        return None, ()
-    if cfg.get("model_type") == "gemma2":
-        return int(window), tuple(range(0, layers, 2))
-    if "use_sliding_window" in cfg:
-        if not cfg["use_sliding_window"]:
-            return None, ()
-        first = cfg.get("max_window_layers", 0) or 0
-        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
-            raise ValueError(f"max_window_layers = {first!r}: give a whole number of layers ≥ 0")
-        idx = tuple(range(first, layers))
-        return (int(window) if idx else None), idx
-    return int(window), tuple(range(layers))
-
-
-def _gated_mlp(hidden: int, inter: int, bias: bool = False) -> int:
-    """gate, up (hidden→inter) and down (inter→hidden) projections of a SwiGLU/GeGLU MLP."""
-    return 3 * hidden * inter + (2 * inter + hidden if bias else 0)
-
-
-# Config classes disagree on whether lm_head shares the embedding matrix when config.json does
-# not say: Gemma ties it, the Llama/Qwen2/Mistral/DeepSeek families do not.
-_TIED_BY_DEFAULT = {"gemma": True, "gemma2": True, "gemma3": True, "gemma3_text": True,
-                    "llama": False, "qwen2": False, "qwen2_moe": False, "qwen3": False,
-                    "mistral": False, "mixtral": False, "deepseek_v2": False,
-                    "deepseek_v3": False}
-
-
-def _tied(cfg: Mapping[str, Any]) -> bool:
-    """Whether lm_head reuses the embedding weights (missing key → the config class default)."""
-    if cfg.get("tie_word_embeddings") is not None:
-        return bool(cfg["tie_word_embeddings"])
-    mt = cfg.get("model_type", "")
-    if mt in _TIED_BY_DEFAULT:
-        return _TIED_BY_DEFAULT[mt]
-    try:  # an architecture kvlab does not know: ask transformers for its class default
-        from transformers import AutoConfig
-
-        return bool(AutoConfig.for_model(mt).tie_word_embeddings)
-    except Exception:  # noqa: BLE001 - unknown to transformers too; untied is the common case
-        return False
-
-
-def param_count(cfg: Mapping[str, Any]) -> tuple[int, int]:
-    """(total, active) parameter counts computed from a config dict, as transformers builds it.
-
-    Counted: token embeddings; per layer the attention projections (with biases where the
-    architecture has them: Qwen2's q/k/v, ``attention_bias``), the MLP (a gated MLP — every
-    registry architecture uses one), MoE routers and experts (Mixtral ``num_local_experts``;
-    DeepSeek ``n_routed_experts`` + ``n_shared_experts``, dense for the first
-    ``first_k_dense_replace`` layers), RMSNorm weights (2 per layer, 4 for Gemma-2); the final
-    norm; ``lm_head`` unless tied (``tie_word_embeddings``, or the config class's default when
-    config.json leaves it out: Gemma ties). Not counted: buffers (rotary tables,
-    DeepSeek's router score-correction bias) and DeepSeek's multi-token-prediction module.
-
-    Active = total minus the routed experts a token does not visit (``experts - top_k`` per MoE
-    layer), so for dense models active == total.
-    """
-    d = dict(cfg)
-    mt = d.get("model_type", "")
-    hidden = int(_first(d, _FIELD_NAMES["hidden_size"]))
-    layers = int(_first(d, _FIELD_NAMES["layers"]))
-    heads = int(_first(d, _FIELD_NAMES["heads"]))
-    kv = int(d.get("num_key_value_heads") or heads)
-    vocab = int(d["vocab_size"])
-    inter = int(d.get("intermediate_size") or 0)
-
-    # Attention.
-    if d.get("kv_lora_rank") is not None:
-        q_rank = d.get("q_lora_rank")
-        nope, rope = int(d["qk_nope_head_dim"]), int(d["qk_rope_head_dim"])
-        v_dim, kv_rank = int(d["v_head_dim"]), int(d["kv_lora_rank"])
-        ab = bool(d.get("attention_bias", False))
-        qk = nope + rope
-        if q_rank:
-            attn = hidden * q_rank + (q_rank if ab else 0) + q_rank + q_rank * heads * qk
-        else:
-            attn = hidden * heads * qk
-        attn += hidden * (kv_rank + rope) + ((kv_rank + rope) if ab else 0)  # kv_a_proj_with_mqa
-        attn += kv_rank  # kv_a_layernorm
-        attn += kv_rank * heads * (nope + v_dim)  # kv_b_proj
-        attn += heads * v_dim * hidden + (hidden if ab else 0)  # o_proj
-    else:
-        hd = int(d.get("head_dim") or hidden // heads)
-        q_out, kv_out = heads * hd, kv * hd
-        attn = hidden * q_out + 2 * hidden * kv_out + q_out * hidden
-        if mt == "qwen2":
-            attn += q_out + 2 * kv_out  # q/k/v carry a bias, o_proj does not
-        elif d.get("attention_bias"):
-            attn += q_out + 2 * kv_out + hidden
-
-    # Feed-forward, per layer: (total, active).
-    mlp_bias = bool(d.get("mlp_bias", False))
-    ffn_total: list[int] = []
-    ffn_active: list[int] = []
-    if mt == "mixtral" or d.get("num_local_experts"):
-        # MixtralConfig's defaults (8 experts, top-2) apply when config.json leaves them out.
-        e = int(d.get("num_local_experts") or 8)
-        k = int(d.get("num_experts_per_tok") or 2)
-        expert = _gated_mlp(hidden, inter)
-        for _ in range(layers):
-            ffn_total.append(e * expert + e * hidden)  # experts + router (no bias)
-            ffn_active.append(k * expert + e * hidden)
-    elif d.get("n_routed_experts"):
-        e, k = int(d["n_routed_experts"]), int(d.get("num_experts_per_tok") or 0)
-        shared = int(d.get("n_shared_experts") or 0)
-        moe_inter = int(d["moe_intermediate_size"])
-        first_dense = int(d.get("first_k_dense_replace") or 0)
-        expert = _gated_mlp(hidden, moe_inter)
-        for i in range(layers):
-            if i < first_dense:
-                ffn_total.append(_gated_mlp(hidden, inter))
-                ffn_active.append(ffn_total[-1])
-            else:
-                common = _gated_mlp(hidden, moe_inter * shared) + e * hidden  # shared + router
-                ffn_total.append(common + e * expert)
-                ffn_active.append(common + k * expert)
-    else:
-        ffn_total = [_gated_mlp(hidden, inter, mlp_bias)] * layers
-        ffn_active = ffn_total
-
-    norms = (4 if mt in ("gemma2", "gemma3", "gemma3_text") else 2) * hidden
-    embed = vocab * hidden
-    head = 0 if _tied(d) else vocab * hidden
-    fixed = embed + head + hidden + layers * (attn + norms)
-    return fixed + sum(ffn_total), fixed + sum(ffn_active)
-
-
 def from_hf_config(x: Any, *, name: str | None = None, source: str | None = None,
                    params: int | None = None, active_params: int | None = None) -> ModelSpec:
     """A :class:`ModelSpec` from a Hugging Face config.
@@ -568,14 +282,14 @@ def from_hf_config(x: Any, *, name: str | None = None, source: str | None = None
     Derived where configs leave it implicit: ``head_dim = hidden_size // heads`` (unless given);
     ``kv_heads = heads`` when ``num_key_value_heads`` is absent; attention kind (``mla`` when
     ``kv_lora_rank`` is present or the model_type is a DeepSeek-V2/V3 one, else ``mha``/``mqa``/``gqa`` from KV vs query heads); sliding layers
-    (see ``_sliding``). Missing required fields → ValueError naming them.
+    (see ``sliding``). Missing required fields → ValueError naming them.
     """
     cfg, where = _to_dict(x)
-    if _first(cfg, _FIELD_NAMES["layers"]) is None and isinstance(cfg.get("text_config"), Mapping):
+    if first(cfg, FIELD_NAMES["layers"]) is None and isinstance(cfg.get("text_config"), Mapping):
         cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type",
                                                                          cfg.get("model_type"))}
 
-    missing = [keys[0] for keys in _FIELD_NAMES.values() if _first(cfg, keys) is None]
+    missing = [keys[0] for keys in FIELD_NAMES.values() if first(cfg, keys) is None]
     # MLA by the field's presence (a 0 is then refused as a width, not read as "no MLA") or by a family
     # that always uses it (its missing latent width is then named, not silently counted as GQA)
     mla = cfg.get("kv_lora_rank") is not None or cfg.get("model_type") in MLA_MODEL_TYPES
@@ -602,15 +316,15 @@ def from_hf_config(x: Any, *, name: str | None = None, source: str | None = None
 
     def as_int(key_or_keys: str | tuple[str, ...]) -> int:
         keys = (key_or_keys,) if isinstance(key_or_keys, str) else key_or_keys
-        v = _first(cfg, keys)
+        v = first(cfg, keys)
         if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or int(v) != v
                 or v < 1):
             raise ValueError(f"model config ({where}): {keys[0]}={v!r} must be a positive integer")
         return int(v)
 
-    layers = as_int(_FIELD_NAMES["layers"])
-    hidden = as_int(_FIELD_NAMES["hidden_size"])
-    heads = as_int(_FIELD_NAMES["heads"])
+    layers = as_int(FIELD_NAMES["layers"])
+    hidden = as_int(FIELD_NAMES["hidden_size"])
+    heads = as_int(FIELD_NAMES["heads"])
     vocab = as_int("vocab_size")
     kv_heads = (as_int("num_key_value_heads") if cfg.get("num_key_value_heads") is not None
                 else heads)
@@ -635,9 +349,9 @@ def from_hf_config(x: Any, *, name: str | None = None, source: str | None = None
         attention = "mha" if kv_heads == heads else ("mqa" if kv_heads == 1 else "gqa")
         kv_lora_rank = rope_dim = None
 
-    _refuse_hybrid(cfg)
+    refuse_hybrid(cfg)
     inter = as_int("intermediate_size" if cfg.get("intermediate_size") is not None else "moe_intermediate_size")
-    window, sliding_layers = _sliding(_with_layer_types(cfg, where), layers)
+    window, sliding_layers = sliding(with_layer_types(cfg, where), layers)
     total, active = param_count(cfg)
     how = "params: computed from the config"
     if params is not None:
@@ -648,7 +362,7 @@ def from_hf_config(x: Any, *, name: str | None = None, source: str | None = None
         active = int(active_params)
 
     max_pos = (as_int(("max_position_embeddings", "n_positions"))
-               if _first(cfg, ("max_position_embeddings", "n_positions")) is not None else None)
+               if first(cfg, ("max_position_embeddings", "n_positions")) is not None else None)
     spec_name = name or cfg.get("_name_or_path") or cfg["model_type"]
     return ModelSpec(
         name=spec_name,
@@ -832,11 +546,11 @@ def model_ref(value, what: str = "model") -> str:
     p = Path(name).expanduser()
     if p.is_file() or (p.is_dir() and (p / "config.json").is_file()):
         return name
-    if _alias_table().get(_norm_name(name)) is not None:
+    if alias_table().get(norm_name(name)) is not None:
         return name
     if os.sep in name or name.endswith(".json"):
         raise ValueError(f"{what} = {name!r}: no such file, not a folder with a config.json, and not a registry name")
-    raise ValueError(unknown_model(name, _norm_name(name), _alias_table(), names())
+    raise ValueError(unknown_model(name, norm_name(name), alias_table(), names())
                      + " (or give a config.json path or a model folder)")
 
 
