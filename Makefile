@@ -44,9 +44,14 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) )"$(TORCH)"
 	$(BIN)/python -m pip install -e '.[dev]'
-	# notebooks stay committed without outputs: nbstripout as this clone's git filter (.gitattributes names it), so
-	# saving a notebook in JupyterLab and committing it keeps outputs out of git
-	if git rev-parse --git-dir >/dev/null 2>&1; then $(BIN)/nbstripout --install; fi
+	# notebooks stay committed without outputs: nbstripout as this clone's git filter, so saving a notebook in
+	# JupyterLab and committing it keeps outputs out of git. Only the filter is configured here; which files it
+	# applies to is .gitattributes' business (`nbstripout --install` would add its own attributes file, which
+	# outranks .gitattributes and would strip the executed notebooks that are runs' records under data/)
+	if git rev-parse --git-dir >/dev/null 2>&1; then \
+	  git config filter.nbstripout.clean '"$(abspath $(BIN))/python" -m nbstripout' && \
+	  git config filter.nbstripout.smudge cat && git config filter.nbstripout.required true && \
+	  git config diff.ipynb.textconv '"$(abspath $(BIN))/python" -m nbstripout -t'; fi
 	touch $@
 
 run: $(STAMP)

@@ -271,22 +271,22 @@ def test_a_folder_a_live_run_is_writing_is_refused(tmp_path):
     ("x: [1, 2\n", "is not valid YAML"),
 ])
 def test_a_grid_kvlab_cannot_take_is_refused_in_one_line(tmp_path, text, says):
-    from kvlab import cli
+    from kvlab import runner
 
     grid = tmp_path / "grid.yaml"
     grid.write_text(text)
-    with pytest.raises(cli.UsageError, match=says) as err:
-        cli.load_grid(grid)
+    with pytest.raises(runner.UsageError, match=says) as err:
+        runner.load_grid(grid)
     assert "\n" not in str(err.value) and str(grid) in str(err.value)
 
 
 def test_a_json_grid_with_a_repeated_key_is_refused(tmp_path):
-    from kvlab import cli
+    from kvlab import runner
 
     grid = tmp_path / "grid.json"
     grid.write_text('{"policy": ["eager"], "policy": ["deadline"]}')
-    with pytest.raises(cli.UsageError, match="key 'policy' is given twice"):
-        cli.load_grid(grid)
+    with pytest.raises(runner.UsageError, match="key 'policy' is given twice"):
+        runner.load_grid(grid)
 
 
 def test_a_notebook_with_two_parameters_cells_is_refused(tmp_path, make_notebook):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvlab import cli, results
+from kvlab import cli, results, runner
 from kvlab import params as nbparams
 
 REPO = Path(__file__).resolve().parent.parent
@@ -357,7 +357,7 @@ def test_a_fractional_cell_timeout_is_whole_seconds_for_papermill(monkeypatch):
     seen = {}
     monkeypatch.setattr(nbexec, "execute_notebook", lambda *a, **kw: seen.update(kw))
     nb = cli.find_notebook("calculator")
-    cli.execute(nb, {}, run_dir=None, progress=False, cell_timeout=2.5)
+    runner.execute(nb, {}, run_dir=None, progress=False, cell_timeout=2.5)
     assert seen["execution_timeout"] == 3  # nbclient's timeout is an Integer trait: 2.5 would be refused
 
 
@@ -409,13 +409,13 @@ def test_sweep_validates_every_point_before_running(toy_project, kvlab_dirs, tmp
 
 
 def test_sweep_grid_is_a_cartesian_product_or_a_list(tmp_path):
-    product = cli.load_grid(write(tmp_path / "g.yaml", "size: [2, 3]\ncontexts: [[1], [1, 2]]\n"))
+    product = runner.load_grid(write(tmp_path / "g.yaml", "size: [2, 3]\ncontexts: [[1], [1, 2]]\n"))
     assert product == [{"size": 2, "contexts": [1]}, {"size": 2, "contexts": [1, 2]},
                        {"size": 3, "contexts": [1]}, {"size": 3, "contexts": [1, 2]}]
-    listed = cli.load_grid(write(tmp_path / "g.json", json.dumps([{"size": 2}, {}])))
+    listed = runner.load_grid(write(tmp_path / "g.json", json.dumps([{"size": 2}, {}])))
     assert listed == [{"size": 2}, {}]
     with pytest.raises(cli.UsageError, match="does not exist"):
-        cli.load_grid(tmp_path / "missing.yaml")
+        runner.load_grid(tmp_path / "missing.yaml")
 
 
 def test_sweep_dry_run_lists_points_and_runs_nothing(toy_project, kvlab_dirs, tmp_path, capsys):

@@ -33,6 +33,21 @@ def test_committed_without_outputs(path):
     assert "papermill" not in nb.metadata, f"{path.name} is an executed copy (papermill metadata)"
 
 
+def test_the_output_filter_strips_the_workbook_and_never_a_runs_record():
+    """.gitattributes puts nbstripout on notebooks/ and takes it off data/: an executed notebook is a run's record."""
+    import subprocess
+    root = NOTEBOOK_DIR.parent
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    record = next(iter(sorted((root / "data").glob("*/*/*.ipynb"))), None)
+    assert record is not None, "no executed notebook committed under data/"
+    out = subprocess.run(["git", "-C", str(root), "check-attr", "filter", "--", str(NOTEBOOKS[0].relative_to(root)),
+                          str(record.relative_to(root))], capture_output=True, text=True, check=True).stdout
+    lines = out.strip().splitlines()
+    assert lines[0].endswith("filter: nbstripout"), lines[0]
+    assert lines[1].endswith("filter: unset"), lines[1]
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_one_parameters_cell_every_parameter_annotated_and_commented(path):
     nb = nbformat.read(str(path), as_version=4)

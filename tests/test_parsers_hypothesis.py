@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlab import cli, models, parse, params, study
+from kvlab import models, parse, params, runner, study
 from kvlab.tracefmt import TraceError
 from kvlab.tracefmt.kineto import parse_kineto
 
@@ -35,7 +35,7 @@ typed = st.one_of(st.text(max_size=40), st.from_regex(r"\[?[0-9kK_, .e+-]{0,20}\
 
 
 def _one_line(err: BaseException) -> None:
-    assert "\n" not in str(err).strip() or isinstance(err, cli.UsageError), str(err)[:300]
+    assert "\n" not in str(err).strip() or isinstance(err, runner.UsageError), str(err)[:300]
 
 
 @given(typed)
@@ -113,8 +113,8 @@ def test_kineto_bytes(raw):
 @given(st.one_of(typed, json_values.map(json.dumps)), st.booleans())
 def test_sweep_grid(text, as_json):
     try:
-        points = cli.parse_grid(text, "grid.yaml", as_json=as_json)
-    except cli.UsageError:
+        points = runner.parse_grid(text, "grid.yaml", as_json=as_json)
+    except runner.UsageError:
         pass
     else:
         assert points and all(isinstance(p, dict) for p in points)
