@@ -5,7 +5,7 @@ the runs it names and the studies' own code.
 
     glance                  the README's results at a glance (manifest `glance`: question, run, goal, where)
     findings_<block>        the findings of the first run a block reads, as its study's analyse wrote them
-    reproduce_<study>       the exact command of every run the study's published blocks read, with its commit
+    reproduce               the exact command of every run the document's own tables read, with its commit
     code_<study>            the functions that measured and analysed the study, with their files
     <!-- kvlab-value:BLOCK.KEY -->…<!-- /kvlab-value -->   a number in prose: value KEY of the first run of BLOCK
 """
@@ -25,13 +25,13 @@ from .study import md_table, run_link
 __all__ = ["VALUE_RE", "is_generated", "render_generated", "value", "update_values", "typed_numbers",
            "SETUP_CONSTANTS"]
 
-VALUE_RE = re.compile(r"<!-- kvlab-value:([a-z0-9_]+)\.([A-Za-z0-9_.:>-]+) -->(.*?)<!-- /kvlab-value -->", re.S)
-_PREFIXES = ("findings_", "reproduce_", "code_")
+VALUE_RE = re.compile(r"<!-- kvlab-value:([a-z0-9_]+)\.(\S+?) -->(.*?)<!-- /kvlab-value -->", re.S)
+_PREFIXES = ("findings_", "code_")
 
 
 def is_generated(name: str) -> bool:
     """Is `name` one of this module's blocks (rather than a results table or a verdict block)?"""
-    return name == "glance" or name.startswith(_PREFIXES)
+    return name in ("glance", "reproduce") or name.startswith(_PREFIXES)
 
 
 def _command(record: dict) -> str:
@@ -43,15 +43,16 @@ def _command(record: dict) -> str:
     return " ".join(["kvlab", *(a if re.fullmatch(r"[\w./:,=@+-]+", a) else repr(a) for a in argv[1:])])
 
 
-def reproduce(study: str, manifest: dict, prefix: str) -> str:
-    """Per published run of `study`: the command that made it (as its run.json recorded it) and its commit."""
+def reproduce(blocks: list[str], manifest: dict, prefix: str) -> str:
+    """Per run that `blocks` (the tables of one document) read: the command that made it (as its run.json recorded
+    it) and its commit."""
     runs = []
-    for entry in manifest["blocks"].values():
-        if entry["study"] == study:
-            for r in entry["runs"]:
-                run = r if isinstance(r, str) else r["run"]
-                if run not in runs:
-                    runs.append(run)
+    for name in blocks:
+        entry = manifest["blocks"].get(name)
+        for r in (entry or {}).get("runs", []):
+            run = r if isinstance(r, str) else r["run"]
+            if run not in runs:
+                runs.append(run)
     rows = []
     for run in runs:
         rec = read_json(repo_root() / "data" / run / "run.json")
@@ -106,13 +107,14 @@ def glance(manifest: dict, analysis, goals_of, prefix: str) -> str:
     return md_table(pd.DataFrame(rows))
 
 
-def render_generated(name: str, manifest: dict, analysis, goals_of, prefix: str) -> str:
+def render_generated(name: str, manifest: dict, analysis, goals_of, prefix: str, shown: list[str] = ()) -> str:
+    """Generated block `name`; `shown`: the blocks of the document it is in (what `reproduce` lists the runs of)."""
     if name == "glance":
         return glance(manifest, analysis, goals_of, prefix)
     if name.startswith("findings_"):
         return findings(name.removeprefix("findings_"), manifest, analysis)
-    if name.startswith("reproduce_"):
-        return reproduce(name.removeprefix("reproduce_"), manifest, prefix)
+    if name == "reproduce":
+        return reproduce(list(shown), manifest, prefix)
     if name.startswith("code_"):
         return code(name.removeprefix("code_"))
     raise ValueError(f"unknown generated block {name!r}")

@@ -211,13 +211,14 @@ class _Blocks(dict):
 BLOCKS = _Blocks()
 
 
-def render(name: str, prefix: str = "") -> str:
+def render(name: str, prefix: str = "", shown: list[str] = ()) -> str:
     """The markdown of block `name` (a table and its trailing newline), its links to runs written as seen from a
-    file whose way up to the repository is `prefix` ("" for the README, "../../" for docs/results/*.md)."""
+    file whose way up to the repository is `prefix` ("" for the README, "../../" for docs/results/*.md); `shown`:
+    the other blocks of that file (a `reproduce` block lists their runs)."""
     if name in META_BLOCKS:
         return META_BLOCKS[name](prefix)
     if docgen.is_generated(name):
-        return docgen.render_generated(name, manifest(), analysis, goals_of, prefix)
+        return docgen.render_generated(name, manifest(), analysis, goals_of, prefix, shown)
     if name not in manifest()["blocks"]:
         raise ValueError(f"unknown report block {name!r}; known: {sorted([*manifest()['blocks'], *META_BLOCKS])}")
     return _render_block(name, prefix)
@@ -243,7 +244,7 @@ def update(text: str, prefix: str = "") -> tuple[str, list[str]]:
     changed = []
 
     def sub(m):
-        new = render(m.group(2), prefix)
+        new = render(m.group(2), prefix, found)
         if new != m.group(3):
             changed.append(m.group(2))
         return m.group(1) + new + m.group(4)
