@@ -101,7 +101,7 @@ def _create(folder: Path) -> str:
 def claim(folder: str | os.PathLike, flag: str = "--run-dir", set_aside=None) -> str:
     """Claim `folder` (created if missing) for one run; returns the claim's token. ValueError (one line, naming the
     folder and `flag`) when a live process holds it. A stale claim (its process gone): `set_aside(folder)` first
-    moves the stopped attempt's files aside (kvlab.results.set_aside_stopped), then the folder is claimed."""
+    moves the stopped attempt's files aside (kvlab.runfolder.set_aside_stopped), then the folder is claimed."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     for _ in range(3):

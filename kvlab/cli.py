@@ -35,7 +35,7 @@ import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from kvlab import __version__, paths, results, runner, studies
+from kvlab import __version__, paths, runfolder, runner, studies
 from kvlab.parse import OneLineParser, UsageError, token_list
 from kvlab.params import (RUN_DIR_IS_SET, find_notebook,
                           list_notebooks, notebooks_dir, parse_params, runnable_parameters)
@@ -139,17 +139,17 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = ["kvlab", *argv]
     # SIGTERM (`timeout`, a batch system) ends a command the way Ctrl-C does, so a run folder it had started says
     # it stopped rather than "running" (a notebook run under `timeout` on the H200 did, 2026-12-01)
-    restore_term = results.raise_on_sigterm()
+    restore_term = runfolder.raise_on_sigterm()
     try:
         return int(args._func(args) or 0)
     except KeyboardInterrupt as err:
         if os.environ.get("KVLAB_DEBUG"):
             raise
         where = getattr(err, "run_dir", None)
-        print(f"kvlab {args.command}: {results.stop_reason(err)}; "
-              + (f"{where} says it stopped ({results.STOPPED})" if where else "a run folder it had started says it stopped"),
+        print(f"kvlab {args.command}: {runfolder.stop_reason(err)}; "
+              + (f"{where} says it stopped ({runfolder.STOPPED})" if where else "a run folder it had started says it stopped"),
               file=sys.stderr)
-        return 143 if isinstance(err, results.Terminated) else 130
+        return 143 if isinstance(err, runfolder.Terminated) else 130
     except OSError as err:  # PermissionError, NotADirectoryError, a full disk: one line, the path named
         if os.environ.get("KVLAB_DEBUG"):
             raise
@@ -201,9 +201,9 @@ _CELL_TIMEOUT = arg("--cell-timeout", metavar="S", default=None,
 
 def _refuse_finished(folder: "str | Path", flag: str = "--run-dir") -> None:
     """A run folder option (`flag`) naming a folder that holds a finished run (or anything that is not a run
-    folder): refused, so a result is never overwritten without a word (kvlab.results.check_run_folder)."""
+    folder): refused, so a result is never overwritten without a word (kvlab.runfolder.check_run_folder)."""
     try:
-        results.check_run_folder(folder, flag)
+        runfolder.check_run_folder(folder, flag)
     except ValueError as err:
         raise UsageError(str(err)) from None
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import claims, paths, results
+from . import claims, paths, results, runfolder
 from .params import Parameter, check_names, coerce
 from .parse import MAX_YAML_BYTES, UsageError, yaml_load
 
@@ -90,11 +90,11 @@ def execute(notebook: Path, params: Mapping, run_dir: str | os.PathLike | None =
     folder = Path(run_dir).expanduser().resolve() if run_dir else results.new_run_dir(study)
     if run_dir:  # claimed here, before the kernel starts, and handed on to it (KVLAB_CLAIM): one run a folder
         try:
-            claims.claim(folder, "--run-dir", set_aside=results.set_aside_stopped)
+            claims.claim(folder, "--run-dir", set_aside=runfolder.set_aside_stopped)
         except ValueError as err:
             raise UsageError(str(err)) from None
     token = (claims.held(folder) or {}).get("token", "")
-    results.set_aside_stopped(folder)  # an earlier attempt that stopped here: its files kept apart, not mixed in
+    runfolder.set_aside_stopped(folder)  # an earlier attempt that stopped here: its files kept apart, not mixed in
     output = folder / notebook.name
     invocation = dict(invocation or {"argv": sys.argv})
     invocation.setdefault("notebook", notebook.name)
@@ -120,8 +120,8 @@ def execute(notebook: Path, params: Mapping, run_dir: str | os.PathLike | None =
             )
         except papermill.PapermillExecutionError as err:
             error = f"{err.ename}: {err.evalue} (cell {err.exec_count})"
-        except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (main() turns it into results.Terminated)
-            results.record_execution(folder, notebook.name, False, time.monotonic() - t0, results.stop_reason(err))
+        except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (main() turns it into runfolder.Terminated)
+            runfolder.record_execution(folder, notebook.name, False, time.monotonic() - t0, runfolder.stop_reason(err))
             err.run_dir = folder  # main's one line names the folder that says it stopped
             raise
         except Exception as err:  # the kernel died, would not start or timed out: still a failed run
@@ -133,7 +133,7 @@ def execute(notebook: Path, params: Mapping, run_dir: str | os.PathLike | None =
             for name in _PAPERMILL_LOGGERS:
                 logging.getLogger(name).removeFilter(quiet)
     seconds = time.monotonic() - t0
-    results.record_execution(folder, notebook.name, error is None, seconds, error)
+    runfolder.record_execution(folder, notebook.name, error is None, seconds, error)
     return Outcome(notebook.name, folder, error is None, seconds, error, output)
 
 

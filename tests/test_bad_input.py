@@ -197,7 +197,7 @@ def test_report_check_of_a_file_without_blocks_is_an_error(tmp_path):
 
 
 def test_a_corrupt_run_json_is_named(tmp_path):
-    from kvlab import results
+    from kvlab import results, runfolder
 
     bad = tmp_path / "run.json"
     bad.write_text('{"status": "finished",\n')
@@ -207,18 +207,18 @@ def test_a_corrupt_run_json_is_named(tmp_path):
 
 def test_a_run_that_finishes_in_a_stopped_folder_clears_its_stopped_note(tmp_path):
     """A disagg run into the folder of one that had stopped said "finished" beside the old STOPPED.txt."""
-    from kvlab import results
+    from kvlab import results, runfolder
 
     folder = tmp_path / "again"
     folder.mkdir()
-    (folder / results.STOPPED).write_text("This run stopped before it finished (Ctrl-C).\n")
+    (folder / runfolder.STOPPED).write_text("This run stopped before it finished (Ctrl-C).\n")
     (folder / "bench.csv").write_text("a table of the attempt that stopped\n")
     run = results.start("calculator", {}, folder)
     aside = [p for p in folder.iterdir() if p.name.startswith("stopped-")]
-    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == [results.STOPPED, "bench.csv"]
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == [runfolder.STOPPED, "bench.csv"]
     assert not (folder / "bench.csv").exists()  # the new run's tables cannot mix with the old attempt's
     run.finish()
-    assert not (folder / results.STOPPED).exists() and (folder / "run.json").is_file()
+    assert not (folder / runfolder.STOPPED).exists() and (folder / "run.json").is_file()
 
 
 @pytest.mark.parametrize("params, says", [
@@ -243,7 +243,7 @@ def test_a_folder_a_live_run_is_writing_is_refused(tmp_path):
     import subprocess
     import sys
 
-    from kvlab import results
+    from kvlab import results, runfolder
 
     folder = tmp_path / "busy"
     folder.mkdir()
@@ -252,11 +252,11 @@ def test_a_folder_a_live_run_is_writing_is_refused(tmp_path):
         record = {"status": "running", "pid": live.pid, "host": {"hostname": socket.gethostname()}}
         (folder / "run.json").write_text(json.dumps(record))
         with pytest.raises(ValueError, match=rf"still in progress \(process {live.pid} on this host\)"):
-            results.check_run_folder(folder, "--out")
+            runfolder.check_run_folder(folder, "--out")
     finally:
         live.kill()
         live.wait()
-    results.check_run_folder(folder, "--out")  # its process is gone (killed without a word): the folder may be reused
+    runfolder.check_run_folder(folder, "--out")  # its process is gone (killed without a word): the folder may be reused
     run = results.start("calculator", {}, tmp_path / "mine")
     assert json.loads((tmp_path / "mine" / "run.json").read_text())["pid"] == run._record["pid"]
 

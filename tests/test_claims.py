@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from kvlab import claims, results
+from kvlab import claims, results, runfolder
 
 
 def test_a_second_run_into_a_claimed_folder_is_refused_by_name(tmp_path):
@@ -27,7 +27,7 @@ def test_a_second_run_into_a_claimed_folder_is_refused_by_name(tmp_path):
         with pytest.raises(ValueError, match=r"--run-dir .* is being written by another run \(process \d+ on "):
             results.start("toy", {"a": 2}, run_dir=folder)
         with pytest.raises(ValueError, match="is being written by another run"):
-            results.check_run_folder(folder)
+            runfolder.check_run_folder(folder)
     finally:
         holder.kill()
         holder.wait()
@@ -69,11 +69,11 @@ def test_a_killed_run_is_recognisable_and_its_files_are_set_aside_not_mixed(tmp_
     assert done.returncode == -9
     record = json.loads((folder / "run.json").read_text())
     assert record["status"] == "running" and not claims.alive(claims.held(folder))
-    assert results.run_state(folder) == "killed"
+    assert runfolder.run_state(folder) == "killed"
     run = results.start("toy", {"a": 2}, run_dir=folder)  # the folder may be used again: the old attempt moves aside
     aside = [p for p in folder.iterdir() if p.name.startswith("stopped-")]
-    assert len(aside) == 1 and {"run.json", "results.csv", claims.CLAIM, results.STOPPED} <= {p.name for p in aside[0].iterdir()}
-    assert "killed" in (aside[0] / results.STOPPED).read_text()
+    assert len(aside) == 1 and {"run.json", "results.csv", claims.CLAIM, runfolder.STOPPED} <= {p.name for p in aside[0].iterdir()}
+    assert "killed" in (aside[0] / runfolder.STOPPED).read_text()
     assert not (folder / "results.csv").exists() and run.record["parameters"] == {"a": 2}
 
 

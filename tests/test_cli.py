@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvlab import cli, results, runner
+from kvlab import cli, results, runfolder, runner
 from kvlab import params as nbparams
 
 REPO = Path(__file__).resolve().parent.parent
@@ -310,7 +310,7 @@ def test_sigterm_during_a_notebook_leaves_a_run_that_says_it_stopped(tmp_path, m
     assert p.returncode == 143, err
     assert "terminated (SIGTERM)" in err and f"{chosen} says it stopped (STOPPED.txt)" in err
     assert record["status"] == "failed" and record["execution"]["error"] == "terminated (SIGTERM)"
-    assert "SIGTERM" in (chosen / results.STOPPED).read_text()
+    assert "SIGTERM" in (chosen / runfolder.STOPPED).read_text()
 
 
 def test_run_all_continues_after_a_failure_and_fails_at_the_end(toy_project, make_notebook,

@@ -10,7 +10,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from kvlab import paths, results
+from kvlab import paths, results, runfolder
 from kvlab import params as nbparams
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
@@ -83,7 +83,7 @@ def test_executes_on_cpu_through_run_all(path, workbook):
     assert record["status"] == "finished", f"{path.name} never called run.finish()"
     assert record["study"] == paths.study_of(path)
     assert record["device_kind"] == "cpu"
-    assert not (run_dir / results.STOPPED).exists()
+    assert not (run_dir / runfolder.STOPPED).exists()
     assert list(run_dir.glob("*.csv")), f"{path.name} saved no table (Run.save_table)"
     assert list((run_dir / "figures").glob("*.png")), f"{path.name} saved no figure (plots.save)"
     assert not workbook.figures.exists(), "a plain run-all published figures; only --publish may"

@@ -20,7 +20,7 @@ import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kvlab import devices, nbtools, paths, plots, provenance, results  # noqa: E402
+from kvlab import devices, nbtools, paths, plots, provenance, results, runfolder  # noqa: E402
 
 RUN_ID = re.compile(r"^\d{8}-\d{6}-[a-z0-9]+(-\d+)?$")
 UTC_STAMP = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z$")
@@ -195,23 +195,23 @@ def test_update_adds_fields_and_guards_provenance(kvlab_dirs):
 
 def test_record_execution_marks_a_crashed_run_failed(kvlab_dirs):
     run = results.start("toy", {})
-    assert results.record_execution(run.dir, "00_toy.ipynb", False, 1.5, "RuntimeError: x")
+    assert runfolder.record_execution(run.dir, "00_toy.ipynb", False, 1.5, "RuntimeError: x")
     record = read_json(run.dir / "run.json")
     assert record["status"] == "failed"
     assert record["execution"] == {"notebook": "00_toy.ipynb", "ok": False, "seconds": 1.5,
                                    "error": "RuntimeError: x"}
-    assert "stopped before it finished (RuntimeError: x)" in (run.dir / results.STOPPED).read_text()
-    assert not results.record_execution(kvlab_dirs.data / "nowhere", "x.ipynb", False, 0.0)
+    assert "stopped before it finished (RuntimeError: x)" in (run.dir / runfolder.STOPPED).read_text()
+    assert not runfolder.record_execution(kvlab_dirs.data / "nowhere", "x.ipynb", False, 0.0)
     early = kvlab_dirs.data / "toy" / "20261130-000000-cpu"  # failed before start(): no run.json
     early.mkdir(parents=True)
-    assert not results.record_execution(early, "00_toy.ipynb", False, 0.2, "interrupted")
-    said = (early / results.STOPPED).read_text()
+    assert not runfolder.record_execution(early, "00_toy.ipynb", False, 0.2, "interrupted")
+    said = (early / runfolder.STOPPED).read_text()
     assert "(interrupted)" in said and f"Folder: {early.resolve()}" in said
     assert "before run.json was written" in said and "run.json says status: failed" not in said
-    assert "run.json says status: failed" in (run.dir / results.STOPPED).read_text()
+    assert "run.json says status: failed" in (run.dir / runfolder.STOPPED).read_text()
     fine = results.start("toy", {})
-    results.record_execution(fine.dir, "00_toy.ipynb", True, 1.0)
-    assert not (fine.dir / results.STOPPED).exists()
+    runfolder.record_execution(fine.dir, "00_toy.ipynb", True, 1.0)
+    assert not (fine.dir / runfolder.STOPPED).exists()
 
 
 # ------------------------------------------------------------------------------------- git
@@ -657,25 +657,25 @@ def test_sigterm_handler_nests_and_restores():
     import signal
 
     before = signal.getsignal(signal.SIGTERM)
-    restore = results.raise_on_sigterm()
+    restore = runfolder.raise_on_sigterm()
     try:
         armed = signal.getsignal(signal.SIGTERM)
         assert getattr(armed, "_kvlab_sigterm", False)
-        inner = results.raise_on_sigterm()
+        inner = runfolder.raise_on_sigterm()
         assert signal.getsignal(signal.SIGTERM) is armed
-        with pytest.raises(results.Terminated, match="SIGTERM"):
+        with pytest.raises(runfolder.Terminated, match="SIGTERM"):
             armed(signal.SIGTERM, None)  # fires once: a second SIGTERM (timeout's to the group) is ignored
         assert armed(signal.SIGTERM, None) is None
         inner()
         assert signal.getsignal(signal.SIGTERM) is armed and armed.fired  # the inner restore re-armed nothing
-        assert results.stop_reason(results.Terminated("terminated (SIGTERM)")) == "terminated (SIGTERM)"
-        assert results.stop_reason(KeyboardInterrupt()) == "interrupted (Ctrl-C)"
+        assert runfolder.stop_reason(runfolder.Terminated("terminated (SIGTERM)")) == "terminated (SIGTERM)"
+        assert runfolder.stop_reason(KeyboardInterrupt()) == "interrupted (Ctrl-C)"
     finally:
         restore()
     assert signal.getsignal(signal.SIGTERM) == before
-    again = results.raise_on_sigterm()  # a new arming after a restore fires again
+    again = runfolder.raise_on_sigterm()  # a new arming after a restore fires again
     try:
-        with pytest.raises(results.Terminated):
+        with pytest.raises(runfolder.Terminated):
             signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
     finally:
         again()

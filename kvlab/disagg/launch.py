@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .. import results
+from .. import results, runfolder
 from .backends import BACKENDS
 from .config import DECODE, DisaggConfig, check
 from .memory import DecodeOutOfMemory
@@ -56,14 +56,14 @@ def _store(port: int, timeout_s: float):
 
 def _stopped(run, why: str) -> None:
     """Mark the run folder stopped (run.json's `stopped` and status "failed", STOPPED.txt), deaf to SIGTERM and
-    Ctrl-C meanwhile (results.shielded): `timeout` signals the launcher twice (itself, then its process group), and a
+    Ctrl-C meanwhile (runfolder.shielded): `timeout` signals the launcher twice (itself, then its process group), and a
     second Terminated raised in here once left run.json saying "running" (a campaign on the H200, 2026-12-01)."""
-    with results.shielded():
+    with runfolder.shielded():
         try:
             run.update(stopped=why)
         except Exception:
             pass
-        results.record_execution(run.dir, "kvlab disagg", ok=False, seconds=0.0, error=why)
+        runfolder.record_execution(run.dir, "kvlab disagg", ok=False, seconds=0.0, error=why)
         try:
             run.reload()  # so a later update starts from "failed", not from this object's "running"
         except Exception:
@@ -80,7 +80,7 @@ def _record_end(run, procs=None, memory=None) -> None:
     if memory:
         extra["decode_memory"] = memory
     if extra:
-        with results.shielded():
+        with runfolder.shielded():
             try:
                 results.amend(run.dir, **extra)  # on what is on disk ("failed"), then read back into `run`
                 run.reload()
@@ -127,7 +127,7 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True, r
     owned = run is None
     procs: list = []
     run_ = None
-    restore_term = results.raise_on_sigterm()
+    restore_term = runfolder.raise_on_sigterm()
     try:  # from the run folder's creation on: a SIGTERM meanwhile still leaves a folder that says it stopped
         run_ = results.start("disagg", _params(cfg), run_dir=out) if owned else run
         run_.update(disagg_config=_params(cfg))
@@ -142,8 +142,8 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True, r
         return summary
     except BaseException as err:
         if run_ is not None:
-            _stopped(run_, results.stop_reason(err))
-            with results.shielded():  # a second Ctrl-C or SIGTERM must not cut the stop or the record short
+            _stopped(run_, runfolder.stop_reason(err))
+            with runfolder.shielded():  # a second Ctrl-C or SIGTERM must not cut the stop or the record short
                 _stop(procs)
             _record_end(run_, procs, _worker_memory(store))
         raise
@@ -152,7 +152,7 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True, r
         restore_term()
 
 
-Terminated = results.Terminated  # the launcher's SIGTERM, as kvlab.results raises it
+Terminated = runfolder.Terminated  # the launcher's SIGTERM, as kvlab.results raises it
 
 
 def _start(cfg: DisaggConfig, port: int, run_dir: Path, role: str, generation: int = 0):
@@ -360,7 +360,7 @@ def _torchrun(cfg: DisaggConfig, out, progress: bool) -> dict:
         return summary
     except BaseException as err:
         if run_ is not None:
-            _stopped(run_, results.stop_reason(err))
+            _stopped(run_, runfolder.stop_reason(err))
             _record_end(run_, memory=getattr(err.__cause__, "memory_rows", None))
         raise
 

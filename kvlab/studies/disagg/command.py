@@ -8,7 +8,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ... import disagg, results
+from ... import disagg, runfolder
 from ...units import fmt_bytes
 
 __all__ = ["add_arguments", "run_args", "main"]
@@ -77,7 +77,7 @@ def run_args(args: argparse.Namespace) -> int:
     and no fault decoded from a partial cache; 1: a check failed or a worker stopped; a bad value is a ValueError,
     which ``kvlab`` prints in one line with exit 2)."""
     if args.out is not None:  # before anything starts: a finished run is never overwritten
-        results.check_run_folder(args.out, "--out")
+        runfolder.check_run_folder(args.out, "--out")
     cfg = disagg.DisaggConfig(
         backend=args.backend, model=args.model, weights=args.weights, contexts=args.context, modes=args.mode,
         layouts=args.layout, block_size=args.block_size, kv_dtype=args.kv_dtype, device=args.device,
@@ -92,8 +92,8 @@ def run_args(args: argparse.Namespace) -> int:
         print(f"kvlab disagg: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as err:
-        print(f"kvlab disagg: stopped ({results.stop_reason(err)}); the run folder says so", file=sys.stderr)
-        return 143 if isinstance(err, results.Terminated) else 130
+        print(f"kvlab disagg: stopped ({runfolder.stop_reason(err)}); the run folder says so", file=sys.stderr)
+        return 143 if isinstance(err, runfolder.Terminated) else 130
     if not summary:  # the prefill rank under torchrun: rank 0 reports
         return 0
     ok = summary["tokens_match"] and summary["logits_equal"] and summary["poison_left"] == 0

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from ... import ceilings, results
+from ... import ceilings, results, runfolder
 from . import NAME, analyse
 
 __all__ = ["add_arguments", "run_args", "main"]
@@ -45,7 +45,7 @@ def run_args(args: argparse.Namespace) -> int:
               "warmup": args.warmup, "copies": copies, "device": args.device}
     if args.run_dir is not None and not args.no_save:
         try:  # before anything is measured: a finished run is never overwritten
-            results.check_run_folder(args.run_dir, "--run-dir")
+            runfolder.check_run_folder(args.run_dir, "--run-dir")
         except ValueError as exc:
             print(f"kvlab ceilings: error: {exc}", file=sys.stderr)
             return 2

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping, Sequence
 
-from ... import results
+from ... import results, runfolder
 from ...study import Analysis
 from . import NAME, PARAMS, analyse, check, measure
 
@@ -48,14 +48,14 @@ def run(params: Mapping, out: str = "") -> tuple[str, Analysis]:
         return str(r.dir), analysis
     except BaseException as err:
         if r is not None:
-            results.record_execution(r.dir, "kvlab swapin", ok=False, seconds=0.0, error=results.stop_reason(err))
+            runfolder.record_execution(r.dir, "kvlab swapin", ok=False, seconds=0.0, error=runfolder.stop_reason(err))
         raise
 
 
 def run_args(args: argparse.Namespace) -> int:
     """Run ``kvlab swapin`` from parsed arguments; returns the exit status (bad input: ValueError, one line)."""
     if args.out is not None:  # before anything is measured: a finished run is never overwritten
-        results.check_run_folder(args.out, "--out")
+        runfolder.check_run_folder(args.out, "--out")
     params = {"model": args.model, "contexts": args.context, "block_size": args.block_size, "kv_dtype": args.kv_dtype,
               "device": args.device, "repeats": args.repeats, "seed": args.seed}
     path, analysis = run(params, out=args.out or "")
