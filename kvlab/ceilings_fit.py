@@ -16,7 +16,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import pandas as pd
 
-from .timing import fmt_ms
+from .intervals import fmt_ms
 from .units import KiB, fmt_bytes
 
 __all__ = ["fit_model", "fit", "Fit", "PathCeiling", "Ceilings", "summary_table", "plot", "finding_text"]

@@ -13,7 +13,7 @@ sample.
 
 Contents
 --------
-- :class:`Stats`, :func:`stats` — n, median, min, max, mean, std, p10/p90.
+- (the statistics of the samples are kvlab.intervals': Stats, median_ci, ratio_ci.)
 - :func:`time_fn` — time one callable ``n`` times after ``warmup`` calls.
 - :class:`EventTimer` — named marks on any stream, elapsed between marks.
 - :func:`interleave` — A B A B … rounds of several callables (cancels drift).
@@ -23,10 +23,8 @@ Contents
 
 from __future__ import annotations
 
-import math
 import gc
 import time
-from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Mapping, NamedTuple
 
 import numpy as np
@@ -35,8 +33,6 @@ import torch
 __all__ = [
     "balanced_orders",
     "schedule",
-    "Stats",
-    "stats",
     "resolve_device",
     "time_fn",
     "EventTimer",
@@ -44,159 +40,7 @@ __all__ = [
     "interleave",
     "HostTimer",
     "host_timer",
-    "fmt_ms",
 ]
-
-
-# --------------------------------------------------------------------------- #
-# statistics
-# --------------------------------------------------------------------------- #
-@dataclass(frozen=True)
-class Stats:
-    """Summary of ``n`` samples of one quantity.
-
-    Attributes are floats in ``unit`` (``"ms"`` by default). ``std`` is the
-    sample standard deviation (ddof=1; 0.0 when n == 1). ``p10``/``p90`` are
-    linear-interpolation percentiles, present only when n >= 10 — with fewer
-    samples they would just re-label the min and max.
-    """
-
-    n: int
-    median: float
-    min: float
-    max: float
-    mean: float
-    std: float
-    p10: float | None = None
-    p90: float | None = None
-    unit: str = "ms"
-
-    @property
-    def spread(self) -> float:
-        """max − min, in ``unit`` (the seed's "spread" column)."""
-        return self.max - self.min
-
-    def fmt(self, digits: int = 3, unit: bool = True) -> str:
-        """``"median (min–max)"`` with ``digits`` significant digits, e.g. ``"11.8 (11.2–13) µs"``."""
-        if not isinstance(digits, int) or digits < 1:
-            raise ValueError(f"digits={digits!r}: expected an int >= 1")
-        f = f"{{:.{digits}g}}"
-        text = f"{f.format(self.median)} ({f.format(self.min)}–{f.format(self.max)})"
-        return f"{text} {self.unit}" if unit and self.unit else text
-
-    def __str__(self) -> str:
-        return self.fmt()
-
-    def to_dict(self) -> dict:
-        """Plain dict (JSON-ready) of every field."""
-        return asdict(self)
-
-
-def stats(samples: Iterable[float] | np.ndarray | torch.Tensor, unit: str = "ms") -> Stats:
-    """Summarise samples into a :class:`Stats`.
-
-    Args:
-        samples: one or more finite numbers (list, numpy array or tensor;
-            flattened). Negative values are allowed (e.g. a signed exposure).
-        unit: label carried into :class:`Stats` and its formatting.
-
-    Raises:
-        ValueError: no samples, or a sample that is NaN/inf.
-    """
-    if isinstance(samples, torch.Tensor):
-        arr = samples.detach().to("cpu", torch.float64).reshape(-1).numpy()
-    elif isinstance(samples, np.ndarray):
-        arr = samples.astype(np.float64).reshape(-1)
-    else:
-        arr = np.asarray(list(samples), dtype=np.float64).reshape(-1)
-    if arr.size == 0:
-        raise ValueError("stats() got no samples: pass at least one number")
-    if not np.all(np.isfinite(arr)):
-        bad = arr[~np.isfinite(arr)][0]
-        raise ValueError(f"stats() got a non-finite sample {bad!r}: every sample must be a finite number")
-    n = int(arr.size)
-    p10 = p90 = None
-    if n >= 10:
-        p10, p90 = (float(v) for v in np.percentile(arr, [10, 90]))
-    return Stats(
-        n=n,
-        median=float(np.median(arr)),
-        min=float(arr.min()),
-        max=float(arr.max()),
-        mean=float(arr.mean()),
-        std=float(arr.std(ddof=1)) if n > 1 else 0.0,
-        p10=p10,
-        p90=p90,
-        unit=unit,
-    )
-
-
-def median_ci(samples, level: float = 0.95, n_boot: int = 4000, seed: int = 0) -> tuple[float, float]:
-    """A bootstrap confidence interval (percentile method) for the median of `samples`, e.g. the paired
-    differences B − A of interleaved rounds.
-
-    Why: prefill alone varies by several ms between runs at 16k tokens on our H200, so the median of nine
-    paired differences can land a few ms either side of zero by chance; an interval says whether a
-    difference (or a goal's threshold) is resolved by the rounds that were run. Deterministic (`seed`).
-    Returns (low, high) in the samples' unit; (nan, nan) for fewer than MIN_CI_SAMPLES samples, where a
-    bootstrap says nothing (one sample would give (x, x), an interval of zero width that a goal would count
-    as resolved). Raises ValueError for no samples, non-finite samples, or a level outside (0, 1).
-    """
-    if not 0 < level < 1:
-        raise ValueError(f"level={level!r}: expected a fraction in (0, 1), e.g. 0.95")
-    arr = np.asarray(list(samples), dtype=np.float64).reshape(-1)
-    if arr.size == 0:
-        raise ValueError("median_ci() got no samples: pass at least one number")
-    if not np.all(np.isfinite(arr)):
-        raise ValueError(f"median_ci() got a non-finite sample: {arr[~np.isfinite(arr)][0]!r}")
-    if arr.size < MIN_CI_SAMPLES:
-        return float("nan"), float("nan")
-    rng = np.random.default_rng(seed)
-    meds = np.median(arr[rng.integers(0, arr.size, size=(n_boot, arr.size))], axis=1)
-    lo, hi = np.percentile(meds, [100 * (1 - level) / 2, 100 * (1 + level) / 2])
-    return float(lo), float(hi)
-
-
-MIN_CI_SAMPLES = 3
-
-
-def ratio_ci(numerator, denominator, level: float = 0.95, n_boot: int = 4000, seed: int = 0) -> tuple[float, float]:
-    """A bootstrap interval for median(numerator) / median(denominator) of two independent sets of samples —
-    e.g. a contiguous copy's times over a send's times: the send's share of the ceiling, with the ceiling's own
-    noise in the interval (resampling only the send would treat the ceiling as exact). Each set is resampled
-    on its own. (nan, nan) when either has fewer than MIN_CI_SAMPLES samples."""
-    if not 0 < level < 1:
-        raise ValueError(f"level={level!r}: expected a fraction in (0, 1), e.g. 0.95")
-    a = np.asarray(list(numerator), dtype=np.float64).reshape(-1)
-    b = np.asarray(list(denominator), dtype=np.float64).reshape(-1)
-    if a.size < MIN_CI_SAMPLES or b.size < MIN_CI_SAMPLES:
-        return float("nan"), float("nan")
-    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
-        raise ValueError("ratio_ci() got a non-finite sample")
-    rng = np.random.default_rng(seed)
-    ma = np.median(a[rng.integers(0, a.size, size=(n_boot, a.size))], axis=1)
-    mb = np.median(b[rng.integers(0, b.size, size=(n_boot, b.size))], axis=1)
-    lo, hi = np.percentile(ma / mb, [100 * (1 - level) / 2, 100 * (1 + level) / 2])
-    return float(lo), float(hi)
-
-
-def fmt_ms(ms: float, digits: int = 3) -> str:
-    """A duration given in ms, written in the unit that keeps it readable.
-
-    ``0.0118 → "11.8 µs"``, ``3.4 → "3.4 ms"``, ``826.0 → "826 ms"``,
-    ``1500 → "1.5 s"``; below 1 µs it is written in ns.
-    """
-    if not math.isfinite(ms):
-        return str(ms)
-    f = f"{{:.{digits}g}}"
-    a = abs(ms)
-    if a >= 1000:
-        return f"{f.format(ms / 1000)} s"
-    if a >= 1 or a == 0:
-        return f"{f.format(ms)} ms"
-    if a >= 1e-3:
-        return f"{f.format(ms * 1e3)} µs"
-    return f"{f.format(ms * 1e6)} ns"
 
 
 # --------------------------------------------------------------------------- #

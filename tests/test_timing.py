@@ -11,8 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab import timing
-from kvlab.timing import EventTimer, HostTimer, Sample, Stats, fmt_ms, host_timer, interleave, stats, time_fn
+from kvlab import intervals, timing
+from kvlab.timing import EventTimer, HostTimer, Sample, host_timer, interleave, time_fn
+from kvlab.intervals import Stats, fmt_ms, stats
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -323,22 +324,22 @@ def test_median_ci_brackets_the_median_and_narrows_with_more_rounds():
     rng = np.random.default_rng(1)
     few = rng.normal(3.0, 5.0, 9)
     many = rng.normal(3.0, 5.0, 400)
-    lo9, hi9 = timing.median_ci(few)
-    lo, hi = timing.median_ci(many)
+    lo9, hi9 = intervals.median_ci(few)
+    lo, hi = intervals.median_ci(many)
     assert lo9 <= np.median(few) <= hi9 and lo <= np.median(many) <= hi
     assert hi - lo < hi9 - lo9
     assert lo < 3.0 < hi  # the true median, with 400 samples
-    assert timing.median_ci(few) == (lo9, hi9)  # deterministic
-    assert all(math.isnan(v) for v in timing.median_ci([2.5])), "one sample has no interval"
-    assert all(math.isnan(v) for v in timing.median_ci([2.5, 2.6])), "nor two"
-    lo, hi = timing.ratio_ci([1.0, 1.01, 0.99, 1.0], [2.0, 2.02, 1.98, 2.0, 2.01])
+    assert intervals.median_ci(few) == (lo9, hi9)  # deterministic
+    assert all(math.isnan(v) for v in intervals.median_ci([2.5])), "one sample has no interval"
+    assert all(math.isnan(v) for v in intervals.median_ci([2.5, 2.6])), "nor two"
+    lo, hi = intervals.ratio_ci([1.0, 1.01, 0.99, 1.0], [2.0, 2.02, 1.98, 2.0, 2.01])
     assert lo < 0.5 < hi and hi - lo < 0.02
-    assert all(math.isnan(v) for v in timing.ratio_ci([1.0], [2.0, 2.0, 2.0]))
+    assert all(math.isnan(v) for v in intervals.ratio_ci([1.0], [2.0, 2.0, 2.0]))
 
 
 @pytest.mark.parametrize("bad", [[], [1.0, float("nan")]])
 def test_median_ci_rejects_bad_samples(bad):
     with pytest.raises(ValueError):
-        timing.median_ci(bad)
+        intervals.median_ci(bad)
     with pytest.raises(ValueError, match="level"):
-        timing.median_ci([1.0, 2.0], level=1.5)
+        intervals.median_ci([1.0, 2.0], level=1.5)

@@ -19,7 +19,7 @@ import pandas as pd
 
 from .. import calculator
 from ..paged.nixl import nixl_version
-from ..timing import median_ci, ratio_ci
+from ..intervals import median_ci, ratio_ci
 from .config import DisaggConfig
 from .nixl_link import cache_transports, ucx_transports
 
@@ -53,7 +53,7 @@ def summarise(rows: list[dict], cfg: DisaggConfig) -> list[dict]:
 
 def bench_table(bench: pd.DataFrame) -> pd.DataFrame:
     """Per (layout, context): the send alone (tuned kernel for a paged cache) against a plain copy of the same
-    bytes in the prefill process, with the ratio's 95 % interval (timing.ratio_ci resamples both), and one layer's
+    bytes in the prefill process, with the ratio's 95 % interval (intervals.ratio_ci resamples both), and one layer's
     send time. Times in ms, rates in GB/s (decimal), shares in %."""
     rows = []
     for (layout, context), g in bench.groupby(["layout", "context"]):

@@ -10,8 +10,8 @@
     registry.py           every transport by name: make_transport, transports, unavailable
 """
 
-from .pools import (LAYOUTS, BlockAllocator, BlockPool, BlockTable, PoolSpec, paged_prefill_cache, positive_int,
-                    prefill_into_pages, verify_transfer)
+from .pools import LAYOUTS, BlockAllocator, BlockPool, BlockTable, PoolSpec, positive_int, verify_transfer
+from .prefill import paged_prefill_cache, prefill_into_pages
 
 __all__ = ["LAYOUTS", "PoolSpec", "BlockTable", "BlockAllocator", "BlockPool", "paged_prefill_cache",
            "prefill_into_pages", "verify_transfer", "positive_int"]

@@ -23,7 +23,7 @@ import pandas as pd
 
 from ... import plots
 from ...disagg.summary import bench_table
-from ...timing import median_ci
+from ...intervals import median_ci
 
 __all__ = ["ttft_extra", "goal_rows", "fault_goal_rows", "bench_table", "plot", "fault_table", "plot_faults",
            "nixl_table", "checksum_table"]

@@ -11,7 +11,7 @@ import pandas as pd
 from ... import calculator, ceilings_fit, models
 from ... import goals as G
 from ...study import Analysis, ctx_label, fmt_or_dash, sig
-from ...timing import median_ci
+from ...intervals import median_ci
 
 __all__ = ["analyse", "run_ceilings", "run_ceiling_record", "layers_of", "summarize", "goals", "goal_state",
            "predictions", "SEED004_H100", "findings", "correctness_finding", "attribution_summary",
@@ -121,7 +121,7 @@ def summarize(timings: pd.DataFrame, ceilings: dict | None = None, paths: dict |
     layerwise_extra_ms (median of paired B − A), layerwise_extra_pct, extra_min_ms, extra_max_ms,
     extra_ci_lo_ms / extra_ci_hi_ms (95 % bootstrap interval of that median),
     exposed_ms, exposed_min_ms, exposed_max_ms, exposed_ci_lo_ms / _hi_ms, hook_host_ms with hook_host_ci_lo_ms /
-    _hi_ms, decode_step_ms — every _ci_ pair a 95 % bootstrap interval of the median (kvlab.timing.median_ci).
+    _hi_ms, decode_step_ms — every _ci_ pair a 95 % bootstrap interval of the median (kvlab.intervals.median_ci).
     """
     out = []
     for (context, dest), g in timings[timings.destination != "colocated"].groupby(["context", "destination"],

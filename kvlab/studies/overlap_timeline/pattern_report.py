@@ -10,7 +10,7 @@ import pandas as pd
 
 from ... import plots
 from ...clocks import on_timeline
-from ...timing import median_ci
+from ...intervals import median_ci
 from .patterns import PATTERNS
 
 __all__ = ["pattern_summary", "pattern_findings", "plot_patterns", "plot_clock_timeline"]

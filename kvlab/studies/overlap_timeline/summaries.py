@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ...timing import median_ci
+from ...intervals import median_ci
 
 __all__ = ["tracing_overhead", "event_overhead"]
 
@@ -32,7 +32,7 @@ def event_overhead(rounds: pd.DataFrame) -> pd.DataFrame:
     """What the per-layer CUDA events cost prefill, from event_handoff's rounds (variant "layer-wise" and
     "layer-wise + events", round, prefill_ms): one row of untimed_ms and evented_ms (medians), extra_ms (the
     median of the paired differences, same round) with its 95 % bootstrap interval extra_ci_lo_ms /
-    extra_ci_hi_ms (kvlab.timing.median_ci), overhead_pct (extra over the untimed median) and rounds (pairs)."""
+    extra_ci_hi_ms (kvlab.intervals.median_ci), overhead_pct (extra over the untimed median) and rounds (pairs)."""
     ev = rounds[rounds.variant == "layer-wise + events"].set_index("round").prefill_ms
     pl = rounds[rounds.variant == "layer-wise"].set_index("round").prefill_ms
     diff = (ev - pl).dropna()

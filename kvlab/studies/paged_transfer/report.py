@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 
 from ... import goals as G
-from ... import plots, timing
+from ... import intervals, plots
 from .bench import COLUMNS, METHODS
 
 __all__ = ["merge", "summary", "pct_table", "goals", "finding", "plot_gbps_vs_block_size", "tuning_table",
@@ -65,11 +65,11 @@ def summary(df: pd.DataFrame, context: int | None = None, block_size: int | None
                        status=m.status.iloc[0], backend=_text(m.backend.iloc[0]), note=_text(m.note.iloc[0]))
             if len(ok):
                 med = float(ok.ms.median())
-                r_lo, r_hi = timing.ratio_ci(ceil_ms, ok.ms) if len(ceil_ms) else (float("nan"), float("nan"))
+                r_lo, r_hi = intervals.ratio_ci(ceil_ms, ok.ms) if len(ceil_ms) else (float("nan"), float("nan"))
                 gbps = float(ok.bytes.iloc[0] / (med * 1e6))
                 row.update(ms=med, ms_min=float(ok.ms.min()), ms_max=float(ok.ms.max()),
-                           time=f"{timing.fmt_ms(med)} ({timing.fmt_ms(float(ok.ms.min()))}–"
-                                f"{timing.fmt_ms(float(ok.ms.max()))})",
+                           time=f"{intervals.fmt_ms(med)} ({intervals.fmt_ms(float(ok.ms.min()))}–"
+                                f"{intervals.fmt_ms(float(ok.ms.max()))})",
                            gbps=gbps, ceiling_gbps=ceiling, pct_of_ceiling=100 * gbps / ceiling,
                            pct_lo=100 * r_lo, pct_hi=100 * r_hi)
             else:
@@ -247,7 +247,7 @@ def pattern_summary(df: pd.DataFrame) -> pd.DataFrame:
     out = []
     for name, g in df.groupby("pattern", sort=False):
         med = g.ms.median()
-        out.append(dict(pattern=name, time=f"{timing.fmt_ms(med)} ({timing.fmt_ms(g.ms.min())}–{timing.fmt_ms(g.ms.max())})",
+        out.append(dict(pattern=name, time=f"{intervals.fmt_ms(med)} ({intervals.fmt_ms(g.ms.min())}–{intervals.fmt_ms(g.ms.max())})",
                         ms=med, gbps=float(g.bytes.iloc[0] / med / 1e6), pct_of_contiguous=100 * ceil / med,
                         repeats=len(g), config=g.config.iloc[0], description=g.description.iloc[0]))
     return pd.DataFrame(out)

@@ -37,7 +37,8 @@ import torch
 
 from ... import plots
 from ...paged import BlockAllocator, BlockPool, PoolSpec, kernels, registry
-from ...timing import ratio_ci, sync_device
+from ...timing import sync_device
+from ...intervals import ratio_ci
 
 __all__ = ["H2D_METHODS", "measure", "paged_rows", "summarise", "plot"]
 
@@ -188,7 +189,7 @@ def paged_rows(spec: PoolSpec, num_blocks: int, ids) -> np.ndarray:
 
 def summarise(df: pd.DataFrame) -> pd.DataFrame:
     """Per (context, direction, host layout, method): median ms (min–max), GB/s, and % of the same direction's
-    contiguous copy with the 95 % interval of that ratio (kvlab.timing.ratio_ci)."""
+    contiguous copy with the 95 % interval of that ratio (kvlab.intervals.ratio_ci)."""
     if "host_layout" not in df.columns:  # run 20261201-030223 (before the column): every host pool was scattered
         df = df.assign(host_layout=np.where(df["method"] == "contiguous", "contiguous", "scattered"))
     out = []
