@@ -48,7 +48,6 @@ class _Out:
         """Copy this analysis's figures (those named in ``only``, default all) to figures/<study>/<name><suffix>.*
         as the source run's published figures, the sidecar naming this analysis folder and the code that drew
         them."""
-        from . import plots
 
         out = []
         stems = [f.removesuffix(".png") for f in self.meta["figures"]]
@@ -65,8 +64,6 @@ class _Out:
 
     def figure(self, fig, name: str) -> None:
         import matplotlib.pyplot as plt
-
-        from . import plots
 
         footer = (f"{plots.footer_text(self.run_id, self.device_tag)} · re-analysed "
                   f"{self.meta['analysed_utc'][:10]} by {provenance.short(self.drawn)}")

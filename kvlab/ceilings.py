@@ -45,9 +45,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from . import devices
+from . import devices, nbtools
 from .paged import kernels
-from .timing import resolve_device, time_fn
+from .timing import check_int, resolve_device, time_fn
 from .units import GiB, KiB, MiB, fmt_bytes
 
 __all__ = [
@@ -402,11 +402,7 @@ class _Case:
 # --------------------------------------------------------------------------- #
 def _progress(total: int, enabled: bool):
     """A tqdm bar: the notebook widget in a live Jupyter kernel, text on stderr elsewhere."""
-    try:
-        from . import nbtools
-        interactive = nbtools.is_interactive()
-    except ImportError:
-        interactive = False
+    interactive = nbtools.is_interactive()
     if interactive:
         from tqdm.auto import tqdm
     else:
@@ -463,7 +459,6 @@ def measure(
             copies < 1, or a size that does not fit in free device/host memory
             — all before anything is allocated.
     """
-    from .timing import check_int
 
     n = check_int("n", n, 1)
     warmup = check_int("warmup", warmup, 0)

@@ -16,7 +16,9 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import pandas as pd
 
+from . import plots
 from .intervals import fmt_ms
+from .parse import check_int
 from .units import KiB, fmt_bytes
 
 __all__ = ["fit_model", "fit", "Fit", "PathCeiling", "Ceilings", "summary_table", "plot", "finding_text"]
@@ -165,7 +167,6 @@ class Ceilings:
             ValueError: unknown path, a path without a fit, ``nbytes < 0``, or
                 ``copies`` not an int >= 1.
         """
-        from .timing import check_int
 
         pc = self[path]
         copies = check_int("copies", copies, 1)
@@ -398,13 +399,7 @@ def plot(df: pd.DataFrame, ceilings: "Ceilings | Fit | pd.DataFrame", ax=None, t
     else:
         fig = ax.figure
     names = list(dict.fromkeys(per["path"]))
-    try:
-        from . import plots
-
-        colors = plots.palette(names)  # the house palette: distinct, colour-blind safe
-    except ImportError:
-        cycle = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
-        colors = {p: cycle[i % len(cycle)] for i, p in enumerate(names)}
+    colors = plots.palette(names)  # the house palette: distinct, colour-blind safe
     markers = "osD^vPX*"  # paired paths (d2h/h2d, i->j/j->i) often overlap: shapes tell them apart
     for k, (path, g) in enumerate(per.groupby("path", sort=False)):
         color, marker = colors[path], markers[k % len(markers)]

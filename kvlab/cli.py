@@ -35,7 +35,10 @@ import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from kvlab import __version__, paths, runfolder, runner, studies
+from kvlab import (__version__, analyse, calculator, devices, models, paths, provenance, report, runfolder, runner,
+                   studies)
+from kvlab.nbtools import format_number
+from kvlab.tracefmt import command as trace_command
 from kvlab.parse import OneLineParser, UsageError, token_list
 from kvlab.params import (RUN_DIR_IS_SET, find_notebook,
                           list_notebooks, notebooks_dir, parse_params, runnable_parameters)
@@ -362,7 +365,6 @@ def _one_token_count(text: str) -> int:
 
 
 def _show(name: str, value) -> str:
-    from kvlab.nbtools import format_number
 
     if isinstance(value, bool) or value is None or isinstance(value, str):
         return str(value)
@@ -398,7 +400,6 @@ def _cmd_calc(args) -> int:
 
 Example: kvlab calc qwen2.5-7b --tokens 32k --link nvlink-h100
          kvlab calc path/to/Llama-3.2-1B/config.json --tokens 8k"""
-    from kvlab import calculator, models
 
     spec = models.from_ref(args.model, "MODEL")
     if args.link.strip().replace(".", "", 1).isdigit():
@@ -480,7 +481,6 @@ def _cmd_analyse(args) -> int:
     tables and figures stay as they were. Studies: overlap_timeline, handoff, paged_transfer.
 
 Example: kvlab analyse data/overlap_timeline/20261130-142913-h200 --out /tmp/reanalysis"""
-    from kvlab import analyse
 
     return analyse.run_args(args)
 
@@ -491,7 +491,6 @@ def _cmd_report(args) -> int:
     """Regenerate every table the README marks with <!-- kvlab-report:NAME --> from data/ (the runs each
     block names, the goals' verdicts under kvlab.goals' one rule). --check compares instead and exits 1
     when the README differs from what the committed runs give (the test suite runs it)."""
-    from kvlab import report
 
     return report.run_args(args)
 
@@ -500,7 +499,6 @@ def _cmd_report(args) -> int:
             configure="kvlab.provenance:add_arguments")
 def _cmd_provenance(args) -> int:
     """Check each run's recorded code hash against its commit (kvlab.provenance.status)."""
-    from kvlab import provenance
 
     return provenance.run_args(args)
 
@@ -512,9 +510,8 @@ def _cmd_provenance(args) -> int:
 def _cmd_trace(args) -> int:
     """Take or read a timeline into kvlab's events table. Where Nsight Systems cannot make a report,
     it says so: torch.profiler (kvlab.tracefmt.capture, notebook 03) is the path that always works."""
-    from kvlab.tracefmt import command
 
-    return command.trace_main(args.rest or ["--help"])
+    return trace_command.trace_main(args.rest or ["--help"])
 
 
 @subcommand("disagg",
@@ -556,7 +553,6 @@ def _cmd_info(args) -> int:
     """Print what kvlab sees on this machine: host, CPUs, memory, GPUs (memory, compute capability,
     SM count), the peer-access matrix, driver and CUDA versions, and package versions — the same
     record every run.json carries."""
-    from kvlab import devices
 
     info = devices.describe()
     print(json.dumps(info, indent=2) if args.json else format_info(info))

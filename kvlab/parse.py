@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import numbers
 import re
 
-__all__ = ["UsageError", "name_list", "token_list", "suggest", "yaml_load", "YAMLInputError", "MAX_YAML_BYTES",
+__all__ = ["check_int", "UsageError", "name_list", "token_list", "suggest", "yaml_load", "YAMLInputError", "MAX_YAML_BYTES",
            "OneLineParser"]
 
 
@@ -149,3 +150,11 @@ class OneLineParser(argparse.ArgumentParser):
                                              cutoff=0.6)
             hint = f"; did you mean {near[0]!r}?" if near else ""
         self.exit(2, f"{self.prog}: error: {message}{hint} ({self.prog} -h lists what is valid)\n")
+
+
+def check_int(name: str, value: object, minimum: int) -> int:
+    """`value` as an int, or ValueError naming `name` unless it is an integer (a numpy one too) >= `minimum`."""
+    # bool is an int subclass; True as a repeat count is almost certainly a bug
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name}={value!r}: expected an int >= {minimum}")
+    return int(value)

@@ -19,6 +19,8 @@ import re
 import shutil
 from pathlib import Path
 
+from . import devices, paths, provenance, results
+
 # Okabe & Ito (2008), "Color Universal Design".
 BLACK = "#000000"
 ORANGE = "#E69F00"
@@ -125,8 +127,6 @@ def style() -> None:
 
 def _run_facts(run) -> tuple[Path, str, str, bool, str]:
     """(run folder, run id, study, is_gpu, device line) of a ``results.Run`` or a run folder."""
-    from kvlab import devices, results
-
     if isinstance(run, results.Run):
         record, folder = run.record, run.dir
     elif isinstance(run, (str, os.PathLike)):
@@ -151,8 +151,6 @@ def _git_ignores(path: Path) -> bool:
 
 def _run_parameters(run) -> dict:
     """The parameters a run was made with, less run_dir (which differs for every run)."""
-    from kvlab import results
-
     record = run.record if isinstance(run, results.Run) else \
         json.loads((Path(run) / results.RUN_JSON).read_text(encoding="utf-8"))
     return {k: v for k, v in (record.get("parameters") or {}).items() if k != "run_dir"}
@@ -303,8 +301,6 @@ def save(fig, name: str, run, publish: bool | None = None) -> list[Path]:
     if not hasattr(fig, "savefig"):
         raise TypeError(f"fig must be a matplotlib Figure, got {type(fig).__name__}")
     folder, run_id, study, is_gpu, device = _run_facts(run)
-    from kvlab import provenance
-
     drawn = provenance.drawing()
     written = write(fig, folder / "figures", name, footer_text(run_id, device, provenance.short(drawn)))
     mode = ("yes" if publish else None) if publish is not None else publishing()
@@ -320,8 +316,6 @@ def publish_files(files: list[Path], name: str, run, mode: str = "yes", drawn: d
     that drew it (``drawn``, default `provenance.drawing()`) and any ``extra`` fields; returns the copies, or
     [] with a printed note when the rules of `save` keep the published figure. A re-analysis publishes
     through this too (`kvlab analyse RUN --publish`)."""
-    from kvlab import paths, provenance
-
     folder, run_id, study, is_gpu, device = _run_facts(run)
     params = _run_parameters(run)
     drawn = drawn if drawn is not None else provenance.drawing()

@@ -26,7 +26,7 @@ from . import docgen, goals, provenance, studies
 from .paths import read_json, repo_root
 from .study import ctx_label, md_table, run_link
 
-__all__ = ["MANIFEST", "manifest", "BLOCKS", "render", "update", "check", "evidence_runs", "add_arguments",
+__all__ = ["MANIFEST", "manifest", "block_names", "render", "update", "check", "evidence_runs", "add_arguments",
            "run_args"]
 
 BLOCK_RE = re.compile(r"(<!-- kvlab-report:([a-z0-9_]+) -->\n)(.*?)(<!-- /kvlab-report -->)", re.S)
@@ -200,15 +200,10 @@ META_BLOCKS = {"verdicts": verdicts, "verdict_counts": verdict_counts, "provenan
 NEEDS_HISTORY = ("provenance",)
 
 
-class _Blocks(dict):
-    """Every block name → a function rendering it for the README (the manifest's blocks, then META_BLOCKS)."""
-
-    def __init__(self):
-        super().__init__({name: functools.partial(_render_block, name, "") for name in manifest()["blocks"]})
-        self.update({name: fn for name, fn in META_BLOCKS.items()})
-
-
-BLOCKS = _Blocks()
+def block_names() -> list[str]:
+    """Every block a document may show: the manifest's blocks, then META_BLOCKS (read when asked: importing this
+    module reads no file)."""
+    return [*manifest()["blocks"], *META_BLOCKS]
 
 
 def render(name: str, prefix: str = "", shown: list[str] = ()) -> str:

@@ -83,7 +83,7 @@ def execute(notebook: Path, params: Mapping, run_dir: str | os.PathLike | None =
     """
     import papermill
 
-    from kvlab import nbexec
+    from kvlab import nbexec  # jupyter_client: imported only when a notebook runs
 
     notebook = Path(notebook)
     study = paths.check_study(paths.study_of(notebook))

@@ -27,8 +27,9 @@ import gc
 import time
 from typing import Callable, Iterable, Mapping, NamedTuple
 
-import numpy as np
 import torch
+
+from .parse import check_int
 
 __all__ = [
     "balanced_orders",
@@ -91,13 +92,6 @@ def free_device(device: torch.device) -> None:
     if device.type == "cuda":
         gc.collect()
         torch.cuda.empty_cache()
-
-
-def check_int(name: str, value: object, minimum: int) -> int:
-    # bool is an int subclass; True as a repeat count is almost certainly a bug
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name}={value!r}: expected an int >= {minimum}")
-    return int(value)
 
 
 def _check_callable(name: str, fn: object) -> None:

@@ -41,8 +41,11 @@ import time
 
 import torch
 
+from ..paged import prefill_into_pages
+from ..steps import decode, make_prompt, prefill
+from ..timing import sync_device
 from .backends import BACKENDS
-from .protocol import LandedLayers
+from .protocol import IncompleteCacheError, LandedLayers
 
 __all__ = ["KINDS", "DEFAULT_KINDS", "POLICIES", "checksum", "plan", "run_campaign"]
 
@@ -102,8 +105,6 @@ def _sink_checksums(sink, layers) -> dict[int, str]:
 
 def run_campaign(w, base: dict, sink, table, ref) -> list[dict]:
     """The campaign on one (layout, context), by the decode worker `w` (kvlab.disagg.decode.DecodeWorker)."""
-    from ..steps import decode
-    from .protocol import IncompleteCacheError, LandedLayers
 
     cfg = w.cfg
     ref_buf, ref_first, ref_toks, ref_logits = ref
@@ -180,7 +181,6 @@ def run_campaign(w, base: dict, sink, table, ref) -> list[dict]:
 
 def _attempt(w, base, sink, layers: list[int], fault, good: set[int]):
     """One request for `layers`, fenced: returns (bad layers, how the first problem was detected, done)."""
-    from .protocol import LandedLayers
 
     cfg = w.cfg
     plan_units = [(i,) for i in layers]
@@ -218,8 +218,6 @@ def _attempt(w, base, sink, layers: list[int], fault, good: set[int]):
         drain = [u[0] for u in w.link.pending if u[0] not in sent]
         w.control.post(f"req{n}/ack", {"drain": drain})
         w.link.drain(n, cfg.timeout_s)  # late layers and filler: the channel is clean before the next request
-        from ..timing import sync_device
-
         sync_device(w.dev)
         t0 = time.perf_counter()
         sums = _sink_checksums(sink, sorted(landed_in_time))  # ends in tolist(): the device is done
@@ -300,8 +298,6 @@ def _done_or_dead(w, n: int):
 
 def _recompute(w, base, sink, table) -> None:
     """The decode side prefills the prompt itself, into its own destination."""
-    from ..paged import prefill_into_pages
-    from ..steps import make_prompt, prefill
 
     ids = make_prompt(w.model.config.vocab_size, base["context"], w.dev, seed=w.cfg.seed)
     if table is None:

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..paged.nixl import nixl_api
 from .endpoints import Rows, Sink, Source, flip_first_byte, span
 
 __all__ = ["NixlLink", "ucx_transports", "DESCS"]
@@ -63,7 +64,6 @@ class NixlLink:
     pending: list = []  # a write lands or fails with its notification: no receive is posted in advance
 
     def __init__(self, role: str, device: torch.device, control, timeout_s: float, descs: str = "block"):
-        from ..paged.nixl import nixl_api
 
         if descs not in DESCS:
             raise ValueError(f"nixl descriptors = {descs!r} is not valid; valid: {', '.join(DESCS)}")
