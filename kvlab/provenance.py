@@ -84,12 +84,19 @@ def tree_hash(root: str | os.PathLike | None = None) -> str:
     return _digest({p: (root / p).read_bytes() for p in code_paths(root)})
 
 
+# the bytes on disk, not what a clean filter would commit: the notebooks' nbstripout filter (make installs it) strips
+# outputs, and a diff through it would not rebuild the files that ran (rebuilt_hash); it also costs a Python start
+# per notebook
+_RAW = ("-c", "filter.nbstripout.clean=cat", "-c", "filter.nbstripout.smudge=cat", "-c",
+        "filter.nbstripout.required=false", "-c", "diff.ipynb.textconv=cat")
+
+
 def _git(root: Path, *args: str, data: bytes | None = None) -> subprocess.CompletedProcess | None:
     git = shutil.which("git")
     if git is None:
         return None
     try:
-        return subprocess.run([git, "-C", str(root), *args], input=data, capture_output=True, timeout=120,
+        return subprocess.run([git, "-C", str(root), *_RAW, *args], input=data, capture_output=True, timeout=120,
                               check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None

@@ -184,6 +184,13 @@ def _invocation() -> tuple[list, dict | None]:
             invocation = {"raw": raw}
         if isinstance(invocation, dict):
             return list(invocation.get("argv") or sys.argv), invocation
+    # papermill run directly: with --inject-paths it defines PAPERMILL_INPUT_PATH / PAPERMILL_OUTPUT_PATH in the
+    # notebook's namespace (the kernel's __main__), which says where the executed notebook of this run is written
+    main = sys.modules.get("__main__")
+    paths_given = {key: getattr(main, f"PAPERMILL_{key.upper()}_PATH", None) for key in ("input", "output")}
+    if all(isinstance(v, str) for v in paths_given.values()):
+        return list(sys.argv), {"tool": "papermill", "notebook": paths_given["input"],
+                                "executed": paths_given["output"]}
     return list(sys.argv), None
 
 

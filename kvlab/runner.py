@@ -47,10 +47,10 @@ _PAPERMILL_LOGGERS = ("papermill", "papermill.translators")
 
 
 class _QuietInspection(logging.Filter):
-    """Drops papermill's own parameter-inspection warnings. Its regex cannot read lines such as the
-    contract's ``run_dir: str = ""  # ... empty = a new ...`` or ``x: int | str = ...``, so it warns
-    about them and calls their parameters unknown; kvlab has already checked every name with
-    ``notebook_parameters``, so these lines would only be noise."""
+    """Drops papermill's own parameter-inspection warnings. Its regex cannot read lines such as
+    ``x: int | str = ...`` or one whose comment holds "=" (kvlab's own notebooks have none: kvlab.study.Param
+    refuses them, but a user's notebook may), so it warns about them and calls their parameters unknown; kvlab has
+    already checked every name with ``notebook_parameters``, so these lines would only be noise."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()

@@ -34,13 +34,14 @@ from .parse import suggest
 __all__ = ["Param", "Analysis", "parameters_cell", "check_params", "cell_params", "RUN_DIR_LINE", "md_table",
            "ctx_label", "sig", "fmt_or_dash", "run_link"]
 
-RUN_DIR_LINE = 'run_dir: str = ""  # kvlab run sets it; empty = a new data/<study>/<run_id>/'
+RUN_DIR_LINE = 'run_dir: str = ""  # kvlab run sets it; empty: a new data/<study>/<run_id>/'
 
 
 @dataclass(frozen=True)
 class Param:
     """One parameter of a study: `name`, its `type` as the notebook annotates it ("str", "int", "float", "bool",
-    "list", "list | str", "int | str"), its `default` (a Python literal), `help` (what it is, with units), and
+    "list": one name papermill reads, no unions), its `default` (a Python literal), `help` (what it is, with units;
+    no "=", which papermill's reading of the parameters cell splits a line at), and
     `check(value, name)`, which raises ValueError (one line, naming the value and what is valid) for a value the
     study cannot take. "auto" is never checked: the study's `check` resolves it by hardware."""
 
@@ -55,6 +56,9 @@ class Param:
             raise ValueError(f"Param {self.name}: type {self.type!r} is not one of {sorted(_TYPES)}")
         if not _fits(self.default, self.type):
             raise ValueError(f"Param {self.name}: default {self.default!r} is not a {self.type}")
+        if "=" in self.help or "\n" in self.help:
+            raise ValueError(f"Param {self.name}: help {self.help!r} holds '=' or a line break; papermill cannot read "
+                             "such a line of the parameters cell (write ':' or 'at least')")
 
     def line(self) -> str:
         """The parameter's line in the notebook's parameters cell."""
@@ -71,12 +75,11 @@ def _literal(value) -> str:
 
 
 # the annotations a parameter may carry, and the Python values each accepts (papermill injects literals)
-_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "list": (list,),
-          "list | str": (list, str), "int | str": (int, str)}
+_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "list": (list,)}
 
 
 def _fits(value, type_: str) -> bool:
-    if type_ in ("int", "float", "int | str") and isinstance(value, bool):
+    if type_ in ("int", "float") and isinstance(value, bool):
         return False
     if type_ == "float" and isinstance(value, float) and not math.isfinite(value):
         return False

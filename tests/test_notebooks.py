@@ -15,7 +15,7 @@ from kvlab import params as nbparams
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
-RUN_DIR_LINE = 'run_dir: str = ""  # kvlab run sets it; empty = a new data/<study>/<run_id>/'
+RUN_DIR_LINE = 'run_dir: str = ""  # kvlab run sets it; empty: a new data/<study>/<run_id>/'
 
 
 def test_the_workbook_has_notebooks():
@@ -46,6 +46,18 @@ def test_the_output_filter_strips_the_workbook_and_never_a_runs_record():
     lines = out.strip().splitlines()
     assert lines[0].endswith("filter: nbstripout"), lines[0]
     assert lines[1].endswith("filter: unset"), lines[1]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_papermill_reads_every_parameter_as_declared(path):
+    """`papermill --help-notebook` (and JupyterLab's papermill tools) read the parameters cell with a regex that drops
+    a line whose annotation is a union or whose comment holds "=": every parameter must come through, typed."""
+    papermill = pytest.importorskip("papermill")
+    seen = papermill.inspect_notebook(str(path))
+    declared = nbparams.notebook_parameters(path)
+    assert sorted(seen) == sorted(declared), f"papermill reads {sorted(seen)}, the cell declares {sorted(declared)}"
+    for name, p in declared.items():
+        assert seen[name]["inferred_type_name"] == p.annotation, (name, seen[name], p)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -21,6 +23,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kvlab import devices, nbtools, paths, plots, provenance, results, runfolder  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
 
 RUN_ID = re.compile(r"^\d{8}-\d{6}-[a-z0-9]+(-\d+)?$")
 UTC_STAMP = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z$")
@@ -611,6 +615,27 @@ def test_a_run_from_changed_code_records_the_diff_that_rebuilds_it(repo, tmp_pat
     assert provenance.status(run.record, run.dir, repo)[0] == "mismatch"
 
 
+def test_the_diff_is_of_the_bytes_on_disk_not_of_what_the_notebook_filter_would_commit(repo, tmp_path):
+    """make puts nbstripout on notebooks as git's clean filter: a notebook saved with outputs looks unchanged to git,
+    yet its bytes are what ran. The recorded diff must rebuild those bytes, outputs and all."""
+    (repo / "notebooks").mkdir()
+    (repo / "notebooks" / "a.ipynb").write_text('{"cells": []}\n')
+    (repo / ".gitattributes").write_text("*.ipynb filter=nbstripout\n")
+    git(repo, "config", "filter.nbstripout.clean", "sed -e s/outputs/stripped/")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "first")
+    head = git(repo, "rev-parse", "HEAD")
+    (repo / "notebooks" / "a.ipynb").write_text('{"cells": [], "outputs": 1}\n')
+    run = results.start("toy", {})
+    g = run.record["git"]
+    assert g["code_matches_commit"] is False and g["diff_rebuilds_code"] is True
+    rebuilt = tmp_path / "rebuilt"
+    subprocess.run(["git", "clone", "-q", str(repo), str(rebuilt)], check=True)
+    git(rebuilt, "checkout", "-q", head)
+    git(rebuilt, "-c", "filter.nbstripout.clean=cat", "apply", str(run.dir / "git.diff"))
+    assert (rebuilt / "notebooks" / "a.ipynb").read_text() == '{"cells": [], "outputs": 1}\n'
+
+
 def test_a_sent_commit_is_checked_against_the_code_that_travelled(repo, monkeypatch):
     git(repo, "add", "kvlab/code.py")
     git(repo, "commit", "-qm", "first")
@@ -679,3 +704,20 @@ def test_sigterm_handler_nests_and_restores():
             signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
     finally:
         again()
+
+
+def test_a_run_made_by_papermill_itself_records_where_its_executed_notebook_went(tmp_path, kvlab_dirs, make_notebook):
+    """Users batch-run notebooks with papermill directly too: with --inject-paths the run's record names the
+    notebook and the executed copy, as a `kvlab run` record names its own."""
+    pytest.importorskip("papermill")
+    nb = make_notebook(tmp_path / "00_toy.ipynb", 'size: int = 1  # rows\nrun_dir: str = ""  # set by kvlab run\n',
+                       "from kvlab import results\nrun = results.start('toy', {'size': size}, run_dir)\n"
+                       "print(run.dir)\nrun.finish()")
+    out = tmp_path / "executed.ipynb"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    subprocess.run([sys.executable, "-m", "papermill", str(nb), str(out), "-p", "size", "2", "-p", "run_dir",
+                    str(tmp_path / "run"), "--inject-paths", "--no-progress-bar"], check=True, env=env,
+                   capture_output=True, stdin=subprocess.DEVNULL, timeout=300)
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert record["status"] == "finished" and record["parameters"]["size"] == 2
+    assert record["invocation"] == {"tool": "papermill", "notebook": str(nb), "executed": str(out)}

@@ -67,7 +67,7 @@ def _some(parse):
 
 
 PARAMS = (
-    Param("models", "list | str", "all", 'models of the KV table: a list of registry names, or "all" for every '
+    Param("models", "str", "all", 'models of the KV table: comma-separated registry names, or "all" for every '
           "published model in kvlab.models", _named(calcviz.resolve_models)),
     Param("prompt_tokens", "int", 8192, "prompt length (tokens) of the KV table, the TP figure and the exposure figure",
           _at_least(1)),

@@ -64,7 +64,7 @@ PARAMS = (
     Param("block_size", "int", 16, "tokens per block of a paged cache", _at_least(1)),
     Param("block_order", "str", "random", 'paged: both sides\' blocks drawn at random (a busy server) or "packed" '
           "(lowest ids first)"),
-    Param("repeats", "int", 9, "timed rounds; a round = a colocated prefill and every mode, in rotated order",
+    Param("repeats", "int", 9, "timed rounds; a round is a colocated prefill and every mode, in rotated order",
           _at_least(1)),
     Param("warmup", "int", 2, "untimed rounds first", _at_least(0)),
     Param("decode_tokens", "int", 20, "greedy tokens compared with the colocated decode", _at_least(1)),

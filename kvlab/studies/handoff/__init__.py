@@ -54,7 +54,7 @@ def _choice(*valid: str):
 
 
 def _device() -> torch.device:
-    """Where this machine's preset measures: the current GPU, or the CPU (no GPU, or KVLAB_PRESET=cpu)."""
+    """Where this machine's preset measures: the current GPU, or the CPU (no GPU, or KVLAB_PRESET set to cpu)."""
     return torch.device("cuda" if devices.preset() == "gpu" else "cpu")
 
 
@@ -77,7 +77,7 @@ PARAMS = (
           "or 32,128 (CPU)", lambda v, n: token_list(v, n, 2)),
     Param("destinations", "str", "auto", 'comma-separated: same-gpu, pinned, pageable, cuda:N; "auto": every kind '
           "this machine has", _destinations),
-    Param("repeats", "int", 9, "timed samples per measure after warm-up (>= 9 for published numbers)", _at_least(1)),
+    Param("repeats", "int", 9, "timed samples per measure after warm-up (9 or more for published numbers)", _at_least(1)),
     Param("warmup", "int", 2, "untimed runs before each measure", _at_least(0)),
     Param("decode_tokens", "int", 20, "greedy tokens compared with the colocated decode", _at_least(1)),
     Param("interleave_short", "int", 30, "colocated/layer-wise A/B rounds at the shortest context (host-bound "

@@ -46,11 +46,11 @@ def _sizes(value, name):
 
 
 PARAMS = (
-    Param("paths", "str", "auto", 'comma-separated path names, "d2d_peer" = every GPU pair, or "auto" = every path '
+    Param("paths", "str", "auto", 'comma-separated path names, "d2d_peer" for every GPU pair, or "auto" for every path '
           "here", _paths),
     Param("sizes", "str", "auto", 'bytes per copy, e.g. "4K,1M,1G" (binary units); "auto": GPU 4 KiB…1 GiB, CPU 4 '
           "KiB…16 MiB", _sizes),
-    Param("repeats", "int", 9, "timed samples per (path, size), after warm-up; publish with >= 9", _positive(1)),
+    Param("repeats", "int", 9, "timed samples per (path, size), after warm-up; publish with 9 or more", _positive(1)),
     Param("warmup", "int", 3, "untimed samples per (path, size) first", _positive(0)),
 )
 
@@ -73,7 +73,7 @@ class Config:
 def check(params) -> Config:
     """The run's Config from notebook or command-line values ("auto" resolved for this machine's hardware)."""
     p = check_params(PARAMS, params, NAME)
-    # a CPU preset (no GPU here, or KVLAB_PRESET=cpu) measures the host path only, at small sizes
+    # a CPU preset (no GPU here, or KVLAB_PRESET set to cpu) measures the host path only, at small sizes
     device = "cpu" if devices.preset() == "cpu" else None
     return Config(paths=ceilings.resolve_paths(p["paths"], device),
                   sizes=ceilings.resolve_sizes(p["sizes"], resolve_device(device)),

@@ -103,7 +103,8 @@ def _patterns(value, name):
 PARAMS = (
     Param("model", "str", "auto", 'registry name; "auto": qwen2.5-7b (random weights) on a GPU, kvlab-tiny on a CPU',
           lambda v, n: models.model_ref(v, n)),
-    Param("context", "int | str", "auto", 'prompt length in tokens; "auto": 32768 on a GPU, 64 on a CPU', _context),
+    Param("context", "str", "auto", 'prompt length in tokens (8192, 8k, 32k); "auto": 32768 on a GPU, 64 on a CPU',
+          _context),
     Param("destination", "str", "auto", 'same-gpu | pinned | pageable | cuda:N; "auto": pinned on a GPU, same-gpu on '
           "a CPU", _destination),
     Param("transport", "str", "copy", 'how the cache moves: "copy" (kvlab.transfer.Transport, one copy per layer)',
@@ -117,10 +118,10 @@ PARAMS = (
     Param("event_rounds", "int", 15, "interleaved rounds with and without those events (their overhead is measured)",
           _at_least(1)),
     Param("clock_interval_ms", "float", 5.0, "NVML samples of the GPUs' SM clock, power and NVLink counters during "
-          "the traced rounds (0 = off)", _clock_interval),
+          "the traced rounds (0: off)", _clock_interval),
     Param("patterns", "str", "auto", 'the send-pattern experiment (kvlab.studies.overlap_timeline.patterns): "auto" '
           '(when the destination is another GPU), "off", or names from its PATTERNS separated by ";"', _patterns),
-    Param("pattern_rounds", "int", 9, "rounds of every pattern, in balanced orders (>= 9 for published numbers)",
+    Param("pattern_rounds", "int", 9, "rounds of every pattern, in balanced orders (9 or more for published numbers)",
           _at_least(1)),
 )
 

@@ -112,15 +112,15 @@ PARAMS = (
     Param("check_model", "str", "kvlab-tiny", 'model for the decode-from-pages check (random weights); "" skips the '
           "check", _check_model),
     Param("nixl_csv", "str", "", "nixl_results.csv written by kvlab.studies.paged_transfer.nixl_only.run_nixl_only, "
-          'merged into the results; "" = none', _nixl_csv),
+          'merged into the results; "": none', _nixl_csv),
 )
 
 
 @dataclass(frozen=True)
 class Config:
     """One run: contexts and block sizes in tokens, the methods, destinations, the KV layout's name, the source device,
-    the pool layout, timed and untimed sends, whether to tune the Triton kernels, the decode check's model ("" = none)
-    and the NIXL results to merge (an absolute path, "" = none)."""
+    the pool layout, timed and untimed sends, whether to tune the Triton kernels, the decode check's model ("": none)
+    and the NIXL results to merge (an absolute path, "": none)."""
 
     contexts: list
     block_sizes: list

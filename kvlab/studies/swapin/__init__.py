@@ -61,7 +61,7 @@ PARAMS = (
     Param("block_size", "int", 16, "tokens per block", _at_least(1)),
     Param("kv_dtype", "str", "bf16", "bf16, fp16 or fp32", lambda v, n: kv_dtype_name(v, n)),
     Param("device", "str", "auto", "the GPU the pool is on: cuda:N, or cpu (checks the logic); \"auto\": cuda:0, "
-          "cpu where there is no GPU (or KVLAB_PRESET=cpu)", _device),
+          "cpu where there is no GPU (or KVLAB_PRESET set to cpu)", _device),
     Param("repeats", "int", 9, "timed sends per method and context", _at_least(1)),
     Param("seed", "int", 0, "seed of the block tables and the data", _at_least(0)),
 )
