@@ -43,6 +43,10 @@ __all__ = [
 ATTENTION_KINDS = ("mha", "gqa", "mqa", "mla")
 # model_type values whose attention is always MLA (transformers' DeepSeek-V2 and -V3 configs)
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+# The deepest decoders published have a few hundred layers; a config asking for more than this is a typo, and
+# what reads it (transformers' config classes among them) builds a list per layer, which at 2**40 layers takes
+# every byte of memory before anything can refuse it.
+MAX_LAYERS = 10_000
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,8 @@ class ModelSpec:
             value = getattr(self, fname)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelSpec {fname}={value!r}: must be a positive int")
+        if self.layers > MAX_LAYERS:
+            raise ValueError(f"ModelSpec layers={self.layers}: at most {MAX_LAYERS:,} decoder layers")
         if self.kv_heads > self.heads:
             raise ValueError(f"ModelSpec kv_heads={self.kv_heads} > heads={self.heads}: a layer cannot have more KV "
                              "heads than query heads")
@@ -323,6 +329,9 @@ def from_hf_config(x: Any, *, name: str | None = None, source: str | None = None
         return int(v)
 
     layers = as_int(FIELD_NAMES["layers"])
+    if layers > MAX_LAYERS:  # before anything builds a list per layer
+        raise ValueError(f"model config ({where}): {FIELD_NAMES['layers'][0]}={layers} is more decoder layers than "
+                         f"any model has; kvlab reads at most {MAX_LAYERS:,}")
     hidden = as_int(FIELD_NAMES["hidden_size"])
     heads = as_int(FIELD_NAMES["heads"])
     vocab = as_int("vocab_size")
