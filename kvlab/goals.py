@@ -383,12 +383,19 @@ def for_run(study: str, record: dict) -> tuple[list[Goal], list[Goal]]:
     return now, [g for g in ours if g not in now]
 
 
-def evaluate_run(study: str, record: dict, table: pd.DataFrame, keys=("context", "destination")) -> pd.DataFrame:
+def evaluate_run(study: str, record: dict | None, table: pd.DataFrame, keys=("context", "destination"),
+                 measured_only: bool = False) -> pd.DataFrame:
     """`evaluate` of a run's summary by the goals in force when it started, then those declared later (column
-    `later`: True for a goal judged beside, never instead)."""
-    now, later = for_run(study, record)
-    parts = [evaluate(now, table, keys).assign(later=False)]
-    if later:
-        parts.append(evaluate(later, table, keys).assign(later=True))
-    out = pd.concat(parts, ignore_index=True)
-    return out.astype({"later": bool}) if len(out) else out
+    `later`, present only when there are such: True for a goal judged beside, never instead). With no record (a summary made in a test, not a run),
+    every goal of the study is in force. `measured_only`: leave out a goal whose metric the table lacks or holds
+    only as missing (a measurement that did not run here, such as a GPU trace on a CPU)."""
+    now, later = for_run(study, record or {})
+    if measured_only:
+        have = lambda g: g.metric in table.columns and table[g.metric].notna().any()  # noqa: E731
+        now, later = [g for g in now if have(g)], [g for g in later if have(g)]
+    out = evaluate(now, table, keys)
+    beside = evaluate(later, table, keys) if later else None
+    if beside is None or not len(beside):  # the usual case (no later goal judges a row of this table): the table
+        return out                         # as evaluate gives it, as committed analyses hold it (no `later` column)
+    out = pd.concat([out.assign(later=False), beside.assign(later=True)], ignore_index=True)
+    return out.astype({"later": bool})

@@ -133,7 +133,9 @@ def verdicts(prefix: str = "") -> str:
                 if has_ctx and int(ctx) <= goals.HOST_BOUND_CONTEXT:
                     host += "; " + host_bound_label(_with_host_bound(study, path, record)) + \
                         " (host-bound: holds on this host)"
-                rows.append({"goal": r.goal, "run": run_link(path, prefix), "host": host, "where": where or "—",
+                # a goal declared after the run started is judged beside the run's own goals, and says so
+                later = " (declared after this run; judged beside its goals)" if getattr(r, "later", False) else ""
+                rows.append({"goal": r.goal + later, "run": run_link(path, prefix), "host": host, "where": where or "—",
                              "value [95 % interval] vs goal": r.value,
                              "verdict": f"**{r.verdict}**" if r.verdict != "met" else r.verdict})
     return md_table(pd.DataFrame(rows))

@@ -112,7 +112,7 @@ def analyse(record: dict, tables: dict) -> Analysis:
     if req is not None and len(req):
         t = goal_rows(req, bench, summary)
         out["summary"] = t
-        g = goals.evaluate(goals.for_study("disagg"), t, keys=("layout", "mode", "context"))
+        g = goals.evaluate_run("disagg", record, t, keys=("layout", "mode", "context"))
         findings += [f"{r.goal} ({r.layout} {r.mode} {r.context}): {r.value} — {r.verdict}"
                      for r in g.itertuples() if r.id != "disagg.identical"]
         for r in t.itertuples():
@@ -134,7 +134,7 @@ def analyse(record: dict, tables: dict) -> Analysis:
         if len(cost):
             out["checksum_cost"] = cost
         if "policy" in summary:
-            fg = goals.evaluate(goals.for_study("faults"), fault_goal_rows(summary, faults), keys=("policy",))
+            fg = goals.evaluate_run("faults", record, fault_goal_rows(summary, faults), keys=("policy",))
             out["fault_goals"] = fg
             findings += [f"{r.goal} (policy {r.policy}): {r.value} — {r.verdict}" for r in fg.itertuples()]
             values["faults.injected"] = f"{summary['faults_injected']:,}"

@@ -174,13 +174,14 @@ def summarize(timings: pd.DataFrame, ceilings: dict | None = None, paths: dict |
     return pd.DataFrame(out)
 
 
-def goals(summary: pd.DataFrame) -> pd.DataFrame:
+def goals(summary: pd.DataFrame, record: dict | None = None) -> pd.DataFrame:
     """The handoff goals (kvlab.goals, study "handoff") judged row by row under the one rule: the link goal
     and the same-bytes goal beside it at the longest context; exposed ≤ one layer and never worse than bulk
     from 4k (and at every context to a peer); hook host time and the interleaved extra ≤ 0.5 ms at a
     host-bound shortest context (≤ 1k); issue 14's NVLink goals at 32k. `met` is True, False or None (not
-    resolved); `verdict` says it in words, `rule` whether an interval or a point value decided."""
-    return G.evaluate(G.for_study("handoff"), summary)
+    resolved); `verdict` says it in words, `rule` whether an interval or a point value decided. With the run's
+    `record`, by the goals in force when it started (kvlab.goals.evaluate_run), later ones beside them."""
+    return G.evaluate_run("handoff", record, summary)
 
 
 def goal_state(value) -> bool | None:
@@ -385,7 +386,7 @@ def analyse(record: dict, tables: dict) -> Analysis:
     rounds = tables.get("attribution_rounds")
     if rounds is not None and len(rounds):
         attr = out["attribution"] = attribution_summary(rounds)
-    goal_table = goals(summary)
+    goal_table = goals(summary, record)
     found = ([correctness_finding(tables["checks"])] if "checks" in tables else []) + findings(summary, goal_table)
     if attr is not None:
         found += attribution_findings(attr)

@@ -313,7 +313,7 @@ def analyse(record: dict, tables: dict) -> Analysis:
                       explained_pct=f"{100 * totals['explained_frac']:.0f}")
     if ev is not None:
         values.update(events_extra_ms=f"{ev.extra_ms.iloc[0]:+.3f}", events_pct=f"{ev.overhead_pct.iloc[0]:+.2f}")
-    return Analysis(NAME, record, raw=dict(tables), tables=out, goals=report.goals(summary), findings=lines,
+    return Analysis(NAME, record, raw=dict(tables), tables=out, goals=report.goals(summary, record), findings=lines,
                     values=values, fields=fields)
 
 

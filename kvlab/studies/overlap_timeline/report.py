@@ -12,7 +12,7 @@ import pandas as pd
 
 from ... import plots
 from ...exposure import pipeline_exposure
-from ...goals import evaluate, for_study
+from ...goals import evaluate_run
 from ...tracefmt import GPU_KINDS, TraceError, check_events, host_layers
 from .decomposition import NO_GPU_MESSAGE, Decomposition, compute_stream, has_gpu_activity, on_stream
 
@@ -405,8 +405,8 @@ def goal_summary(overhead: pd.DataFrame, totals: dict | None = None,
     return pd.DataFrame([row])
 
 
-def goals(summary: pd.DataFrame) -> pd.DataFrame:
-    """Notebook 03's goals (kvlab.goals, study "overlap_timeline") judged on goal_summary's row; a goal whose
-    measurement did not run (no GPU trace, no per-layer events) is left out."""
-    present = [g for g in for_study("overlap_timeline") if pd.notna(summary[g.metric].iloc[0])]
-    return evaluate(present, summary, keys=())
+def goals(summary: pd.DataFrame, record: dict | None = None) -> pd.DataFrame:
+    """Notebook 03's goals (kvlab.goals, study "overlap_timeline") judged on goal_summary's row, by those in force
+    when the run of `record` started; a goal whose measurement did not run (no GPU trace, no per-layer events) is
+    left out."""
+    return evaluate_run("overlap_timeline", record, summary, keys=(), measured_only=True)

@@ -37,7 +37,7 @@ class HandoffTrace:
         traced wall, and the colocated trace of the same round).
     walls: tidy, one row per (variant, traced, repeat): wall_ms, prefill_ms, exposed_ms.
         Colocated wall = prefill; layer-wise wall = prefill + max(exposed, 0), exposed = last layer
-        landed − prefill done (as kvlab.handoff measures it).
+        landed − prefill done (as kvlab.studies.handoff measures it).
     ceiling_gbps: the whole cache in one copy on the same path, timed alone in this run (bytes/time).
     layer_copy_ms: one layer's K and V copied alone (the per-layer transfer time, fixed cost included).
     paths: {"colocated": [...], "layerwise": [...]} trace files, one per repeat.
@@ -172,7 +172,7 @@ def trace_handoff(model, context: int, destination: str, transport: str = "copy"
                 t0_ns = time.perf_counter_ns()
                 a.record(stream)
                 # arms the copies in "flag"/"staged" mode: inside the traced region, where the timeline shows
-                # it as lead-in (kvlab.handoff arms before its clock starts and reports the arm time apart)
+                # it as lead-in (kvlab.studies.handoff arms before its clock starts and reports the arm time apart)
                 sender.begin()
                 guarded_prefill(hooks)
                 b.record(stream)
@@ -244,7 +244,7 @@ def trace_handoff(model, context: int, destination: str, transport: str = "copy"
     # the device side of a staged send lands in pinned staging memory, so its copies are held against
     # the pinned path's ceiling (the host memcpy into pageable memory follows on a worker thread)
     ceil_t = Transport(layout, "pinned", dev, granularity="buffer") if getattr(sender, "mode", None) == "staged" else t
-    # the first of each is a warm-up; timed as kvlab.handoff times its copies: the copy stream held while
+    # the first of each is a warm-up; timed as kvlab.studies.handoff times its copies: the copy stream held while
     # the host queues the copy, the end event recorded right behind it (not after a host round trip)
     n = max(repeats, 3) + 1
     bulk = [time_copy(ceil_t, src, dev) for _ in range(n)][1:]

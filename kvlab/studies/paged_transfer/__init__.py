@@ -211,7 +211,7 @@ def analyse(record: dict, tables: dict) -> Analysis:
     pat = tables.get("access_patterns")
     if pat is not None and len(pat):
         out["access_pattern_summary"] = report.pattern_summary(pat)
-    goals = report.goals(df)
+    goals = report.goals(df, record=record)
     findings = [report.finding(df)]
     checks = tables.get("decode_check")
     if checks is not None and len(checks):

@@ -102,12 +102,14 @@ def pct_table(df: pd.DataFrame) -> pd.DataFrame:
     return t.reset_index()
 
 
-def goals(df: pd.DataFrame, context: int | None = None, block_size: int | None = None) -> pd.DataFrame:
+def goals(df: pd.DataFrame, context: int | None = None, block_size: int | None = None,
+          record: dict | None = None) -> pd.DataFrame:
     """The paged goals (kvlab.goals, study "paged_transfer") judged at the headline configuration: triton ≥ 95 %
     of the contiguous copy to the same GPU, chunked-gather-d2h ≥ 98 % to pinned host, chunked-gather-peer ≥ 98 %
-    to a peer — each over the min–max of its sends (the one rule)."""
-    return G.evaluate(G.for_study("paged_transfer"), summary(df, context, block_size),
-                      keys=("context", "block_size", "destination"))
+    to a peer — each over the min–max of its sends (the one rule); with the run's `record`, by the goals in force
+    when it started."""
+    return G.evaluate_run("paged_transfer", record, summary(df, context, block_size),
+                          keys=("context", "block_size", "destination"))
 
 
 def finding(df: pd.DataFrame, context: int | None = None, block_size: int | None = None) -> str:
