@@ -151,7 +151,9 @@ def update_values(text: str, manifest: dict, analysis) -> tuple[str, list[str]]:
 SETUP_CONSTANTS = {
     "16 KiB": "one 16-token block of one layer's K or V of the Qwen2.5-7B shape",
     "1 GiB": "the size of the largest copy in a ceiling sweep",
+    "4 MiB": "the bytes a batched ceiling sample moves (kvlab.ceilings batches copies smaller than that)",
     "100 Gb/s": "a 100G NIC's line rate", "400 Gb/s": "a 400G NIC's line rate",
+    "95 %": "the confidence level of every interval kvlab reports",
 }
 _UNIT = (r"(?:ms|µs|us|ns|s|GB/s|GiB/s|MB/s|Gb/s|TB/s|GiB|MiB|KiB|GB|MB|KB|TB|%|MHz|GHz|W|TFLOP/s|×)")
 _NUMBER = re.compile(r"(?<![\w.≥≤<>=~])[-+−]?\d[\d,]*(?:\.\d+)?\s?" + _UNIT + r"(?![\w/])")

@@ -24,8 +24,22 @@ def _readme_commands() -> list[tuple[str, str]]:
     out = []
     for line in block.strip().splitlines():
         command, _, comment = line.partition(" #")
+        if command.startswith("source "):  # the venv's activation, the block's first line: test_the_venv_line
+            continue
         out.append((command.strip(), comment.strip()))
     return out
+
+
+def test_the_command_blocks_venv_line_names_what_make_builds():
+    """The block starts by activating the venv `make` builds; the commands after it need kvlab on PATH."""
+    section = README.read_text(encoding="utf-8").split("## The `kvlab` command", 1)[1]
+    first = section.split("```bash", 1)[1].split("```", 1)[0].strip().splitlines()[0]
+    assert first.split(" #")[0].strip() == "source .venv/bin/activate", first
+    makefile = (REPO / "Makefile").read_text(encoding="utf-8")
+    assert re.search(r"^VENV\s*\??[:]?=\s*\.venv\s*$", makefile, re.M), "the Makefile builds its venv elsewhere"
+    venv = REPO / ".venv"
+    if venv.is_dir():  # after `make test`: the file the line sources, and the kvlab it puts on PATH
+        assert (venv / "bin" / "activate").is_file() and (venv / "bin" / "kvlab").is_file()
 
 
 def _help_examples() -> list[str]:

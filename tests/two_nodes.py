@@ -1,4 +1,4 @@
-"""README's two-node `kvlab disagg` commands, run as written on one machine: each "node" is a network namespace of
+"""the disagg page's two-node `kvlab disagg` commands, run as written on one machine: each "node" is a network namespace of
 its own, the two joined by a veth pair, so the rendezvous, the control store and gloo's traffic cross a real
 (virtual) Ethernet link between two network stacks, not loopback. Two kernels' worth of separation it is not: both
 namespaces share this host's kernel, clock and hostname.
@@ -19,17 +19,17 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-README = REPO / "README.md"
+PAGE = REPO / "docs" / "results" / "disagg.md"  # the disagg page shows the two-node commands
 
 
 def readme_commands() -> list[str]:
-    """The two torchrun command lines of README's two-node block (rank 0 first), continuation lines joined."""
-    text = README.read_text(encoding="utf-8")
+    """The two torchrun command lines of the disagg page's two-node block (rank 0 first), continuation lines joined."""
+    text = PAGE.read_text(encoding="utf-8")
     block = text.split("Two nodes", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     joined = re.sub(r"\\\n\s*", "", block)
     commands = [ln.strip() for ln in joined.splitlines() if ln.strip().startswith("torchrun ")]
     if len(commands) != 2:
-        raise ValueError(f"README's two-node block should hold 2 torchrun commands, found {len(commands)}")
+        raise ValueError(f"the disagg page's two-node block should hold 2 torchrun commands, found {len(commands)}")
     return commands
 
 
@@ -89,8 +89,8 @@ def link_bytes(ns: str, dev: str) -> dict:
 
 
 def run(out: Path, timeout_s: float = 240.0, env: dict | None = None) -> dict:
-    """README's two commands in two namespaces; $MASTER_ADDR is rank 0's address, /shared/disagg-run is `out`
-    (the port stays README's: each namespace has ports of its own).
+    """the disagg page's two commands in two namespaces; $MASTER_ADDR is rank 0's address, /shared/disagg-run is `out`
+    (the port stays the disagg page's: each namespace has ports of its own).
     Returns {"returncodes", "logs", "link": rank 0's veth counters before and after, "commands"}."""
     commands = readme_commands()
     base = {k: v for k, v in os.environ.items() if not k.startswith(("KVLAB_", "GLOO_", "MASTER_"))}
@@ -132,7 +132,7 @@ if __name__ == "__main__":
     import json
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="the decode node's run folder (README's /shared/disagg-run)")
+    parser.add_argument("--out", required=True, help="the decode node's run folder (the disagg page's /shared/disagg-run)")
     args = parser.parse_args()
     got = run(Path(args.out).resolve())
     for code, log in zip(got["returncodes"], got["logs"]):
