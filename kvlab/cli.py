@@ -6,10 +6,11 @@
     kvlab calc MODEL --tokens N [--link 400G] ...             the KV-cache calculator's answer (MODEL or config.json)
     kvlab info                                                hardware, versions, P2P matrix
     kvlab analyse RUN_DIR                                     a committed run's analysis, again
-    kvlab report [--check]                                    the README's tables from the committed runs
+    kvlab report [--check]                                    the README's and docs' tables from the committed runs
     kvlab provenance [RUN_DIR ...] [--check]                  which code made each run; can it be rebuilt
     kvlab disagg --backend gloo|ipc|nccl|nixl ...             prefill and decode as two processes
     kvlab swapin --context 4k,32k                             paged host → GPU scatter (swap-in) beside the gather
+    kvlab simulate --gpus 16 --requests 200 --out DIR         KV handoffs on a cluster fabric, simulated (no GPU)
 
 Adding a subcommand is one function and its registration, with its options given either as
 ``arg(...)`` entries or by a module's own ``add_arguments(parser)`` (named as "module:function",
@@ -37,6 +38,7 @@ from pathlib import Path
 
 from kvlab import (__version__, analyse, calculator, devices, models, paths, provenance, report, runfolder, runner,
                    studies)
+from kvlab.fabric import command as simulate_command
 from kvlab.nbtools import format_number
 from kvlab.tracefmt import command as trace_command
 from kvlab.parse import OneLineParser, UsageError, token_list
@@ -522,7 +524,7 @@ def _cmd_disagg(args) -> int:
     weights). The decode process allocates its cache (poisoned), the prefill process prefills and sends it
     in bulk or layer by layer, and the decode process decodes once every layer has landed, comparing tokens,
     logits and bytes with its own colocated run. Writes <out>/requests.csv, summary.json and run.json.
-    Under torchrun (2 processes; rank 0 decodes) the same command runs across two nodes: see README.
+    Under torchrun (2 processes; rank 0 decodes) the same command runs across two nodes: see docs/results/disagg.md.
 
 Example: kvlab disagg --backend gloo --model kvlab-tiny --context 128 --decode-tokens 20 --out /tmp/kvlab-disagg"""
     from kvlab.studies.disagg import command  # imports torch: only when this subcommand runs
@@ -543,6 +545,18 @@ Example: kvlab swapin --model kvlab-tiny --context 256 --repeats 3"""
     from kvlab.studies.swapin import command  # imports torch: only when this subcommand runs
 
     return command.run_args(args)
+
+
+@subcommand("simulate", "KV handoffs of a whole cluster on its fabric, simulated (no GPU): NICs, leaves and spines "
+            "shared max-min fair", configure="kvlab.fabric.command:add_arguments")
+def _simulate(args) -> int:
+    """Simulate prefill workers handing KV caches to decode workers over a cluster fabric (NVLink inside a node, a
+    NIC per GPU, leaf and spine switches with an oversubscription), flows sharing every link max-min fair, with
+    kvlab's calculator timing each prefill. Writes summary.json, requests.csv (one row per request: TTFT, transfer,
+    exposed time) and links.csv (one row per link: bytes, utilisation) into --out, a new or empty folder.
+
+Example: kvlab simulate --gpus 16 --requests 200 --out /tmp/kvlab-sim"""
+    return simulate_command.run_args(args)
 
 
 @subcommand(
