@@ -9,7 +9,7 @@ are queued on the compute stream, so a copy queued behind that point reads final
                prefill (kvlab.steps.prefill(..., hooks=hooks) does it).
   "attention"  a forward hook on layer i's attention module (any cache): half a layer later, and every
                hooked module then takes PyTorch's slower hook-dispatch path, which costs host time at
-               short contexts (kvlab.handoff.attribute_extra prices it).
+               short contexts (kvlab.studies.handoff.experiment.attribute_extra prices it).
 Either way the MLP of layer i runs while layer i's K and V are already on the wire.
 
 Ranges: with `ranges=True` every decoder layer is wrapped in a range named `kvlab/layer{i}` and every
@@ -98,7 +98,7 @@ class LayerHooks:
         self._handles = []
         self._signals = None
         # clock=True: a timing event on the compute stream at every signal (GPU; about a microsecond of
-        # host time each), and the host clock beside it, for kvlab.trace.event_handoff
+        # host time each), and the host clock beside it, for kvlab.studies.overlap_timeline.events.event_handoff
         self.clock = bool(clock)
         self.kv_events = None
         self.kv_host_ns = [0] * len(self.layers)

@@ -55,7 +55,7 @@ class LayerwiseSend:
 
     timeline=True (GPU; flag, staged and event modes): a timing event is recorded on the copy stream right
     before each layer's copy (`copy_start[i]`; its end is the transport's completion event), so
-    kvlab.trace.event_handoff can place every copy without the profiler. In flag and staged modes the
+    kvlab.studies.overlap_timeline.events.event_handoff can place every copy without the profiler. In flag and staged modes the
     events are queued by arm(), so they cost prefill no host time at all.
 
     release: when each layer may go (the send policy; see `release_plan`): release[i] is the layer whose
@@ -354,7 +354,7 @@ class FlagWriter:
 
     api: "cuda-bindings" (NVIDIA's Python bindings), "ctypes" (libcuda directly), or "auto" — cuda-bindings
     when installed, else ctypes. On our H200 one call cost 1.6 µs of host time through cuda-bindings and
-    2.1 µs through ctypes (kvlab.transfer.signal_costs; data/signal_costs/20261129-102536-h200), so the
+    2.1 µs through ctypes (kvlab.sends.signal_costs; data/signal_costs/20261129-102536-h200), so the
     bindings are the default and ctypes only stands in where they are missing.
     """
 
@@ -397,7 +397,7 @@ class HookCostProbe:
     waits on, and no copies.
 
     Prefill with this signal minus plain prefill is the price of signalling; layer-wise minus this is
-    the price of the copies (kvlab.handoff.attribute_extra). GPU with stream memory operations only.
+    the price of the copies (kvlab.studies.handoff.experiment.attribute_extra). GPU with stream memory operations only.
     """
 
     def __init__(self, device):

@@ -1,7 +1,7 @@
 """Model steps every study shares: the prompt, prefill into kvlab's KV arena, decode, the correctness check,
 and the timed versions of these steps that the paired measurements are built from.
 
-A study (kvlab.handoff, kvlab.trace, kvlab.clocks, kvlab.paged_bench) composes these; nothing here knows
+A study (kvlab.studies.handoff, overlap_timeline, paged_transfer; kvlab.clocks) composes these; nothing here knows
 about a particular experiment. Timed steps return milliseconds: CUDA events on a GPU, perf_counter on a CPU.
 
     make_prompt, cache_kw, model_device, Replicas       inputs and where things live
@@ -74,7 +74,7 @@ def warm_prefill(model, input_ids: torch.Tensor, buffer: KVBuffer) -> None:
     """One prefill with no send armed, before the first armed (flag or staged mode) request of a process.
 
     An armed copy stream waits on flags that only the running prefill writes, so anything in that prefill
-    that waits for the whole device never returns. On our H200, kvlab.trace.event_handoff's first GPU test
+    that waits for the whole device never returns. On our H200, kvlab.studies.overlap_timeline.events.event_handoff's first GPU test
     hung that way: a tiny model's first bf16 prefill, behind an armed copy stream, did not finish in 40 s,
     with lazy or eager kernel loading alike, and with no synchronisation torch's sync-debug mode reports;
     after one unarmed prefill the same test ran in 1 s (data/probes/armed_first_prefill). Whatever the

@@ -227,7 +227,7 @@ def simulate(cfg: SimConfig, progress: bool = False, shortcuts: bool = True) -> 
     (:class:`kvlab.fabric.flows.Fabric`); False recomputes every rate at every start and end (slow; for tests).
     """
     if not isinstance(cfg, SimConfig):
-        raise ValueError(f"cfg={cfg!r}: expected a kvlab.fabric.SimConfig")
+        raise ValueError(f"cfg={cfg!r}: expected a kvlab.fabric.workload.SimConfig")
     wall = time.perf_counter()
     topo = Topology(cfg.topology)
     work = draw(cfg)

@@ -2,7 +2,7 @@
 
     quantize_gather     bf16 pool blocks of a block table → e4m3 payload + float32 scales, per-token-head scales
                         computed in the kernel; the packet may be GPU memory or pinned host memory, which the
-                        kernel's stores reach through UVA (as kvlab.paged_triton.MappedPinned's do)
+                        kernel's stores reach through UVA (as kvlab.paged.triton_transports.MappedPinned's do)
     dequantize_scatter  packet (GPU or pinned host, read through UVA) → bf16 blocks of a destination pool
 
 and `bench_wire`, which times them against a plain bf16 copy of the same cache.
