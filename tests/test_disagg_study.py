@@ -155,3 +155,28 @@ def test_the_library_writes_its_summary_without_the_study(tmp_path):
     assert s["bench"] == dsummary.clean(dsummary.bench_table(pd.DataFrame(bench)).to_dict("records"))
     assert (s["recovered"], s["refused"], s["slowest_decision_ms"]) == (1, 1, 9.0)
     assert json.loads(json.dumps(s)) == s
+
+
+def test_a_two_gpu_send_is_held_against_its_hosts_best_peer_ceiling_beside_its_own_yardstick():
+    """Issue 25: beside disagg.peer_send (a copy of the same bytes in the same run), disagg.peer_send_link holds the
+    send against the best peer ceiling the same machine's link_ceilings run measured; declared after the two-GPU
+    runs, it is judged beside their goals, and a run on another machine finds no ceiling."""
+    from kvlab import host_ceilings
+
+    nccl = DATA / "20261201-092931-h200"
+    record = json.loads((nccl / "run.json").read_text())
+    peer = host_ceilings.peer_ceiling(record, "cuda:0", "cuda:1")
+    assert peer["run"] == "20261201-091906-h200" and peer["path"] == "d2d_peer:0->1"
+    assert 390 < peer["gbps"] < 400
+    assert host_ceilings.peer_ceiling(record, "cuda:0", "cuda:0") is None  # one GPU: no peer
+    other = dict(record, host=dict(record["host"], cpu_count=16))  # the one-GPU host's fingerprint
+    assert host_ceilings.peer_ceiling(other, "cuda:0", "cuda:1") is None
+    late = dict(record, started_utc="2026-12-03T09:29:32Z")  # the same fingerprint two days on: another machine
+    assert host_ceilings.peer_ceiling(late, "cuda:0", "cuda:1") is None
+    g = studies.analyse_run(nccl).goals.set_index(["id", "layout"])
+    assert g.loc[("disagg.peer_send", "paged"), "verdict"] == "not resolved"  # its own verdict, kept
+    assert not g.loc[("disagg.peer_send", "paged"), "later"]
+    link = g.loc[("disagg.peer_send_link", "paged")]
+    assert link["later"] and link["verdict"] == "missed" and link["value"].startswith("64.6 % [64.1, 65.1]")
+    # the one-GPU run has no peer: its goals are as it committed them (the test above), with no later goal
+    assert "later" not in studies.analyse_run(ONE_GPU).goals.columns

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ... import disagg, goals, models, nbtools
+from ... import disagg, goals, host_ceilings, models, nbtools
 from ...disagg import DisaggConfig, from_params
 from ...parse import suggest, token_list
 from ...results import Run
@@ -102,7 +102,8 @@ def analyse(record: dict, tables: dict) -> Analysis:
     `summary` (per layout, mode and context: TTFT over colocated, exposed, checks — what the disagg goals read),
     `bench_summary` (the send against its ceiling), `nixl` (descriptors and posting), `fault_summary`,
     `checksum_cost` and `fault_goals` (a campaign's); the disagg goals; findings. A run that stopped before its
-    requests were written has none of them."""
+    requests were written has none of them. A two-GPU bench is also held against the best peer ceiling of its host,
+    read from the committed link_ceilings run of the same machine (kvlab.host_ceilings), where there is one."""
     summary = record.get("summary") or {}
     req, bench, faults = tables.get("requests"), tables.get("bench"), tables.get("faults")
     out: dict[str, pd.DataFrame] = {}
@@ -110,7 +111,9 @@ def analyse(record: dict, tables: dict) -> Analysis:
     findings: list[str] = []
     values: dict[str, str] = {}
     if req is not None and len(req):
-        t = goal_rows(req, bench, summary)
+        peer = (host_ceilings.peer_ceiling(record, summary.get("prefill_device"), summary.get("decode_device"))
+                if bench is not None and len(bench) else None)
+        t = goal_rows(req, bench, summary, peer)
         out["summary"] = t
         g = goals.evaluate_run("disagg", record, t, keys=("layout", "mode", "context"))
         findings += [f"{r.goal} ({r.layout} {r.mode} {r.context}): {r.value} — {r.verdict}"

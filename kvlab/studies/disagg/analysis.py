@@ -5,7 +5,8 @@ goals (kvlab.goals, studies "disagg" and "faults"). Pure: nothing here measures 
 
     ttft_extra(requests)                  → per (layout, mode, context): paired per-round TTFT − colocated TTFT,
                                             median, 95 % interval
-    goal_rows(requests, bench, summary)   → one row per (layout, mode, context) with what the disagg goals read
+    goal_rows(requests, bench, summary, peer) → one row per (layout, mode, context) with what the disagg goals
+                                            read (`peer`: the host's best peer ceiling, kvlab.host_ceilings)
     fault_goal_rows(summary, faults)      → one row per campaign with what the fault goals read
     nixl_table(requests)                  → a nixl run: descriptors, transfers and posting time per config
     fault_table(faults), checksum_table(faults) → the campaign by policy and kind; what its checksums cost
@@ -17,6 +18,7 @@ bench_table (the send against its ceiling) is the library's (kvlab.disagg.summar
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import pandas as pd
@@ -25,7 +27,7 @@ from ... import plots
 from ...disagg.summary import bench_table
 from ...intervals import median_ci
 
-__all__ = ["ttft_extra", "goal_rows", "fault_goal_rows", "bench_table", "plot", "fault_table", "plot_faults",
+__all__ = ["ttft_extra", "goal_rows", "best_peer_rows", "fault_goal_rows", "bench_table", "plot", "fault_table", "plot_faults",
            "nixl_table", "checksum_table"]
 
 
@@ -52,10 +54,13 @@ def ttft_extra(req: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def goal_rows(req: pd.DataFrame, bench: pd.DataFrame | None, summary: dict) -> pd.DataFrame:
+def goal_rows(req: pd.DataFrame, bench: pd.DataFrame | None, summary: dict, peer: dict | None = None) -> pd.DataFrame:
     """What the disagg goals read, one row per (layout, mode, context): ttft_extra's columns, the run's backend
     and devices, and — where the run has a bench — the send's % of its ceiling and one layer's send time.
-    `req`: requests.csv; `bench`: bench.csv or None; `summary`: the run's summary ({} when it has none)."""
+    `req`: requests.csv; `bench`: bench.csv or None; `summary`: the run's summary ({} when it has none); `peer`:
+    the best peer ceiling the host's link_ceilings run measured ({"gbps", "path", "run"}, kvlab.host_ceilings) or
+    None — with it and a bench, each bulk send's % of that ceiling (`pct_of_best_peer`, the interval from the
+    send's median interval: the ceiling is the host's, held fixed) beside the % of its own run's copy."""
     t = ttft_extra(req)
     # every request the run decoded counts, warm-up rounds included
     moved = req[req["mode"] != "colocated"]
@@ -69,7 +74,28 @@ def goal_rows(req: pd.DataFrame, bench: pd.DataFrame | None, summary: dict) -> p
                                 "send_gbps", "ceiling_gbps"]]
         t = t.merge(b, on=["layout", "context"], how="left")
         t.loc[t["mode"] != "bulk", ["pct_of_ceiling", "pct_lo", "pct_hi"]] = float("nan")
+        if peer is not None:
+            t = t.merge(pd.DataFrame(best_peer_rows(bench, peer)), on=["layout", "context"], how="left")
+            t.loc[t["mode"] != "bulk", ["pct_of_best_peer", "pct_best_lo", "pct_best_hi"]] = float("nan")
     return t
+
+
+def best_peer_rows(bench: pd.DataFrame, peer: dict) -> list[dict]:
+    """Per (layout, context) of a bench: the send's median GB/s as a % of the host's best peer ceiling `peer`, with
+    the interval of the send's median (a two-host bench, whose times are NaN, gives NaN)."""
+    rows = []
+    for (layout, context), g in bench[bench["kind"] == "send"].groupby(["layout", "context"]):
+        ms, nbytes = g["ms"].astype(float).tolist(), int(g["bytes"].iloc[0])
+        pct = (lambda t: 100 * nbytes / t / 1e6 / peer["gbps"])  # noqa: E731
+        if all(math.isfinite(x) for x in ms):
+            lo_ms, hi_ms = median_ci(ms)
+            vals = (pct(statistics.median(ms)), pct(hi_ms), pct(lo_ms))
+        else:
+            vals = (float("nan"),) * 3
+        rows.append({"layout": layout, "context": int(context), "best_peer_gbps": peer["gbps"],
+                     "best_peer_path": peer["path"], "best_peer_run": peer["run"], "pct_of_best_peer": vals[0],
+                     "pct_best_lo": vals[1], "pct_best_hi": vals[2]})
+    return rows
 
 
 def fault_goal_rows(summary: dict, f: pd.DataFrame) -> pd.DataFrame:
