@@ -17,12 +17,16 @@ book = root / "kvlab" / "goals_ledger.json"
 orig = src.read_text()
 orig_book = book.read_text()
 TESTS = ["tests/test_goals.py", "tests/test_goals_ledger.py", "tests/test_handoff.py", "tests/test_paged.py",
-         "tests/test_analyse.py"]
+         "tests/test_analyse.py", "tests/test_disagg_study.py"]
 # a goal bent in goals.py: (what it says today, what the mutant says, the goal id and ledger field to bend with it)
 BENT = [
  ('"ipc and nccl bulk send ≥ 90 % of the peer copy of the same bytes, two GPUs",\n         "pct_of_ceiling", ">=", 90.0,',
   '"ipc and nccl bulk send ≥ 90 % of the peer copy of the same bytes, two GPUs",\n         "pct_of_ceiling", ">=", 89.0,',
   "disagg.peer_send", "threshold", 89.0),
+ ('"pct_of_best_peer", ">=", 90.0, lo="pct_best_lo"', '"pct_of_best_peer", ">=", 64.0, lo="pct_best_lo"',
+  "disagg.peer_send_link", "threshold", 64.0),
+ ('"pct_of_best_peer", ">=", 90.0, lo="pct_best_lo", hi="pct_best_hi"', '"pct_of_ceiling", ">=", 90.0, lo="pct_lo", hi="pct_hi"',
+  "disagg.peer_send_link", "metric", "pct_of_ceiling"),
  ('"pct_of_ceiling", ">=", 90.0, lo="pct_lo", hi="pct_hi", unit=" %", digits=1,\n         applies=_disagg_paged_32k_one_gpu',
   '"pct_of_ceiling", ">=", 82.0, lo="pct_lo", hi="pct_hi", unit=" %", digits=1,\n         applies=_disagg_paged_32k_one_gpu',
   "disagg.ipc_paged", "threshold", 82.0),
