@@ -10,6 +10,7 @@
     kvlab provenance [RUN_DIR ...] [--check]                  which code made each run; can it be rebuilt
     kvlab disagg --backend gloo|ipc|nccl|nixl ...             prefill and decode as two processes
     kvlab swapin --context 4k,32k                             paged host → GPU scatter (swap-in) beside the gather
+    kvlab reshard --pairs 1-2,2-1                             a paged cache between different TP, beside equal TP
     kvlab simulate --gpus 16 --requests 200 --out DIR         KV handoffs on a cluster fabric, simulated (no GPU)
 
 Adding a subcommand is one function and its registration, with its options given either as
@@ -543,6 +544,21 @@ def _swapin(args) -> int:
 
 Example: kvlab swapin --model kvlab-tiny --context 256 --repeats 3"""
     from kvlab.studies.swapin import command  # imports torch: only when this subcommand runs
+
+    return command.run_args(args)
+
+
+@subcommand("reshard", "a paged cache re-sharded from P prefill ranks to D decode ranks (different TP), beside the "
+            "same-TP copy", configure="kvlab.studies.tp_reshard.command:add_arguments")
+def _reshard(args) -> int:
+    """Move a paged cache from P prefill ranks' pools to D decode ranks' pools, each decode rank receiving the KV
+    heads it computes (gathered from several ranks, fed from one, or replicated), by kvlab's fused Triton kernel,
+    torch indexing and a staging buffer; each checked bit for bit on poisoned pools, then timed beside the same cache
+    moved between equal TP on the same device, with the calculator's prediction. Every rank's pool is on one device.
+    Writes ceilings.csv, reshard_rows.csv, reshard.csv and run.json.
+
+Example: kvlab reshard --model kvlab-tiny --context 256 --pairs 2-1,1-2 --layouts hnd --repeats 3 --out /tmp/kvlab-reshard"""
+    from kvlab.studies.tp_reshard import command  # imports torch: only when this subcommand runs
 
     return command.run_args(args)
 

@@ -334,7 +334,45 @@ _PROVENANCE = [
          note="runs read by the README's results tables whose code kvlab provenance cannot reconstruct"),
 ]
 
-GOALS: dict[str, Goal] = {g.id: g for g in (*_HANDOFF, *_PAGED, *_OVERLAP, *_DISAGG, *_FAULTS, *_PROVENANCE)}
+# issue 28: fixed before any re-shard run (the issue's thresholds). The re-shard study times every rank's pools on one
+# device in one process (kvlab.paged.reshard_bench): the copies kvlab disagg's ipc path makes, without its processes
+_RESHARD_PAIRS = ((1, 2), (2, 1), (1, 4), (4, 1), (2, 4))
+_RESHARD_DECLARED = "issue 28, 2026-12-02 (before any re-shard run)"
+_RESHARD_CI = "95 % bootstrap interval of the ratio of the medians (the same-TP copy's and the mover's, both resampled)"
+
+
+def _reshard(layout: str, pairs=_RESHARD_PAIRS):
+    def applies(r, t) -> bool:
+        return (getattr(r, "method", None) == "fused" and getattr(r, "pool_layout", None) == layout
+                and r.context == 32768 and getattr(r, "model", None) == "qwen2.5-7b"
+                and (r.prefill_tp, r.decode_tp) in pairs)
+    return applies
+
+
+_RESHARD = [
+    Goal("tp_reshard.hnd_fused", "tp_reshard", "re-shard P → D at 32k on HND pools by the fused gather ≥ 90 % of the "
+         "same-TP copy (Qwen2.5-7B shape)", "pct_of_same_tp", ">=", 90.0, lo="pct_lo", hi="pct_hi", unit=" %",
+         digits=1, applies=_reshard("hnd"), interval=_RESHARD_CI, declared=_RESHARD_DECLARED),
+    Goal("tp_reshard.nhd_fused", "tp_reshard", "re-shard P → D at 32k on NHD pools by the fused gather ≥ 85 % of the "
+         "same-TP copy (Qwen2.5-7B shape)", "pct_of_same_tp", ">=", 85.0, lo="pct_lo", hi="pct_hi", unit=" %",
+         digits=1, applies=_reshard("nhd"), interval=_RESHARD_CI, declared=_RESHARD_DECLARED),
+    Goal("tp_reshard.p1d2_one_gpu", "tp_reshard", "TP 1 → 2 at 32k within 1.15× of the same-TP copy, every rank on "
+         "one GPU in one process", "x_same_tp", "<=", 1.15, lo="x_lo", hi="x_hi", unit="×", digits=3,
+         applies=lambda r, t: _reshard("hnd", ((1, 2),))(r, t) or _reshard("nhd", ((1, 2),))(r, t),
+         interval=_RESHARD_CI, declared=_RESHARD_DECLARED,
+         note="the issue says 'on one GPU (ipc)': here the ipc path's copies, timed without its two processes"),
+    Goal("tp_reshard.exact", "tp_reshard", "every shard bit-exact against the source's head slice, no poison left, "
+         "nothing written outside", "unverified_all", "<=", 0, digits=0,
+         applies=lambda r, t: bool(getattr(r, "first_row", False)), declared=_RESHARD_DECLARED,
+         note="(pair, layout, mover) rows of the whole run whose check failed"),
+    Goal("tp_reshard.calculator", "tp_reshard", "the calculator within 10 % of every measured re-shard",
+         "pred_err_abs_pct", "<=", 10.0, unit=" %", digits=1, declared=_RESHARD_DECLARED,
+         applies=lambda r, t: r.context == 32768,
+         note="|measured ÷ predicted − 1|, the prediction from this run's d2d_same ceiling (point values)"),
+]
+
+GOALS: dict[str, Goal] = {g.id: g for g in (*_HANDOFF, *_PAGED, *_OVERLAP, *_DISAGG, *_FAULTS, *_PROVENANCE,
+                                            *_RESHARD)}
 
 
 def for_study(study: str) -> list[Goal]:

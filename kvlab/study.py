@@ -29,9 +29,11 @@ from typing import Any
 
 import pandas as pd
 
+from . import results, runfolder
 from .parse import suggest
 
 __all__ = ["Param", "Analysis", "parameters_cell", "check_params", "cell_params", "RUN_DIR_LINE", "md_table",
+           "at_least", "run_command",
            "ctx_label", "sig", "fmt_or_dash", "run_link"]
 
 RUN_DIR_LINE = 'run_dir: str = ""  # kvlab run sets it; empty: a new data/<study>/<run_id>/'
@@ -193,3 +195,33 @@ def sig(x, digits: int = 3) -> str:
 def run_link(path: str, prefix: str = "") -> str:
     """A link to a committed run ("study/run_id") as the docs write it: [run_id](<prefix>data/study/run_id/)."""
     return f"[{path.split('/')[-1]}]({prefix}data/{path}/)"
+
+
+def at_least(n: int) -> Callable[[Any, str], None]:
+    """A Param check: an int ≥ n (ValueError naming the parameter and the bound otherwise)."""
+    def check(value, name):
+        if value < n:
+            raise ValueError(f"{name} = {value!r}: give an int ≥ {n}")
+    return check
+
+
+def run_command(face, params: Mapping[str, Any], out: str = "", label: str = "") -> tuple[str, Analysis]:
+    """A study run from the command line (a study with no notebook, as swapin and tp_reshard): every value checked by
+    `face.check` (ValueError before a folder is made), then measured into a run folder (data/<study>/<run_id>/ unless
+    `out`), analysed, the analysis kept with the run, and finished. Returns (run folder, analysis). A run that stops
+    — an error, Ctrl-C, SIGTERM — says so in its folder, naming `label` (the command, "kvlab swapin")."""
+    cfg = face.check(params)
+    given = {**{p.name: p.default for p in face.PARAMS}, **params}
+    r = None
+    try:
+        r = results.start(face.NAME, given, run_dir=out)
+        face.measure(cfg, r)
+        analysis = face.analyse(r.record, r.tables())
+        r.save_analysis(analysis)
+        r.finish()
+        return str(r.dir), analysis
+    except BaseException as err:
+        if r is not None:
+            runfolder.record_execution(r.dir, label or f"kvlab {face.NAME}", ok=False, seconds=0.0,
+                                       error=runfolder.stop_reason(err))
+        raise

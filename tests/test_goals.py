@@ -45,6 +45,9 @@ _CANDIDATES = [dict(context=c, destination=d, method=m, block_size=16)
 _CANDIDATES += [dict(context=c, layout=lay, mode=m, same_gpu=True, first_row=True)
                 for c, lay, m in itertools.product([1024, 32768], ["contiguous", "paged"], ["bulk", "layerwise"])]
 _CANDIDATES += [dict(context=32768, layout="paged", mode="bulk", same_gpu=False, backend="nccl", first_row=True)]
+# the re-shard study's rows (kvlab.studies.tp_reshard.summarise)
+_CANDIDATES += [dict(context=32768, method="fused", pool_layout=lay, model="qwen2.5-7b", prefill_tp=1, decode_tp=2,
+                     first_row=True) for lay in ("hnd", "nhd")]
 
 
 def _row(goal: G.Goal, case: str) -> pd.DataFrame:

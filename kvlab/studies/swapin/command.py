@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping, Sequence
 
-from ... import results, runfolder
-from ...study import Analysis
-from . import NAME, PARAMS, analyse, check, measure
+from ... import runfolder
+from ...study import Analysis, run_command
+from .. import swapin as face
+from . import PARAMS
 
 __all__ = ["add_arguments", "run", "run_args", "main"]
 
@@ -36,20 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run(params: Mapping, out: str = "") -> tuple[str, Analysis]:
     """Check every value (ValueError before a folder is made), then measure into a run folder (data/swapin/<run_id>/
     unless `out`), analyse and finish it. Returns (run folder, analysis). A run that stops says so in its folder."""
-    cfg = check(params)
-    given = {**_DEFAULTS, **params}
-    r = None
-    try:
-        r = results.start(NAME, given, run_dir=out)
-        measure(cfg, r)
-        analysis = analyse(r.record, r.tables())
-        r.save_analysis(analysis)
-        r.finish()
-        return str(r.dir), analysis
-    except BaseException as err:
-        if r is not None:
-            runfolder.record_execution(r.dir, "kvlab swapin", ok=False, seconds=0.0, error=runfolder.stop_reason(err))
-        raise
+    return run_command(face, params, out, "kvlab swapin")
 
 
 def run_args(args: argparse.Namespace) -> int:

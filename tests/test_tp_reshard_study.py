@@ -1,0 +1,92 @@
+"""The re-shard study (kvlab.studies.tp_reshard, `kvlab reshard`): bad input refused in one line before a folder is
+made; a CPU run end to end writes the issue's reshard table, judges its goals and is analysed again the same way by
+`kvlab analyse`; the summary's ratios and their intervals are what its samples give."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from kvlab import analyse, goals, studies
+from kvlab.cli import main
+from kvlab.studies import tp_reshard as study
+from kvlab.studies.tp_reshard import command
+
+
+@pytest.mark.parametrize("params,match", [
+    ({"pairs": "3-2"}, "pairs: 3-2 for kvlab-tiny"),  # neither divides nor multiplies
+    ({"pairs": "1-2,1-2"}, "given twice"),
+    ({"pairs": "one-two"}, "is not a pair of TP degrees"),
+    ({"pairs": "0-2"}, "is not a pair of TP degrees"),
+    ({"layouts": "hnd,thd"}, "thd is not a pool layout"),
+    ({"methods": "fused,block-slices"}, "block-slices is not a timed mover"),
+    ({"context": "128,256"}, "one context per run"),
+    ({"device": "cuda:7"}, "does not exist"),
+    ({"repeats": -1}, "give an int ≥ 0"),
+    ({"colour": 1}, "unknown parameter 'colour'"),
+])
+def test_bad_input_is_one_line_and_names_the_value(params, match):
+    with pytest.raises(ValueError, match=match) as e:
+        study.check({"model": "kvlab-tiny", **params})
+    assert "\n" not in str(e.value)
+
+
+def test_the_command_refuses_bad_input_before_a_folder_is_made(tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(["reshard", "--model", "kvlab-tiny", "--pairs", "3-2", "--out", str(out)]) == 2
+    assert not out.exists() and "pairs: 3-2" in capsys.readouterr().err
+
+
+def test_a_cpu_run_writes_the_reshard_table_judges_its_goals_and_is_analysed_again_the_same(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["reshard", "--model", "kvlab-tiny", "--context", "128", "--pairs", "2-1,1-4", "--repeats", "3",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "TP 1→4 nhd" in printed and "shards exact" in printed and f"run: {out}" in printed
+    record = json.loads((out / "run.json").read_text())
+    assert record["status"] == "finished" and record["study"] == "tp_reshard"
+    assert [g["id"] for g in record["goals"]] == [g.id for g in goals.for_study("tp_reshard")]
+    rows = pd.read_csv(out / "reshard_rows.csv")
+    # every (pair, layout) times its movers and its own same-TP yardstick, 3 rounds each
+    assert len(rows) == 2 * 2 * (len(study.METHODS) + 1) * 3 and set(rows.pair) == {"2-1", "1-4"}
+    table = pd.read_csv(out / "reshard.csv")
+    issue = ["prefill_tp", "decode_tp", "pool_layout", "method", "context", "ms_median", "pct_of_same_tp", "pct_lo",
+             "pct_hi"]
+    assert set(issue) <= set(table.columns) and len(table) == 2 * 2 * len(study.METHODS)
+    assert table.verified.all() and (table.pct_lo <= table.pct_of_same_tp).all()
+    assert (table.pct_of_same_tp <= table.pct_hi).all()
+    # 4 decode ranks of a model with 2 KV heads: each gets one head, two ranks per head (replicas)
+    r14 = table[(table.prefill_tp == 1) & (table.decode_tp == 4)]
+    assert (r14.pieces_per_decode_rank >= 1).all()
+    g = pd.read_csv(out / "goals.csv")
+    assert g.id.tolist() == ["tp_reshard.exact"] and g.verdict.tolist() == ["met"]  # the rest are judged at 32k
+    again = analyse.analyse(out, tmp_path / "again")
+    pd.testing.assert_frame_equal(pd.read_csv(again / "reshard.csv"), table)
+    assert json.loads((again / "analysis.json").read_text())["figures"] == ["reshard_pct.png"]
+
+
+def test_the_summary_ratio_its_interval_and_its_inverse_come_from_the_samples():
+    same = [1.0, 1.1, 0.9, 1.0, 1.05]
+    moved = [2.0, 2.1, 1.9, 2.0, 2.2]
+    rows = pd.DataFrame(
+        [dict(pair="1-2", prefill_tp=1, decode_tp=1, pool_layout="hnd", method="same-tp", context=32768, ms=v,
+              bytes=10**9, pieces_per_decode_rank=1, predicted_ms=0.8, verified=True, backend="triton") for v in same]
+        + [dict(pair="1-2", prefill_tp=1, decode_tp=2, pool_layout="hnd", method="fused", context=32768, ms=v,
+                bytes=10**9, pieces_per_decode_rank=2, predicted_ms=1.6, verified=True, backend="triton")
+           for v in moved])
+    s = study.summarise(rows, "qwen2.5-7b").iloc[0]
+    assert s.pct_of_same_tp == pytest.approx(50.0) and s.x_same_tp == pytest.approx(2.0)
+    assert s.pct_lo <= 50.0 <= s.pct_hi and s.x_lo == pytest.approx(100 / s.pct_hi)
+    assert s.pred_err_pct == pytest.approx(25.0) and s.predicted_pct == pytest.approx(50.0)
+    assert s.decode_tp == 2 and s["mode"] == "TP 1→2, fused"
+    g = goals.evaluate(goals.for_study("tp_reshard"), study.summarise(rows, "qwen2.5-7b"),
+                       keys=("layout", "mode", "context")).set_index("id")
+    assert g.loc["tp_reshard.hnd_fused", "verdict"] == "missed"  # 50 % of the same-TP copy, wholly below 90 %
+    assert g.loc["tp_reshard.p1d2_one_gpu", "verdict"] == "missed"  # 2× the same-TP time
+    assert g.loc["tp_reshard.calculator", "verdict"] == "missed"  # 25 % off the prediction
+
+
+def test_the_study_has_the_one_shape():
+    assert studies.has_face(study) and "tp_reshard" in studies.NAMES
