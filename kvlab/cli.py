@@ -481,7 +481,7 @@ def _cmd_ceilings(args) -> int:
 def _cmd_analyse(args) -> int:
     """Re-run the analysis half of a finished run from the tables its measurement wrote, into
     <run>/analysis/<UTC time>-<commit>/ with analysis.json naming the code that drew it; the run's own
-    tables and figures stay as they were. Studies: overlap_timeline, handoff, paged_transfer.
+    tables and figures stay as they were. Any study's run: its run.json names the study.
 
 Example: kvlab analyse data/overlap_timeline/20261130-142913-h200 --out /tmp/reanalysis"""
 

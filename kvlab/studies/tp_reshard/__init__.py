@@ -252,7 +252,31 @@ def analyse(record: dict, tables: dict) -> Analysis:
                         f"{sig(r.ms_median)} ms, {pct} of the same-TP copy ({sig(r.same_tp_ms)} ms), "
                         f"{r.pieces_per_decode_rank:,} pieces per decode rank{pred}"
                         f"{'' if r.verified else ' — a shard did not check out'}.")
+    findings += calculator_findings(s, tables.get("ceilings"), values)
     return Analysis(NAME, record, raw=dict(tables), tables={"reshard": s}, goals=g, findings=findings, values=values)
+
+
+def calculator_findings(s: pd.DataFrame, ceil: pd.DataFrame | None, values: dict) -> list[str]:
+    """Where the calculator's prediction parts from the measurement, said from the data: the fit of this run's copy
+    sweep it predicts with, the rate the same-TP copy of the paged cache reaches against the sweep's best copy, and
+    the range of measured ÷ predicted per mover. Fills `values` with what it quotes."""
+    if ceil is None or ceil.empty or s.empty or s["predicted_ms"].isna().all():
+        return []
+    fitted = ceilings_fit.fit(ceil).ceilings.to_dict()["paths"]
+    (path, c), = fitted.items()
+    same_gbps = statistics.median(s["bytes"] / s["same_tp_ms"] / 1e6)
+    values.update({"fit_gbps": f"{c['bandwidth_gbps']:,.0f}", "fit_fixed_us": f"{c['fixed_us']:.1f}",
+                   "best_copy_gbps": f"{c['ceiling_gbps']:,.0f}", "same_tp_gbps": f"{same_gbps:,.0f}",
+                   "same_tp_pct_of_best": f"{100 * same_gbps / c['ceiling_gbps']:.0f}"})
+    out = [f"- The calculator predicts from this run's {path} sweep, fitted as {values['fit_fixed_us']} µs per copy + "
+           f"bytes at {values['fit_gbps']} GB/s (its best measured copy: {values['best_copy_gbps']} GB/s). The paged "
+           f"cache's same-TP copy reaches {values['same_tp_gbps']} GB/s, {values['same_tp_pct_of_best']} % of that "
+           "best copy: the calculator prices a paged gather at a contiguous copy's rate."]
+    for method, m in s.groupby("method", sort=False):
+        ratio = m["ms_median"] / m["predicted_ms"]
+        values[f"{method}.measured_over_predicted"] = f"{ratio.min():.2f}–{ratio.max():.2f}"
+        out.append(f"- {method}: measured ÷ predicted {ratio.min():.2f}–{ratio.max():.2f} over every (P, D, layout).")
+    return out
 
 
 def goal_table(a: Analysis, study: str) -> pd.DataFrame:
@@ -269,7 +293,9 @@ def figures(a: Analysis) -> dict:
     if s.empty:
         raise ValueError("the run timed no re-shard, so there is nothing to draw")
     layouts = list(dict.fromkeys(s["pool_layout"]))
-    fig, axes = plt.subplots(1, len(layouts), figsize=(5.2 * len(layouts), 4.4), squeeze=False, sharey=True)
+    colors = plots.palette(list(dict.fromkeys(s["method"])))
+    fig, axes = plt.subplots(1, len(layouts), figsize=(5.2 * len(layouts), 4.6), squeeze=False, sharey=True,
+                             layout="constrained")
     for ax, lay in zip(axes[0], layouts):
         t = s[s["pool_layout"] == lay]
         pairs = list(dict.fromkeys(zip(t["prefill_tp"], t["decode_tp"])))
@@ -282,19 +308,21 @@ def figures(a: Analysis) -> dict:
             lo = [m.loc[p, "pct_lo"] if p in m.index else float("nan") for p in pairs]
             hi = [m.loc[p, "pct_hi"] if p in m.index else float("nan") for p in pairs]
             pred = [m.loc[p, "predicted_pct"] if p in m.index else float("nan") for p in pairs]
-            ax.bar(xs, v, width * 0.9, color=plots.color(method), label=method,
+            ax.bar(xs, v, width * 0.9, color=colors[method], label=method if ax is axes[0][0] else None,
                    yerr=[[max(a_ - b_, 0) for a_, b_ in zip(v, lo)], [max(b_ - a_, 0) for a_, b_ in zip(v, hi)]],
                    capsize=2.5)
             ax.scatter(xs, pred, marker="_", s=140, color="black", zorder=3,
-                       label="calculator's prediction" if k == 0 else None)
+                       label="calculator's prediction" if k == 0 and ax is axes[0][0] else None)
         ax.axhline(100, color="0.5", lw=0.8, ls=":")
         ax.set_xticks(range(len(pairs)), [f"{p}→{d}" for p, d in pairs])
         ax.set_xlabel("prefill TP → decode TP")
         ax.set_title(f"{lay} pools")
     axes[0][0].set_ylabel("% of the same-TP copy (higher is better)")
-    axes[0][0].legend(fontsize=8, loc="lower left")
+    axes[0][0].set_ylim(0, 132)  # headroom for the legend above the bars
+    axes[0][0].legend(loc="upper left", ncol=2, fontsize=8.5, frameon=False)
     ctx = ctx_label(int(s["context"].iloc[0]))
-    fig.suptitle(f"Re-sharding a {ctx} {s['model'].iloc[0]} cache between different TP, every rank on one device")
+    fig.suptitle(f"Re-sharding a {ctx} {s['model'].iloc[0]} cache between different TP, every rank on one device",
+                 fontsize=12)
     return {"reshard_pct": fig}
 
 
