@@ -438,7 +438,7 @@ def test_notebook_runs_with_small_parameters(tmp_path, monkeypatch, kvlab_dirs):
     nbexec.execute_notebook(
         str(NOTEBOOK), str(out), kernel_name="python3", cwd=str(REPO), progress_bar=False,
         execution_timeout=int(CELL_TIMEOUT_S),
-        parameters={"run_dir": str(run_dir), "models": ["llama-2-7b", "gemma-2-9b"],
+        parameters={"run_dir": str(run_dir), "models": "llama-2-7b,gemma-2-9b",
                     "prompt_tokens": 2048, "ratio_models": ["llama-3.1-8b"],
                     "ratio_links": ["100G"], "ratio_max_tokens": 1024, "tp_max": 4,
                     "tp_models": ["qwen2.5-7b"], "links": ["100G", "50GB/s"],
