@@ -56,11 +56,17 @@ def reproduce(blocks: list[str], manifest: dict, prefix: str) -> str:
     rows = []
     for run in runs:
         rec = read_json(repo_root() / "data" / run / "run.json")
-        commit = (rec.get("git") or {}).get("commit") or "?"
-        rows.append({"run": run_link(run, prefix), "commit": f"`{commit[:10]}`", "command": f"`{_command(rec)}`"})
+        git = rec.get("git") or {}
+        commit = f"`{(git.get('commit') or '?')[:10]}`"
+        if git.get("diff_file"):  # the code that ran was the commit with this difference on top
+            commit += f" + its [{git['diff_file']}]({prefix}data/{run}/{git['diff_file']})"
+        rows.append({"run": run_link(run, prefix), "commit": commit, "command": f"`{_command(rec)}`"})
+    diffed = any("+ its" in r["commit"] for r in rows)
     return md_table(pd.DataFrame(rows)) + (
-        "\nTo rerun one: `git checkout` its commit, `make run` once (the venv), then its command; a run's folder holds "
-        "its run.json (host, GPUs, versions, parameters) and raw tables.\n")
+        "\nTo rerun one: `git checkout` its commit" + (" (and `git apply` the run's diff where it names one)" if diffed
+                                                         else "") +
+        ", `make run` once (the venv), then its command; a run's folder holds its run.json (host, GPUs, versions, "
+        "parameters) and raw tables.\n")
 
 
 def code(study: str) -> str:
