@@ -10,7 +10,7 @@
     kvlab provenance [RUN_DIR ...] [--check]                  which code made each run; can it be rebuilt
     kvlab disagg --backend gloo|ipc|nccl|nixl ...             prefill and decode as two processes
     kvlab swapin --context 4k,32k                             paged host → GPU scatter (swap-in) beside the gather
-    kvlab reshard --pairs 1-2,2-1                             a paged cache between different TP, beside equal TP
+    kvlab reshard --pairs 1-2,2-1 | kvlab wire --context 32k  a paged cache between different TP | sent as FP8
     kvlab simulate --gpus 16 --requests 200 --out DIR         KV handoffs on a cluster fabric, simulated (no GPU)
 
 Adding a subcommand is one function and its registration, with its options given either as
@@ -551,14 +551,25 @@ Example: kvlab swapin --model kvlab-tiny --context 256 --repeats 3"""
 @subcommand("reshard", "a paged cache re-sharded from P prefill ranks to D decode ranks (different TP), beside the "
             "same-TP copy", configure="kvlab.studies.tp_reshard.command:add_arguments")
 def _reshard(args) -> int:
-    """Move a paged cache from P prefill ranks' pools to D decode ranks' pools, each decode rank receiving the KV
-    heads it computes (gathered from several ranks, fed from one, or replicated), by kvlab's fused Triton kernel,
-    torch indexing and a staging buffer; each checked bit for bit on poisoned pools, then timed beside the same cache
-    moved between equal TP on the same device, with the calculator's prediction. Every rank's pool is on one device.
-    Writes ceilings.csv, reshard_rows.csv, reshard.csv and run.json.
+    """Move a paged cache from P prefill ranks' pools to D decode ranks' (fused Triton kernel, torch indexing,
+    staging), each checked bit for bit on poisoned pools, then timed beside the same cache moved between equal TP on
+    the same device, with the calculator's prediction. Writes ceilings.csv, reshard_rows.csv, reshard.csv, run.json.
 
 Example: kvlab reshard --model kvlab-tiny --context 256 --pairs 2-1,1-2 --layouts hnd --repeats 3 --out /tmp/kvlab-reshard"""
     from kvlab.studies.tp_reshard import command  # imports torch: only when this subcommand runs
+
+    return command.run_args(args)
+
+
+@subcommand("wire", "a paged cache sent as FP8 with its scales (quantize in the gather, dequantize on arrival), "
+            "beside bf16", configure="kvlab.studies.wire_dtype.command:add_arguments")
+def _wire(args) -> int:
+    """Quantize a paged bf16 cache to FP8 in the gather (to GPU or pinned host memory) and dequantize it on arrival,
+    each kernel checked bit for bit, then timed beside a bf16 copy of the same cache the same way; the link bandwidth
+    below which FP8 wins. Writes wire_rows.csv, wire.csv, wire_rates.csv, breakeven.csv and run.json.
+
+Example: kvlab wire --model kvlab-tiny --context 256 --repeats 3 --out /tmp/kvlab-wire"""
+    from kvlab.studies.wire_dtype import command  # imports torch: only when this subcommand runs
 
     return command.run_args(args)
 

@@ -371,8 +371,39 @@ _RESHARD = [
          note="|measured ÷ predicted − 1|, the prediction from this run's d2d_same ceiling (point values)"),
 ]
 
+# issue 29: fixed before any run of the wire study (the issue's thresholds: 18.7 ms is 55 % of bf16's 34 ms over
+# pinned host at 32k; 1.5 TB/s of input is what a 2× smaller wire needs on H200 NVLink; 0.53× counts the scales)
+_WIRE_DECLARED = "issue 29, 2026-12-02 (before any run of the wire study)"
+_WIRE_CI = "95 % bootstrap interval of the median over the rounds"
+
+
+def _wire(kernel: str, direction: str, scales: str | None = None):
+    def applies(r, t) -> bool:
+        return (getattr(r, "kernel", None) == kernel and getattr(r, "direction", None) == direction
+                and r.context == 32768 and getattr(r, "model", None) == "qwen2.5-7b"
+                and (scales is None or getattr(r, "scales", None) == scales))
+    return applies
+
+
+_WIRE = [
+    Goal("wire.fp8_d2h", "wire_dtype", "FP8 to pinned host at 32k ≤ 18.7 ms, quantize in the gather included",
+         "ms_median", "<=", 18.7, lo="ms_lo", hi="ms_hi", unit=" ms", digits=2,
+         applies=_wire("quantize-gather", "d2h"), interval=_WIRE_CI, declared=_WIRE_DECLARED,
+         note="beside it in the same run: the bf16 copy of the same cache the same way (bf16_copy_ms)"),
+    Goal("wire.fp8_h2d", "wire_dtype", "FP8 from pinned host at 32k into a bf16 pool ≤ 18.7 ms, dequantize included",
+         "ms_median", "<=", 18.7, lo="ms_lo", hi="ms_hi", unit=" ms", digits=2,
+         applies=_wire("dequantize-scatter", "h2d"), interval=_WIRE_CI, declared=_WIRE_DECLARED,
+         note="beside it in the same run: the bf16 copy of the same cache the same way (bf16_copy_ms)"),
+    Goal("wire.quantize_rate", "wire_dtype", "the fused quantize-gather ≥ 1.5 TB/s of bf16 input on an H200, 32k",
+         "input_gbps", ">=", 1500.0, lo="gbps_lo", hi="gbps_hi", unit=" GB/s", digits=0,
+         applies=_wire("quantize-gather", "d2d"), interval=_WIRE_CI, declared=_WIRE_DECLARED),
+    Goal("wire.bytes", "wire_dtype", "bytes on the wire, scales included, ≤ 0.53× bf16 with per-token-head scales "
+         "(Qwen2.5-7B shape)", "bytes_ratio", "<=", 0.53, digits=3,
+         applies=_wire("quantize-gather", "d2d", "per-token-head"), declared=_WIRE_DECLARED),
+]
+
 GOALS: dict[str, Goal] = {g.id: g for g in (*_HANDOFF, *_PAGED, *_OVERLAP, *_DISAGG, *_FAULTS, *_PROVENANCE,
-                                            *_RESHARD)}
+                                            *_RESHARD, *_WIRE)}
 
 
 def for_study(study: str) -> list[Goal]:

@@ -8,6 +8,7 @@
     disagg            05_disagg            prefill and decode as two processes, and faults across them
     swapin            (kvlab swapin)       a paged cache from pinned host memory back into a GPU pool
     tp_reshard        (kvlab reshard)      a paged cache from P prefill ranks to D decode ranks (different TP)
+    wire_dtype        (kvlab wire)         a paged cache sent as FP8 with its scales, beside bf16
 
 `get(name)` imports a study when it is asked for: each pulls in torch and more, and `kvlab --help` must not wait.
 No study imports another; the library imports no study (import-linter contracts in pyproject.toml).
@@ -26,7 +27,7 @@ from ..study import Analysis
 
 __all__ = ["NAMES", "get", "of_notebook", "has_face", "analyse_run"]
 
-NAMES = ("calculator", "link_ceilings", "handoff", "overlap_timeline", "paged_transfer", "disagg", "swapin", "tp_reshard")
+NAMES = ("calculator", "link_ceilings", "handoff", "overlap_timeline", "paged_transfer", "disagg", "swapin", "tp_reshard", "wire_dtype")
 
 
 def get(name: str) -> ModuleType:

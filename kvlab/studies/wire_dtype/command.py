@@ -1,0 +1,69 @@
+"""`kvlab wire`: the FP8-wire study from the command line — check, measure, analyse and write a wire_dtype run
+(wire_rows.csv, the analysis's wire.csv, wire_rates.csv and breakeven.csv, run.json), then print one line per FP8
+kernel and the break-even bandwidths."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+
+from ... import runfolder
+from ...study import Analysis, run_command
+from .. import wire_dtype as face
+from . import PARAMS
+
+__all__ = ["add_arguments", "run", "run_args", "main"]
+
+_DEFAULTS = {p.name: p.default for p in PARAMS}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``kvlab wire`` options to ``parser``; defaults are the study's PARAMS'."""
+    d = _DEFAULTS
+    parser.add_argument("--model", default=d["model"], help="registry name or a config.json / model folder (default "
+                        "auto: qwen2.5-7b on a GPU, kvlab-tiny on a CPU)")
+    parser.add_argument("--context", default=d["contexts"], help="tokens in the cache; a list runs each (default "
+                        "auto: 4k,32k on a GPU, 256 on a CPU)")
+    parser.add_argument("--scales", default=d["scales"], help="scale modes, comma-separated (default "
+                        "per-token-head,per-head,per-tensor)")
+    parser.add_argument("--layout", default=d["layout"], help="both pools' layout: hnd or nhd (default hnd)")
+    parser.add_argument("--block-size", type=int, default=d["block_size"], help="tokens per block (default 16)")
+    parser.add_argument("--device", default=d["device"], help="auto (cuda:0), cuda:N, or cpu (checks the logic)")
+    parser.add_argument("--repeats", type=int, default=d["repeats"], help="timed rounds per context (default 0: 10 on "
+                        "a GPU, 3 on a CPU)")
+    parser.add_argument("--seed", type=int, default=d["seed"], help="seed of the block tables and the data")
+    parser.add_argument("--out", default=None, help="run folder (default: a new data/wire_dtype/<run_id>/)")
+    return parser
+
+
+def run(params: Mapping, out: str = "") -> tuple[str, Analysis]:
+    """Check every value (ValueError before a folder is made), then measure into a run folder (data/wire_dtype/
+    <run_id>/ unless `out`), analyse and finish it. Returns (run folder, analysis). A run that stops says so."""
+    return run_command(face, params, out, "kvlab wire")
+
+
+def run_args(args: argparse.Namespace) -> int:
+    """Run ``kvlab wire`` from parsed arguments; returns the exit status (bad input: ValueError, one line)."""
+    if args.out is not None:  # before anything is measured: a finished run is never overwritten
+        runfolder.check_run_folder(args.out, "--out")
+    params = {"model": args.model, "contexts": args.context, "scales": args.scales, "layout": args.layout,
+              "block_size": args.block_size, "device": args.device, "repeats": args.repeats, "seed": args.seed}
+    path, analysis = run(params, out=args.out or "")
+    for r in analysis.tables["wire"].itertuples():
+        print(f"{r.context:>6} {r.kernel:19} {r.direction} {r.scales:15} {r.ms_median:9.3f} ms "
+              f"[{r.ms_lo:.3f}, {r.ms_hi:.3f}]  {r.pct_of_bf16:5.0f} % of bf16  {r.input_gbps:8.1f} GB/s of input  "
+              f"{r.bytes_ratio:.3f}× bytes")
+    for r in analysis.tables["breakeven"].itertuples():
+        print(f"{r.context:>6} {r.scales:15} FP8 wins below {r.breakeven_gbps:.1f} GB/s [{r.lo:.1f}, {r.hi:.1f}]"
+              f" ({'overlapped' if r.overlap else 'serial'})")
+    for g in analysis.goals.itertuples():
+        print(f"goal {g.id} ({g.kernel} {g.direction}, {g.scales}): {g.value} — {g.verdict}")
+    print(f"run: {path}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``kvlab wire [--model M] [--context 4k,32k] [--scales per-token-head] [--out DIR]``: measure and write a
+    wire_dtype run; returns the exit status."""
+    parser = add_arguments(argparse.ArgumentParser(prog="kvlab wire", description=main.__doc__.splitlines()[0]))
+    return run_args(parser.parse_args(argv))
