@@ -270,9 +270,8 @@ def figures(a: Analysis) -> dict:
         ax.set_title(f"{ctx_label(int(ctx))} tokens")
     axes[0][0].set_ylabel("ms (lower is better)")
     axes[0][0].legend(fontsize=8.5, frameon=False, loc="upper left")
-    top = max(ax.get_ylim()[1] for ax in axes[0])
-    for ax in axes[0]:
-        ax.set_ylim(0, top * 1.25)
+    for ax in axes[0]:  # each context on its own scale, with headroom for the legend
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.3)
     fig.suptitle(f"A paged {s['model'].iloc[0]} cache over pinned host memory: FP8 with its scales beside bf16",
                  fontsize=12)
     return {"wire_ms": fig}
@@ -287,7 +286,7 @@ def _table(analyses: list[Analysis], link, **_) -> str:
             rows.append({"run": link(a.where), "context": ctx_label(r.context), "kernel": r.kernel,
                          "way": f"{r.direction} ({r.path})", "scales": r.scales if r.scales != "none" else "—",
                          "ms median [95 %]": f"{sig(r.ms_median)} [{sig(r.ms_lo)}, {sig(r.ms_hi)}]",
-                         "% of the bf16 copy": f"{r.pct_of_bf16:.0f}" if r.pct_of_bf16 == r.pct_of_bf16 else "—",
+                         "time, % of the bf16 copy's": f"{r.pct_of_bf16:.0f}" if r.pct_of_bf16 == r.pct_of_bf16 else "—",
                          "GB/s of bf16 input": sig(r.input_gbps), "bytes ÷ bf16": f"{r.bytes_ratio:.3f}"})
     return md_table(pd.DataFrame(rows))
 
