@@ -156,7 +156,8 @@ def summarise(rows: pd.DataFrame, model: str = "") -> pd.DataFrame:
     """Per (context, kernel, direction, scales), the issue's wire table: path, wire_dtype (fp8 | bf16), ms_median with
     its 95 % interval (ms_lo, ms_hi), bytes on the wire (scales included), bf16 bytes and their ratio, GB/s of bf16
     input with its interval, and for the FP8 rows the bf16 copy of the same cache the same way in the same run
-    (bf16_copy_ms) and the share of its time (pct_of_bf16)."""
+    (bf16_copy_ms), the share of its time (pct_of_bf16), and the prediction: its bytes at the rate that copy reached
+    (wire_alone_ms, what the link alone would take)."""
     out = []
     for (ctx, kernel, direction, scales), g in rows.groupby(["context", "kernel", "direction", "scales"], sort=False):
         ms = g["ms"].tolist()
@@ -178,6 +179,8 @@ def summarise(rows: pd.DataFrame, model: str = "") -> pd.DataFrame:
     copy = s[s["kernel"] == "bf16-copy"].set_index(["context", "direction"])["ms_median"]
     s["bf16_copy_ms"] = [copy.get((c, d), float("nan")) for c, d in zip(s["context"], s["direction"])]
     s["pct_of_bf16"] = 100 * s["ms_median"] / s["bf16_copy_ms"]
+    # the prediction beside each: its bytes (scales included) at the rate the bf16 copy reached the same way
+    s["wire_alone_ms"] = s["bytes"] / s["bf16_bytes"] * s["bf16_copy_ms"]
     return s
 
 
@@ -218,7 +221,8 @@ def analyse(record: dict, tables: dict) -> Analysis:
         values[f"{key}.ms"] = f"{sig(r.ms_median)} [{sig(r.ms_lo)}, {sig(r.ms_hi)}]"
         findings.append(f"- {ctx_label(r.context)}, {r.kernel} {r.direction} ({r.path}), {r.scales} scales: "
                         f"{sig(r.ms_median)} ms [{sig(r.ms_lo)}, {sig(r.ms_hi)}], {r.pct_of_bf16:.0f} % of the bf16 "
-                        f"copy's {sig(r.bf16_copy_ms)} ms, {sig(r.input_gbps)} GB/s of bf16 input; "
+                        f"copy's {sig(r.bf16_copy_ms)} ms (its bytes alone at that copy's rate: "
+                        f"{sig(r.wire_alone_ms)} ms), {sig(r.input_gbps)} GB/s of bf16 input; "
                         f"{r.bytes_ratio:.3f}× the bf16 bytes.")
     for r in b[(b["context"] == longest)].itertuples():
         how = "overlapped with the copy" if r.overlap else "one after another"
@@ -287,6 +291,7 @@ def _table(analyses: list[Analysis], link, **_) -> str:
                          "way": f"{r.direction} ({r.path})", "scales": r.scales if r.scales != "none" else "—",
                          "ms median [95 %]": f"{sig(r.ms_median)} [{sig(r.ms_lo)}, {sig(r.ms_hi)}]",
                          "time, % of the bf16 copy's": f"{r.pct_of_bf16:.0f}" if r.pct_of_bf16 == r.pct_of_bf16 else "—",
+                         "its bytes at the bf16 copy's rate (ms)": sig(r.wire_alone_ms),
                          "GB/s of bf16 input": sig(r.input_gbps), "bytes ÷ bf16": f"{r.bytes_ratio:.3f}"})
     return md_table(pd.DataFrame(rows))
 
