@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import os
 import sys
@@ -533,47 +534,6 @@ Example: kvlab disagg --backend gloo --model kvlab-tiny --context 128 --decode-t
     return command.run_args(args)
 
 
-@subcommand("swapin", "a paged cache from pinned host memory into a GPU pool by block table (swap-in), beside the "
-            "GPU → host gather", configure="kvlab.studies.swapin.command:add_arguments")
-def _swapin(args) -> int:
-    """Scatter a paged cache held in pinned host memory into a GPU pool by block table (vLLM's swap-in): Triton's
-    row kernel reading the host pool over PCIe (triton-uva), and a CPU gather + one copy + a GPU scatter (staged);
-    beside them the GPU → host gather (chunked-gather-d2h), each against a contiguous copy of the same bytes the
-    same way, timed in the same run. Every method is checked on a poisoned pool. Writes results.csv, summary.csv
-    and run.json.
-
-Example: kvlab swapin --model kvlab-tiny --context 256 --repeats 3"""
-    from kvlab.studies.swapin import command  # imports torch: only when this subcommand runs
-
-    return command.run_args(args)
-
-
-@subcommand("reshard", "a paged cache re-sharded from P prefill ranks to D decode ranks (different TP), beside the "
-            "same-TP copy", configure="kvlab.studies.tp_reshard.command:add_arguments")
-def _reshard(args) -> int:
-    """Move a paged cache from P prefill ranks' pools to D decode ranks' (fused Triton kernel, torch indexing,
-    staging), each checked bit for bit on poisoned pools, then timed beside the same cache moved between equal TP on
-    the same device, with the calculator's prediction. Writes ceilings.csv, reshard_rows.csv, reshard.csv, run.json.
-
-Example: kvlab reshard --model kvlab-tiny --context 256 --pairs 2-1,1-2 --layouts hnd --repeats 3 --out /tmp/kvlab-reshard"""
-    from kvlab.studies.tp_reshard import command  # imports torch: only when this subcommand runs
-
-    return command.run_args(args)
-
-
-@subcommand("wire", "a paged cache sent as FP8 with its scales (quantize in the gather, dequantize on arrival), "
-            "beside bf16", configure="kvlab.studies.wire_dtype.command:add_arguments")
-def _wire(args) -> int:
-    """Quantize a paged bf16 cache to FP8 in the gather (to GPU or pinned host memory) and dequantize it on arrival,
-    each kernel checked bit for bit, then timed beside a bf16 copy of the same cache the same way; the link bandwidth
-    below which FP8 wins. Writes wire_rows.csv, wire.csv, wire_rates.csv, breakeven.csv and run.json.
-
-Example: kvlab wire --model kvlab-tiny --context 256 --repeats 3 --out /tmp/kvlab-wire"""
-    from kvlab.studies.wire_dtype import command  # imports torch: only when this subcommand runs
-
-    return command.run_args(args)
-
-
 @subcommand("simulate", "KV handoffs of a whole cluster on its fabric, simulated (no GPU): NICs, leaves and spines "
             "shared max-min fair", configure="kvlab.fabric.command:add_arguments")
 def _simulate(args) -> int:
@@ -584,6 +544,27 @@ def _simulate(args) -> int:
 
 Example: kvlab simulate --gpus 16 --requests 200 --out /tmp/kvlab-sim"""
     return simulate_command.run_args(args)
+
+
+def _study_command(name: str, help: str, study: str) -> None:
+    """Register ``kvlab <name>`` for a study run from the command line: its options, its --help text (the module's
+    DESCRIPTION, set by its add_arguments) and its run are kvlab.studies.<study>.command's, imported only when the
+    subcommand is used (those modules import torch)."""
+    module = f"kvlab.studies.{study}.command"
+
+    def run(args) -> int:
+        return importlib.import_module(module).run_args(args)
+
+    subcommand(name, help, configure=f"{module}:add_arguments")(run)
+
+
+_study_command("swapin", "a paged cache from pinned host memory into a GPU pool by block table (swap-in), beside the "
+            "GPU → host gather", "swapin")
+_study_command("reshard", "a paged cache re-sharded from P prefill ranks to D decode ranks (different TP), beside the "
+            "same-TP copy", "tp_reshard")
+_study_command("wire", "a paged cache sent as FP8 with its scales (quantize in the gather, dequantize on arrival), "
+            "beside bf16", "wire_dtype")
+_study_command("contention", "N transfers sharing one path at once, and the fabric simulator validated on them", "contention")
 
 
 @subcommand(

@@ -402,8 +402,21 @@ _WIRE = [
          applies=_wire("quantize-gather", "d2d", "per-token-head"), declared=_WIRE_DECLARED),
 ]
 
+# issue 30: fixed before any contention run (the issue's thresholds): the simulator is fitted on single paths at
+# N = 1 and 2 and judged on what it was not fitted to
+_CONTENTION_DECLARED = "issue 30, 2026-12-02 (before any contention run)"
+_CONTENTION = [
+    Goal("contention.sim_each", "contention", "the simulator within 10 % of the measured aggregate on every "
+         "validate row", "abs_error_pct", "<=", 10.0, unit=" %", digits=1,
+         applies=lambda r, t: getattr(r, "role", None) == "validate", declared=_CONTENTION_DECLARED,
+         note="|simulated ÷ measured − 1| of the median aggregate rate (point values)"),
+    Goal("contention.sim_median", "contention", "the simulator's median error over the validate rows ≤ 5 %",
+         "median_abs_error_pct", "<=", 5.0, unit=" %", digits=1,
+         applies=lambda r, t: bool(getattr(r, "first_row", False)), declared=_CONTENTION_DECLARED),
+]
+
 GOALS: dict[str, Goal] = {g.id: g for g in (*_HANDOFF, *_PAGED, *_OVERLAP, *_DISAGG, *_FAULTS, *_PROVENANCE,
-                                            *_RESHARD, *_WIRE)}
+                                            *_RESHARD, *_WIRE, *_CONTENTION)}
 
 
 def for_study(study: str) -> list[Goal]:

@@ -51,6 +51,8 @@ _CANDIDATES += [dict(context=32768, method="fused", pool_layout=lay, model="qwen
 # the wire study's rows (kvlab.studies.wire_dtype.summarise)
 _CANDIDATES += [dict(context=32768, model="qwen2.5-7b", kernel=k, direction=d, scales="per-token-head")
                 for k, d in (("quantize-gather", "d2h"), ("dequantize-scatter", "h2d"), ("quantize-gather", "d2d"))]
+# the contention study's validation rows (kvlab.studies.contention.validation)
+_CANDIDATES += [dict(path="d2h", flows=4, role="validate", first_row=True)]
 
 
 def _row(goal: G.Goal, case: str) -> pd.DataFrame:

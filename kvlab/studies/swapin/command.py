@@ -15,9 +15,19 @@ __all__ = ["add_arguments", "run", "run_args", "main"]
 
 _DEFAULTS = {p.name: p.default for p in PARAMS}
 
+# what `kvlab swapin --help` says above its options
+DESCRIPTION = """Scatter a paged cache held in pinned host memory into a GPU pool by block table (vLLM's swap-in): Triton's
+    row kernel reading the host pool over PCIe (triton-uva), and a CPU gather + one copy + a GPU scatter (staged);
+    beside them the GPU → host gather (chunked-gather-d2h), each against a contiguous copy of the same bytes the
+    same way, timed in the same run. Every method is checked on a poisoned pool. Writes results.csv, summary.csv
+    and run.json.
+
+Example: kvlab swapin --model kvlab-tiny --context 256 --repeats 3"""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``kvlab swapin`` options to ``parser`` (for a CLI subparser); defaults are the study's PARAMS'."""
+    parser.description = DESCRIPTION  # kvlab <command> --help: what it does, then its options
     d = _DEFAULTS
     parser.add_argument("--model", default=d["model"], help="registry name or a config.json / model folder: the "
                         "cache's shape (default auto: qwen2.5-7b on a GPU, kvlab-tiny on a CPU)")

@@ -16,9 +16,17 @@ __all__ = ["add_arguments", "run", "run_args", "main"]
 
 _DEFAULTS = {p.name: p.default for p in PARAMS}
 
+# what `kvlab reshard --help` says above its options
+DESCRIPTION = """Move a paged cache from P prefill ranks' pools to D decode ranks' (fused Triton kernel, torch indexing,
+    staging), each checked bit for bit on poisoned pools, then timed beside the same cache moved between equal TP on
+    the same device, with the calculator's prediction. Writes ceilings.csv, reshard_rows.csv, reshard.csv, run.json.
+
+Example: kvlab reshard --model kvlab-tiny --context 256 --pairs 2-1,1-2 --layouts hnd --repeats 3 --out /tmp/kvlab-reshard"""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``kvlab reshard`` options to ``parser``; defaults are the study's PARAMS'."""
+    parser.description = DESCRIPTION  # kvlab <command> --help: what it does, then its options
     d = _DEFAULTS
     parser.add_argument("--model", default=d["model"], help="registry name or a config.json / model folder (default "
                         "auto: qwen2.5-7b on a GPU, kvlab-tiny on a CPU)")

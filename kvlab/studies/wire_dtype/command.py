@@ -16,9 +16,17 @@ __all__ = ["add_arguments", "run", "run_args", "main"]
 
 _DEFAULTS = {p.name: p.default for p in PARAMS}
 
+# what `kvlab wire --help` says above its options
+DESCRIPTION = """Quantize a paged bf16 cache to FP8 in the gather (to GPU or pinned host memory) and dequantize it on arrival,
+    each kernel checked bit for bit, then timed beside a bf16 copy of the same cache the same way; the link bandwidth
+    below which FP8 wins. Writes wire_rows.csv, wire.csv, wire_rates.csv, breakeven.csv and run.json.
+
+Example: kvlab wire --model kvlab-tiny --context 256 --repeats 3 --out /tmp/kvlab-wire"""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``kvlab wire`` options to ``parser``; defaults are the study's PARAMS'."""
+    parser.description = DESCRIPTION  # kvlab <command> --help: what it does, then its options
     d = _DEFAULTS
     parser.add_argument("--model", default=d["model"], help="registry name or a config.json / model folder (default "
                         "auto: qwen2.5-7b on a GPU, kvlab-tiny on a CPU)")

@@ -1,0 +1,355 @@
+"""Contention: N transfers sharing one path at once, measured, and the fabric simulator validated on them
+(`kvlab contention`).
+
+Seed 000 ends its agenda with congestion: KV bursts share a fabric with everything else. Here N copies of the same
+size start together on N CUDA streams — GPU → pinned host, pinned host → GPU, or both directions at once — and the
+run records when each lands (CUDA events: one start, one end per flow). Per configuration: the aggregate rate (all
+bytes over the time until the last flow lands) against the path's ceiling (one copy of 1 GiB alone, the same run),
+each flow's own rate and Jain's fairness index over them. Then kvlab's fabric simulator (kvlab.fabric.calibrate:
+per-path capacity, per-flow ceiling and a start cost, flows shared max-min fairly) is fitted on the single paths at
+N = 1 and 2 only, and predicts the rest — N = 4, 8 and both directions at once — which it was not fitted to:
+validation.csv as issue 30 asks. On a CPU the same code copies between host buffers on threads (the logic only).
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from ... import devices, goals, plots
+from ...disagg.config import norm_device
+from ...fabric import calibrate
+from ...intervals import median_ci
+from ...results import Run
+from ...study import Analysis, Param, at_least, check_params, md_table, sig
+from ...ceilings import parse_size
+
+__all__ = ["NAME", "NOTEBOOK", "TITLE", "QUESTION", "FIGURES", "PARAMS", "Config", "check", "measure", "analyse",
+           "figures", "BLOCKS", "goal_table", "jain", "summarise", "validation"]
+
+NAME = "contention"
+NOTEBOOK = None
+TITLE = "Contention on one path"
+QUESTION = ("What do N transfers sharing one path get, together and each, against the path's ceiling, and does the "
+            "fabric simulator, fitted on one and two flows, predict the rest?")
+FIGURES = ("contention_gbps",)
+
+GPU_PATHS, CPU_PATHS = ("d2h", "h2d", "d2h+h2d"), ("h2h",)
+GPU_SIZE, CPU_SIZE = "256M", "4M"
+GPU_REPEATS, CPU_REPEATS = 10, 3
+_PATH_NAMES = {"d2h": "GPU → pinned host", "h2d": "pinned host → GPU", "d2h+h2d": "both directions at once",
+               "h2h": "host → host (CPU)"}
+
+
+def _flows(value, name):
+    got = [v.strip() for v in str(value).split(",") if v.strip()]
+    if not got or not all(v.isdigit() and int(v) >= 1 for v in got) or len(set(got)) != len(got):
+        raise ValueError(f"{name} = {value!r}: give distinct flow counts ≥ 1, comma-separated, such as 1,2,4,8")
+    if "1" not in got or "2" not in got:
+        raise ValueError(f"{name} = {value!r}: the simulator is fitted on 1 and 2 flows, so both must be among them")
+
+
+def _size(value, name):
+    try:
+        n = parse_size(value)
+    except ValueError as err:
+        raise ValueError(f"{name} = {value!r}: {err}") from None
+    if n < 1 << 20:
+        raise ValueError(f"{name} = {value!r}: give at least 1M per flow (a smaller copy measures its start, not the "
+                         "path)")
+
+
+def _device(value, name):
+    if not (value == "cpu" or str(value).startswith("cuda")):
+        raise ValueError(f"{name} = {value!r} is not a device; give 'auto', 'cpu' or 'cuda:N'")
+
+
+PARAMS = (
+    Param("flows", "str", "1,2,4,8", "flow counts, comma-separated; 1 and 2 fit the simulator, the rest validate it",
+          _flows),
+    Param("size", "str", "auto", f"bytes per flow (\"256M\"); \"auto\": {GPU_SIZE} on a GPU, {CPU_SIZE} on a CPU",
+          _size),
+    Param("device", "str", "auto", "the GPU: cuda:N, or cpu (threads copying host buffers: the logic only); "
+          "\"auto\": cuda:0, cpu where there is no GPU (or KVLAB_PRESET set to cpu)", _device),
+    Param("repeats", "int", 0, f"timed rounds per configuration, in rotated order; 0: {GPU_REPEATS} on a GPU, "
+          f"{CPU_REPEATS} on a CPU", at_least(0)),
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One run: the flow counts, bytes per flow, the device, timed rounds, and the paths (by device kind)."""
+
+    flows: list
+    size: int
+    device: torch.device
+    repeats: int
+    paths: tuple
+
+    def resolved(self) -> dict:
+        return {"flows": self.flows, "size_bytes": self.size, "device": str(self.device), "repeats": self.repeats,
+                "paths": list(self.paths)}
+
+
+def check(params) -> Config:
+    """The run's Config: every value checked, "auto" resolved by hardware, the pinned buffers held against this
+    machine's free memory — before anything is allocated or written."""
+    p = check_params(PARAMS, params, NAME)
+    device = p["device"]
+    if device == "auto":
+        device = "cpu" if devices.preset() == "cpu" else "cuda:0"
+    try:
+        dev = torch.device(norm_device(device))
+    except RuntimeError:
+        raise ValueError(f"device = {p['device']!r} is not a device; give 'auto', 'cpu' or 'cuda:N'") from None
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if dev.type == "cuda" and (dev.index or 0) >= n_gpu:
+        raise ValueError(f"device = {p['device']!r} does not exist: this machine has {n_gpu} GPU(s)")
+    gpu = dev.type == "cuda"
+    flows = sorted(int(v) for v in p["flows"].split(",") if v.strip())
+    size = parse_size((GPU_SIZE if gpu else CPU_SIZE) if p["size"] == "auto" else p["size"])
+    need = 2 * 2 * max(flows) * size + (2 << 30)  # each direction's sources and destinations, and the 1 GiB ceiling
+    free = devices.host_available_bytes()
+    if free is not None and need > 0.8 * free:
+        raise ValueError(f"{max(flows)} flows of {size / 2**20:.0f} MiB need about {need / 2**30:.1f} GiB of host "
+                         f"memory and {free / 2**30:.1f} GiB is free; give a smaller --size or fewer --flows")
+    return Config(flows=flows, size=size, device=dev, repeats=p["repeats"] or (GPU_REPEATS if gpu else CPU_REPEATS),
+                  paths=GPU_PATHS if gpu else CPU_PATHS)
+
+
+class _Buffers:
+    """Each direction's flows' sources and destinations, allocated once: device buffers and pinned host buffers
+    (on a CPU, host buffers for the threads)."""
+
+    def __init__(self, n: int, size: int, dev: torch.device):
+        gpu = dev.type == "cuda"
+        mk_dev = (lambda: torch.empty(size, dtype=torch.uint8, device=dev)) if gpu else \
+            (lambda: torch.empty(size, dtype=torch.uint8))
+        mk_host = lambda: torch.empty(size, dtype=torch.uint8, pin_memory=gpu)  # noqa: E731
+        self.dev_src = [mk_dev().fill_(1) for _ in range(n)]
+        self.host_dst = [mk_host() for _ in range(n)]
+        self.host_src = [mk_host().fill_(2) for _ in range(n)] if gpu else []
+        self.dev_dst = [mk_dev() for _ in range(n)] if gpu else []
+        self.streams = [torch.cuda.Stream(dev) for _ in range(2 * n)] if gpu else []
+
+    def jobs(self, path: str, n: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        out = []
+        for part in path.split("+"):
+            for i in range(n):
+                if part == "d2h":
+                    out.append((part, self.host_dst[i], self.dev_src[i]))
+                elif part == "h2d":
+                    out.append((part, self.dev_dst[i], self.host_src[i]))
+                else:  # h2h, on a CPU
+                    out.append((part, self.host_dst[i], self.dev_src[i]))
+        return out
+
+
+def _run_gpu(jobs, streams, dev) -> tuple[float, list[float]]:
+    """All `jobs` start together (each stream waits on one start event) and each records its end; (ms until the
+    last lands, each flow's ms)."""
+    cur = torch.cuda.current_stream(dev)
+    start = torch.cuda.Event(enable_timing=True)
+    ends = [torch.cuda.Event(enable_timing=True) for _ in jobs]
+    torch.cuda.synchronize(dev)
+    start.record(cur)
+    for (_, dst, src), s, e in zip(jobs, streams, ends):
+        s.wait_event(start)
+        with torch.cuda.stream(s):
+            dst.copy_(src, non_blocking=True)
+            e.record(s)
+    torch.cuda.synchronize(dev)
+    each = [start.elapsed_time(e) for e in ends]
+    return max(each), each
+
+
+def _run_cpu(jobs) -> tuple[float, list[float]]:
+    """The same on a CPU: one thread per flow, released together; (ms until the last lands, each flow's ms)."""
+    gate, done = threading.Barrier(len(jobs) + 1), [0.0] * len(jobs)
+
+    def work(i, dst, src):
+        gate.wait()
+        dst.copy_(src)
+        done[i] = time.perf_counter()
+
+    threads = [threading.Thread(target=work, args=(i, d, s)) for i, (_, d, s) in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    t0 = time.perf_counter()
+    gate.wait()
+    for t in threads:
+        t.join()
+    each = [(x - t0) * 1e3 for x in done]
+    return max(each), each
+
+
+def measure(cfg: Config, run: Run) -> None:
+    """The ceiling first — one 1 GiB copy alone per direction, cfg.repeats times (ceiling.csv) — then every (path,
+    flows) configuration in rotated rounds after a warm-up round (a progress bar over the rounds): flows.csv, one
+    row per (path, flows, round, flow) with the flow's ms and bytes, and the round's ms until the last flow landed."""
+    run.update(resolved=cfg.resolved())
+    dev, gpu = cfg.device, cfg.device.type == "cuda"
+    configs = [(p, n) for p in cfg.paths for n in cfg.flows]
+    buf = _Buffers(max(cfg.flows), cfg.size, dev)
+    ceil_rows = []
+    big = _Buffers(1, 1 << 30, dev)
+    for part in cfg.paths[0].split("+") if not gpu else ("d2h", "h2d"):
+        for r in range(cfg.repeats + 1):
+            jobs = big.jobs(part, 1)
+            ms, _ = _run_gpu(jobs, big.streams, dev) if gpu else _run_cpu(jobs)
+            if r:  # the first is a warm-up
+                ceil_rows.append({"path": part, "round": r - 1, "ms": ms, "bytes": 1 << 30})
+    del big
+    run.save_table(pd.DataFrame(ceil_rows), "ceiling")
+    rows = []
+    bar = tqdm(total=(cfg.repeats + 1) * len(configs), desc="contention", unit="config")
+    for r in range(cfg.repeats + 1):
+        k = r % len(configs)
+        for path, n in configs[k:] + configs[:k]:  # rotated: drift hits every configuration alike
+            jobs = buf.jobs(path, n)
+            total, each = _run_gpu(jobs, buf.streams, dev) if gpu else _run_cpu(jobs)
+            bar.update(1)
+            if r == 0:
+                continue  # warm-up round
+            for i, ((part, _, _), ms) in enumerate(zip(jobs, each)):
+                rows.append({"path": path, "flows": n, "round": r - 1, "flow": i, "direction": part, "ms": ms,
+                             "bytes": cfg.size, "round_ms": total})
+    bar.close()
+    run.save_table(pd.DataFrame(rows), "flows")
+
+
+def jain(rates) -> float:
+    """Jain's fairness index of the flows' rates: 1 when all are equal, 1/N when one has everything."""
+    x = [float(v) for v in rates]
+    return sum(x) ** 2 / (len(x) * sum(v * v for v in x)) if x and any(x) else float("nan")
+
+
+def summarise(flows: pd.DataFrame, ceiling: pd.DataFrame) -> pd.DataFrame:
+    """Per (path, flows): the aggregate rate (all bytes ÷ the time until the last flow lands) with the 95 % interval
+    of its median over the rounds, the path's ceiling (the median 1 GiB copy alone; both directions' summed for a
+    joined path) and the share of it, each flow's median rate and the slowest's, and Jain's index (median over the
+    rounds)."""
+    ceil = {p: (1 << 30) / statistics.median(g["ms"]) / 1e6 for p, g in ceiling.groupby("path")}
+    out = []
+    for (path, n), g in flows.groupby(["path", "flows"], sort=False):
+        per_round = g.groupby("round")
+        agg = [float(x["bytes"].sum()) / float(x["round_ms"].iloc[0]) / 1e6 for _, x in per_round]
+        fair = [jain(x["bytes"] / x["ms"] / 1e6) for _, x in per_round]
+        rate = g["bytes"] / g["ms"] / 1e6
+        lo, hi = median_ci(agg)
+        c = sum(ceil.get(p, float("nan")) for p in str(path).split("+"))
+        med = statistics.median(agg)
+        out.append({"path": path, "flows": int(n), "n": len(agg), "aggregate_gbps": med, "aggregate_lo": lo,
+                    "aggregate_hi": hi, "ceiling_gbps": c, "pct_of_ceiling": 100 * med / c,
+                    "pct_lo": 100 * lo / c, "pct_hi": 100 * hi / c, "flow_gbps_median": float(rate.median()),
+                    "flow_gbps_min": float(rate.min()), "jain": statistics.median(fair),
+                    "bytes_per_flow": int(g["bytes"].iloc[0])})
+    order = {p: i for i, p in enumerate((*GPU_PATHS, *CPU_PATHS))}
+    return pd.DataFrame(out).sort_values(["path", "flows"], key=lambda c: c.map(order) if c.name == "path" else c,
+                                         kind="stable", ignore_index=True)
+
+
+def validation(s: pd.DataFrame) -> pd.DataFrame:
+    """validation.csv (issue 30): each configuration's measured aggregate with its interval and role (calibrate:
+    a single path with 1 or 2 flows; validate: the rest), the simulator's prediction from the calibrate rows
+    alone (kvlab.fabric.calibrate), and the relative error."""
+    rows = pd.DataFrame({"path": s["path"], "flows": s["flows"],
+                         "role": ["calibrate" if "+" not in p and n <= 2 else "validate"
+                                  for p, n in zip(s["path"], s["flows"])],
+                         "measured_gbps": s["aggregate_gbps"], "measured_lo": s["aggregate_lo"],
+                         "measured_hi": s["aggregate_hi"], "bytes": s["bytes_per_flow"]})
+    v = calibrate.validation_table(rows)
+    v["error_pct"] = 100 * (v["simulated_gbps"] / v["measured_gbps"] - 1)
+    v["abs_error_pct"] = v["error_pct"].abs()
+    val = v[v["role"] == "validate"]
+    v["median_abs_error_pct"] = float(val["abs_error_pct"].median()) if len(val) else float("nan")
+    v["first_row"] = [True] + [False] * (len(v) - 1)
+    return v
+
+
+def analyse(record: dict, tables: dict) -> Analysis:
+    """The contention table (`summarise`), validation.csv (`validation`), the goals judged on the validation table
+    by those in force when the run started, and a finding per path."""
+    s = summarise(tables["flows"], tables["ceiling"])
+    v = validation(s)
+    g = goals.evaluate_run(NAME, record, v, keys=("path", "flows"))
+    findings, values = [], {}
+    for path, t in s.groupby("path", sort=False):
+        parts = ", ".join(f"{r.flows}: {sig(r.aggregate_gbps)} GB/s ({r.pct_of_ceiling:.0f} %, Jain {r.jain:.2f})"
+                          for r in t.itertuples())
+        findings.append(f"- {_PATH_NAMES.get(path, path)}, ceiling {sig(t['ceiling_gbps'].iloc[0])} GB/s; by flows: "
+                        f"{parts}.")
+    val = v[v["role"] == "validate"]
+    if len(val):
+        values["median_abs_error_pct"] = f"{val['abs_error_pct'].median():.1f}"
+        values["max_abs_error_pct"] = f"{val['abs_error_pct'].max():.1f}"
+        findings.append(f"- The simulator, fitted on 1 and 2 flows of each single path, predicts the other "
+                        f"{len(val)} configurations within {values['max_abs_error_pct']} % (median "
+                        f"{values['median_abs_error_pct']} %).")
+    return Analysis(NAME, record, raw=dict(tables), tables={"contention": s, "validation": v}, goals=g,
+                    findings=findings, values=values)
+
+
+def goal_table(a: Analysis, study: str) -> pd.DataFrame:
+    """The contention goals of run `a`, as the verdicts table shows them (`mode`: the path and its flows)."""
+    g = a.goals.copy()
+    if len(g):
+        g["mode"] = g["path"].map(lambda p: _PATH_NAMES.get(p, p)) + ", " + g["flows"].astype(str) + " flows"
+    return g
+
+
+def figures(a: Analysis) -> dict:
+    """Per path, the aggregate rate by flow count (median and 95 % interval) against the path's ceiling, the
+    simulator's prediction beside each, and Jain's index under each bar."""
+    import matplotlib.pyplot as plt  # matplotlib only when a figure is drawn
+
+    s, v = a.tables["contention"], a.tables["validation"].set_index(["path", "flows"])
+    paths = list(dict.fromkeys(s["path"]))
+    fig, axes = plt.subplots(1, len(paths), figsize=(4.4 * len(paths), 4.4), squeeze=False, layout="constrained")
+    colors = plots.palette(["measured", "simulated"])
+    for ax, path in zip(axes[0], paths):
+        t = s[s["path"] == path]
+        xs = range(len(t))
+        err = [(t["aggregate_gbps"] - t["aggregate_lo"]).clip(lower=0), (t["aggregate_hi"] - t["aggregate_gbps"]).clip(lower=0)]
+        ax.bar(xs, t["aggregate_gbps"], 0.6, yerr=err, capsize=3, color=colors["measured"],
+               label="measured" if ax is axes[0][0] else None)
+        sim = [v.loc[(path, n), "simulated_gbps"] for n in t["flows"]]
+        role = [v.loc[(path, n), "role"] for n in t["flows"]]
+        ax.scatter(xs, sim, marker="_", s=220, color="black", zorder=3,
+                   label="simulated (fitted on 1 and 2 flows)" if ax is axes[0][0] else None)
+        ax.axhline(t["ceiling_gbps"].iloc[0], color="0.4", ls=":", lw=1)
+        ax.set_xticks(list(xs), [f"{n}\nJain {j:.2f}{'' if r == 'calibrate' else ' ·'}"
+                                 for n, j, r in zip(t["flows"], t["jain"], role)])
+        ax.set_xlabel("concurrent flows (· : not fitted)")
+        ax.set_title(_PATH_NAMES.get(path, path), fontsize=11)
+        ax.set_ylim(0, max(t["aggregate_hi"].max(), t["ceiling_gbps"].iloc[0]) * 1.3)
+    axes[0][0].set_ylabel("aggregate GB/s (dotted: the path's ceiling)")
+    axes[0][0].legend(fontsize=8.5, frameon=False, loc="upper left")
+    fig.suptitle(f"N copies of {s['bytes_per_flow'].iloc[0] / 2**20:.0f} MiB sharing one path at once", fontsize=12)
+    return {"contention_gbps": fig}
+
+
+def _table(analyses: list[Analysis], link, **_) -> str:
+    """Per run, path and flow count: the aggregate GB/s with its 95 % interval, the share of the path's ceiling,
+    each flow's median and slowest GB/s, Jain's index, and the simulator's prediction with its role and error."""
+    rows = []
+    for a in analyses:
+        v = a.tables["validation"].set_index(["path", "flows"])
+        for r in a.tables["contention"].itertuples():
+            sim = v.loc[(r.path, r.flows)]
+            rows.append({"run": link(a.where), "path": _PATH_NAMES.get(r.path, r.path), "flows": r.flows,
+                         "aggregate GB/s [95 %]": f"{sig(r.aggregate_gbps)} [{sig(r.aggregate_lo)}, {sig(r.aggregate_hi)}]",
+                         "% of ceiling": f"{r.pct_of_ceiling:.0f}", "per flow (slowest) GB/s":
+                         f"{sig(r.flow_gbps_median)} ({sig(r.flow_gbps_min)})", "Jain": f"{r.jain:.2f}",
+                         "simulated GB/s": sig(sim.simulated_gbps), "role": sim.role,
+                         "error": f"{sim.error_pct:+.1f} %"})
+    return md_table(pd.DataFrame(rows))
+
+
+BLOCKS = {"table": _table}
