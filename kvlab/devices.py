@@ -101,6 +101,31 @@ def gpus() -> list[dict]:
     return found
 
 
+def check_device_name(value, name: str = "device") -> None:
+    """A study parameter's check: `value` names a device a run can take ("auto", "cpu", "cuda", "cuda:N"); ValueError
+    (one line) otherwise. Whether this machine has it is run_device's business, when the run is checked."""
+    if not (value in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", str(value))):
+        raise ValueError(f"{name} = {value!r} is not a device; give 'auto', 'cpu' or 'cuda:N'")
+
+
+def run_device(value: str, name: str = "device"):
+    """The torch.device a study's run uses for the parameter `name` = `value`: "auto" is cuda:0, or cpu where there is
+    no GPU (or KVLAB_PRESET says cpu); "cuda" is cuda:0; otherwise "cpu" or "cuda:N" as given. ValueError (one line,
+    naming the value) for anything else, or for a GPU this machine does not have."""
+    torch = _torch()
+    if torch is None:
+        raise ValueError(f"{name} = {value!r}: this study needs torch, which is not installed here")
+    if value == "auto":
+        value = "cpu" if preset() == "cpu" else "cuda:0"
+    check_device_name(value, name)
+    value = "cuda:0" if value == "cuda" else str(value)
+    dev = torch.device(value)
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if dev.type == "cuda" and dev.index >= n_gpu:
+        raise ValueError(f"{name} = {value!r} does not exist: this machine has {n_gpu} GPU(s)")
+    return dev
+
+
 def pci_address(props, domain_digits: int = 4) -> str:
     """The PCI address of a GPU from torch's device properties, e.g. "0000:1b:00.0" (sysfs spells the
     domain with 4 hex digits, NVML with 8 and upper case: pci_address(p, 8).upper())."""

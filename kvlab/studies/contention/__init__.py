@@ -23,7 +23,6 @@ import torch
 from tqdm.auto import tqdm
 
 from ... import devices, goals, plots
-from ...disagg.config import norm_device
 from ...fabric import calibrate
 from ...intervals import median_ci
 from ...results import Run
@@ -65,18 +64,13 @@ def _size(value, name):
                          "path)")
 
 
-def _device(value, name):
-    if not (value == "cpu" or str(value).startswith("cuda")):
-        raise ValueError(f"{name} = {value!r} is not a device; give 'auto', 'cpu' or 'cuda:N'")
-
-
 PARAMS = (
     Param("flows", "str", "1,2,4,8", "flow counts, comma-separated; 1 and 2 fit the simulator, the rest validate it",
           _flows),
     Param("size", "str", "auto", f"bytes per flow (\"256M\"); \"auto\": {GPU_SIZE} on a GPU, {CPU_SIZE} on a CPU",
           _size),
     Param("device", "str", "auto", "the GPU: cuda:N, or cpu (threads copying host buffers: the logic only); "
-          "\"auto\": cuda:0, cpu where there is no GPU (or KVLAB_PRESET set to cpu)", _device),
+          "\"auto\": cuda:0, cpu where there is no GPU (or KVLAB_PRESET set to cpu)", devices.check_device_name),
     Param("repeats", "int", 0, f"timed rounds per configuration, in rotated order; 0: {GPU_REPEATS} on a GPU, "
           f"{CPU_REPEATS} on a CPU", at_least(0)),
 )
@@ -101,16 +95,7 @@ def check(params) -> Config:
     """The run's Config: every value checked, "auto" resolved by hardware, the pinned buffers held against this
     machine's free memory — before anything is allocated or written."""
     p = check_params(PARAMS, params, NAME)
-    device = p["device"]
-    if device == "auto":
-        device = "cpu" if devices.preset() == "cpu" else "cuda:0"
-    try:
-        dev = torch.device(norm_device(device))
-    except RuntimeError:
-        raise ValueError(f"device = {p['device']!r} is not a device; give 'auto', 'cpu' or 'cuda:N'") from None
-    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if dev.type == "cuda" and (dev.index or 0) >= n_gpu:
-        raise ValueError(f"device = {p['device']!r} does not exist: this machine has {n_gpu} GPU(s)")
+    dev = devices.run_device(p["device"])
     gpu = dev.type == "cuda"
     flows = sorted(int(v) for v in p["flows"].split(",") if v.strip())
     size = parse_size((GPU_SIZE if gpu else CPU_SIZE) if p["size"] == "auto" else p["size"])

@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ... import devices, models
-from ...disagg.config import kv_dtype_name, norm_device
+from ...disagg.config import kv_dtype_name
 from ...paged import PoolSpec
 from ...parse import token_list
 from ...results import Run
@@ -44,15 +44,6 @@ def _at_least(n: int):
     return check
 
 
-def _device(value, name):
-    if not (value == "cpu" or str(value).startswith("cuda")):
-        raise ValueError(f"{name} = {value!r} is not a device; give 'auto', 'cpu' or 'cuda:N'")
-    try:
-        torch.device(norm_device(value))
-    except RuntimeError:  # torch.device("cuda:one")
-        raise ValueError(f"{name} = {value!r} is not a device; give 'auto', 'cpu' or 'cuda:N'") from None
-
-
 PARAMS = (
     Param("model", "str", "auto", "registry name or a config.json / model folder: the cache's shape; \"auto\": "
           f"{GPU_MODEL} on a GPU, {CPU_MODEL} on a CPU", lambda v, n: models.model_ref(v, n)),
@@ -61,7 +52,7 @@ PARAMS = (
     Param("block_size", "int", 16, "tokens per block", _at_least(1)),
     Param("kv_dtype", "str", "bf16", "bf16, fp16 or fp32", lambda v, n: kv_dtype_name(v, n)),
     Param("device", "str", "auto", "the GPU the pool is on: cuda:N, or cpu (checks the logic); \"auto\": cuda:0, "
-          "cpu where there is no GPU (or KVLAB_PRESET set to cpu)", _device),
+          "cpu where there is no GPU (or KVLAB_PRESET set to cpu)", devices.check_device_name),
     Param("repeats", "int", 9, "timed sends per method and context", _at_least(1)),
     Param("seed", "int", 0, "seed of the block tables and the data", _at_least(0)),
 )
@@ -89,13 +80,7 @@ def check(params) -> Config:
     """The run's Config from command-line values: each checked, "auto" resolved by hardware, then the device
     checked against this machine and, on a CPU, the pools' size against its free memory (nothing allocated)."""
     p = check_params(PARAMS, params, NAME)
-    device = p["device"]
-    if device == "auto":
-        device = "cpu" if devices.preset() == "cpu" else "cuda:0"
-    dev = torch.device(norm_device(device))
-    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if dev.type == "cuda" and (dev.index or 0) >= n_gpu:
-        raise ValueError(f"device = {p['device']!r} does not exist: this machine has {n_gpu} GPU(s)")
+    dev = devices.run_device(p["device"])
     gpu = dev.type == "cuda"
     model = (GPU_MODEL if gpu else CPU_MODEL) if p["model"] == "auto" else p["model"]
     ctx = token_list((GPU_CONTEXTS if gpu else CPU_CONTEXTS) if p["contexts"] == "auto" else p["contexts"],

@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ... import calculator, ceilings, ceilings_fit, devices, goals, models, plots
-from ...disagg.config import kv_dtype_name, norm_device
+from ...disagg.config import kv_dtype_name
 from ...intervals import ratio_ci
 from ...paged import reshard, reshard_bench
 from ...paged.pools import LAYOUTS
@@ -80,15 +80,6 @@ def _names(valid, what: str):
     return check
 
 
-def _device(value, name):
-    if not (value == "cpu" or str(value).startswith("cuda")):
-        raise ValueError(f"{name} = {value!r} is not a device; give 'auto', 'cpu' or 'cuda:N'")
-    try:
-        torch.device(norm_device(value))
-    except RuntimeError:
-        raise ValueError(f"{name} = {value!r} is not a device; give 'auto', 'cpu' or 'cuda:N'") from None
-
-
 PARAMS = (
     Param("model", "str", "auto", "registry name or a config.json / model folder: the cache's shape and heads; "
           f"\"auto\": {GPU_MODEL} on a GPU, {CPU_MODEL} on a CPU", lambda v, n: models.model_ref(v, n)),
@@ -103,7 +94,7 @@ PARAMS = (
     Param("block_size", "int", 16, "tokens per block", at_least(1)),
     Param("kv_dtype", "str", "bf16", "bf16, fp16 or fp32", lambda v, n: kv_dtype_name(v, n)),
     Param("device", "str", "auto", "the device every rank's pool is on: cuda:N, or cpu (checks the logic); "
-          "\"auto\": cuda:0, cpu where there is no GPU (or KVLAB_PRESET set to cpu)", _device),
+          "\"auto\": cuda:0, cpu where there is no GPU (or KVLAB_PRESET set to cpu)", devices.check_device_name),
     Param("repeats", "int", 0, f"timed rounds per (pair, layout), every mover once a round in rotated order; 0: "
           f"{GPU_REPEATS} on a GPU, {CPU_REPEATS} on a CPU", at_least(0)),
     Param("seed", "int", 0, "seed of the block tables and the data", at_least(0)),
@@ -139,13 +130,7 @@ def check(params) -> Config:
     degrees that neither divide nor multiply, query heads TP does not divide, MLA's latent) and, on a CPU, the pools'
     size held against free memory — all before anything is allocated or written."""
     p = check_params(PARAMS, params, NAME)
-    device = p["device"]
-    if device == "auto":
-        device = "cpu" if devices.preset() == "cpu" else "cuda:0"
-    dev = torch.device(norm_device(device))
-    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if dev.type == "cuda" and (dev.index or 0) >= n_gpu:
-        raise ValueError(f"device = {p['device']!r} does not exist: this machine has {n_gpu} GPU(s)")
+    dev = devices.run_device(p["device"])
     gpu = dev.type == "cuda"
     model = (GPU_MODEL if gpu else CPU_MODEL) if p["model"] == "auto" else p["model"]
     spec = models.from_hf_config(model) if os.path.exists(model) else models.get(model)

@@ -23,7 +23,6 @@ import torch
 from tqdm.auto import tqdm
 
 from ... import devices, goals, models, plots
-from ...disagg.config import norm_device
 from ...intervals import median_ci
 from ...paged import BlockAllocator, BlockPool, PoolSpec
 from ...paged.pools import LAYOUTS
@@ -60,11 +59,6 @@ def _layout(value, name):
         raise ValueError(f"{name} = {value!r} is not a pool layout; give one of {', '.join(LAYOUTS)}")
 
 
-def _device(value, name):
-    if not (value == "cpu" or str(value).startswith("cuda")):
-        raise ValueError(f"{name} = {value!r} is not a device; give 'auto', 'cpu' or 'cuda:N'")
-
-
 PARAMS = (
     Param("model", "str", "auto", "registry name or a config.json / model folder: the cache's shape; \"auto\": "
           f"{GPU_MODEL} on a GPU, {CPU_MODEL} on a CPU", lambda v, n: models.model_ref(v, n)),
@@ -75,7 +69,7 @@ PARAMS = (
     Param("layout", "str", "hnd", "both pools' layout: hnd or nhd", _layout),
     Param("block_size", "int", 16, "tokens per block", at_least(1)),
     Param("device", "str", "auto", "the GPU: cuda:N, or cpu (checks the logic); \"auto\": cuda:0, cpu where there "
-          "is no GPU (or KVLAB_PRESET set to cpu)", _device),
+          "is no GPU (or KVLAB_PRESET set to cpu)", devices.check_device_name),
     Param("repeats", "int", 0, f"timed rounds per context, every kernel once a round in rotated order; 0: "
           f"{GPU_REPEATS} on a GPU, {CPU_REPEATS} on a CPU", at_least(0)),
     Param("seed", "int", 0, "seed of the block tables and the data", at_least(0)),
@@ -104,16 +98,7 @@ def check(params) -> Config:
     """The run's Config: every value checked, "auto" resolved by hardware, the device held against this machine and,
     on a CPU, the pools against free memory — before anything is allocated or written."""
     p = check_params(PARAMS, params, NAME)
-    device = p["device"]
-    if device == "auto":
-        device = "cpu" if devices.preset() == "cpu" else "cuda:0"
-    try:
-        dev = torch.device(norm_device(device))
-    except RuntimeError:
-        raise ValueError(f"device = {p['device']!r} is not a device; give 'auto', 'cpu' or 'cuda:N'") from None
-    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if dev.type == "cuda" and (dev.index or 0) >= n_gpu:
-        raise ValueError(f"device = {p['device']!r} does not exist: this machine has {n_gpu} GPU(s)")
+    dev = devices.run_device(p["device"])
     gpu = dev.type == "cuda"
     model = (GPU_MODEL if gpu else CPU_MODEL) if p["model"] == "auto" else p["model"]
     m = models.from_hf_config(model) if os.path.exists(model) else models.get(model)
