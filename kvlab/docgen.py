@@ -58,8 +58,10 @@ def reproduce(blocks: list[str], manifest: dict, prefix: str) -> str:
         rec = read_json(repo_root() / "data" / run / "run.json")
         git = rec.get("git") or {}
         commit = f"`{(git.get('commit') or '?')[:10]}`"
-        if git.get("diff_file"):  # the code that ran was the commit with this difference on top
-            commit += f" + its [{git['diff_file']}]({prefix}data/{run}/{git['diff_file']})"
+        if git.get("diff_file"):  # the code that ran was the commit with this difference on top (gzipped in git
+            name = git["diff_file"]  # when it is large: kvlab.provenance.read_diff reads either)
+            kept = name if (repo_root() / "data" / run / name).is_file() else f"{name}.gz"
+            commit += f" + its [{kept}]({prefix}data/{run}/{kept})"
         rows.append({"run": run_link(run, prefix), "commit": commit, "command": f"`{_command(rec)}`"})
     diffed = any("+ its" in r["commit"] for r in rows)
     return md_table(pd.DataFrame(rows)) + (

@@ -152,6 +152,18 @@ def code_diff(root: str | os.PathLike | None = None, base: str = "HEAD") -> str:
     return "".join(parts)
 
 
+def read_diff(path: str | os.PathLike) -> bytes | None:
+    """The bytes of a run's recorded diff: the file itself, or — a large one kept compressed in git — the same name
+    with .gz, decompressed (its sha256 in run.json is of the patch, so either checks the same). None if neither."""
+    import gzip
+
+    path = Path(path)
+    if path.is_file():
+        return path.read_bytes()
+    packed = path.with_name(path.name + ".gz")
+    return gzip.decompress(packed.read_bytes()) if packed.is_file() else None
+
+
 def rebuilt_hash(commit: str, diff: str | os.PathLike, root: str | os.PathLike | None = None) -> str | None:
     """The code hash of ``commit``'s code files with the patch ``diff`` applied, in a scratch folder: whether a
     recorded diff really rebuilds the code that ran. None where git, the commit or the patch fail."""
@@ -198,10 +210,15 @@ def status(record: dict, run_dir: str | os.PathLike | None = None,
             return "verified", f"code hash matches commit {commit[:10]}"
         diff_name = git.get("diff_file")
         if diff_name and run_dir is not None and "/" not in diff_name and ".." not in diff_name:
-            f = Path(run_dir) / diff_name
-            if f.is_file() and hashlib.sha256(f.read_bytes()).hexdigest() == git.get("diff_sha256") \
-                    and rebuilt_hash(commit, f, root) == recorded:
-                return "diff", f"commit {commit[:10]} + {diff_name} rebuilds the code that ran"
+            patch = read_diff(Path(run_dir) / diff_name)
+            if patch is not None and hashlib.sha256(patch).hexdigest() == git.get("diff_sha256"):
+                import tempfile
+
+                with tempfile.NamedTemporaryFile(suffix=".diff") as f:
+                    f.write(patch)
+                    f.flush()
+                    if rebuilt_hash(commit, f.name, root) == recorded:
+                        return "diff", f"commit {commit[:10]} + {diff_name} rebuilds the code that ran"
         return "mismatch", f"code hash differs from commit {commit[:10]} and no recorded diff rebuilds it"
     if git.get("commit_source") == "KVLAB_GIT_COMMIT":
         return "unverified", f"commit {commit[:10]} sent by KVLAB_GIT_COMMIT; no code hash to check it against"

@@ -372,6 +372,9 @@ def start(study: str, params: Mapping, run_dir: str | os.PathLike = "") -> Run:
     return run
 
 
+DIFF_GZIP_BYTES = 256 << 10  # a recorded diff larger than this is kept as git.diff.gz
+
+
 def _record_diff(run_dir: Path, git: dict) -> None:
     """Where the code on disk is not its commit's, write the difference to ``<run_dir>/git.diff`` and name
     it (and its sha256) in ``git``: a reader can then rebuild the code that ran. Nothing when the code is
@@ -386,12 +389,17 @@ def _record_diff(run_dir: Path, git: dict) -> None:
     git["code_matches_commit"] = None if expected is None else code == expected
     if expected is None or code == expected:
         return
-    patch = provenance.code_diff(base=commit)
-    (run_dir / "git.diff").write_text(patch, encoding="utf-8")
+    patch = provenance.code_diff(base=commit).encode("utf-8")
+    (run_dir / "git.diff").write_bytes(patch)
     git["diff_file"] = "git.diff"
-    git["diff_sha256"] = hashlib.sha256((run_dir / "git.diff").read_bytes()).hexdigest()
+    git["diff_sha256"] = hashlib.sha256(patch).hexdigest()
     # does commit + diff give back the code on disk? (a binary or unreadable change would not)
     git["diff_rebuilds_code"] = provenance.rebuilt_hash(commit, run_dir / "git.diff") == code
+    if len(patch) > DIFF_GZIP_BYTES:  # kept compressed (the sha256 stays the patch's; provenance.read_diff reads it)
+        import gzip
+
+        (run_dir / "git.diff.gz").write_bytes(gzip.compress(patch, mtime=0))
+        (run_dir / "git.diff").unlink()
 
 
 def amend(run_dir: str | os.PathLike, **fields) -> None:

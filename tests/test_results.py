@@ -615,6 +615,23 @@ def test_a_run_from_changed_code_records_the_diff_that_rebuilds_it(repo, tmp_pat
     assert provenance.status(run.record, run.dir, repo)[0] == "mismatch"
 
 
+def test_a_large_diff_is_kept_compressed_and_still_vouches_for_its_run(repo, monkeypatch):
+    import gzip
+
+    git(repo, "add", "kvlab/code.py")
+    git(repo, "commit", "-qm", "first")
+    (repo / "kvlab" / "big.py").write_text("".join(f"v{i} = {i}\n" for i in range(400)))
+    monkeypatch.setattr(results, "DIFF_GZIP_BYTES", 1024)
+    run = results.start("toy", {})
+    g = run.record["git"]
+    assert not (run.dir / "git.diff").exists() and (run.dir / "git.diff.gz").is_file()
+    assert g["diff_file"] == "git.diff" and g["diff_rebuilds_code"] is True
+    assert provenance.status(run.record, run.dir, repo)[0] == "diff"
+    # its sha256 is the patch's, so a changed patch inside the gzip is caught as the plain file would be
+    (run.dir / "git.diff.gz").write_bytes(gzip.compress(b"tampered\n"))
+    assert provenance.status(run.record, run.dir, repo)[0] == "mismatch"
+
+
 def test_the_diff_is_of_the_bytes_on_disk_not_of_what_the_notebook_filter_would_commit(repo, tmp_path):
     """make puts nbstripout on notebooks as git's clean filter: a notebook saved with outputs looks unchanged to git,
     yet its bytes are what ran. The recorded diff must rebuild those bytes, outputs and all."""
