@@ -17,7 +17,8 @@ book = root / "kvlab" / "goals_ledger.json"
 orig = src.read_text()
 orig_book = book.read_text()
 TESTS = ["tests/test_goals.py", "tests/test_goals_ledger.py", "tests/test_handoff.py", "tests/test_paged.py",
-         "tests/test_analyse.py", "tests/test_disagg_study.py"]
+         "tests/test_analyse.py", "tests/test_disagg_study.py", "tests/test_tp_reshard_study.py",
+         "tests/test_wire_study.py", "tests/test_contention_study.py"]
 # a goal bent in goals.py: (what it says today, what the mutant says, the goal id and ledger field to bend with it)
 BENT = [
  ('"ipc and nccl bulk send ≥ 90 % of the peer copy of the same bytes, two GPUs",\n         "pct_of_ceiling", ">=", 90.0,',
@@ -25,6 +26,13 @@ BENT = [
   "disagg.peer_send", "threshold", 89.0),
  ('"pct_of_best_peer", ">=", 90.0, lo="pct_best_lo"', '"pct_of_best_peer", ">=", 64.0, lo="pct_best_lo"',
   "disagg.peer_send_link", "threshold", 64.0),
+ ('"pct_of_same_tp", ">=", 90.0, lo="pct_lo"', '"pct_of_same_tp", ">=", 80.0, lo="pct_lo"',
+  "tp_reshard.hnd_fused", "threshold", 80.0),
+ ('"pred_err_abs_pct", "<=", 10.0,', '"pred_err_abs_pct", "<=", 900.0,', "tp_reshard.calculator", "threshold", 900.0),
+ ('"ms_median", "<=", 18.7, lo="ms_lo", hi="ms_hi", unit=" ms", digits=2,\n         applies=_wire("dequantize-scatter"',
+  '"ms_median", "<=", 19.1, lo="ms_lo", hi="ms_hi", unit=" ms", digits=2,\n         applies=_wire("dequantize-scatter"',
+  "wire.fp8_h2d", "threshold", 19.1),
+ ('"abs_error_pct", "<=", 10.0,', '"abs_error_pct", ">=", 10.0,', "contention.sim_each", "op", ">="),
  ('"pct_of_best_peer", ">=", 90.0, lo="pct_best_lo", hi="pct_best_hi"', '"pct_of_ceiling", ">=", 90.0, lo="pct_lo", hi="pct_hi"',
   "disagg.peer_send_link", "metric", "pct_of_ceiling"),
  ('"pct_of_ceiling", ">=", 90.0, lo="pct_lo", hi="pct_hi", unit=" %", digits=1,\n         applies=_disagg_paged_32k_one_gpu',
