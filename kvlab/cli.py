@@ -410,6 +410,9 @@ Example: kvlab calc qwen2.5-7b --tokens 32k --link nvlink-h100
         raise UsageError(f"--link {args.link!r} has no unit: write {args.link}G for Gb/s (as NICs are quoted) or "
                          f"{args.link}GB/s for bytes per second, or a preset: 100G, 200G, 400G, 800G, nvlink, pcie5")
     link = calculator.link(args.link)
+    if spec.heads % args.tp:  # what serving engines refuse (the query heads split evenly over the TP ranks)
+        raise UsageError(f"--tp {args.tp:,}: {spec.name}'s {spec.heads} query heads do not split over {args.tp:,} "
+                         f"ranks; give a TP that divides {spec.heads}")
     estimate = calculator.handoff_estimate(spec, args.tokens, link, kv_dtype=args.kv_dtype,
                                            tp=args.tp, tflops=args.tflops)
     row = estimate.as_row()
@@ -422,6 +425,9 @@ Example: kvlab calc qwen2.5-7b --tokens 32k --link nvlink-h100
         elif key == "link":
             rows.append(("link_gbit_per_s", _show("gbps", link.gbit_per_s)))
     rows.append(("note", estimate.shard.note))
+    if spec.max_positions and args.tokens > spec.max_positions:  # arithmetic for a prompt the model cannot hold
+        rows.append(("positions", f"{args.tokens:,} tokens are more than {spec.name}'s {spec.max_positions:,} "
+                                  "positions (max_position_embeddings): arithmetic only, no such prompt runs"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key.ljust(width)}  {value}")

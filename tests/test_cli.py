@@ -61,6 +61,9 @@ def test_top_level_help_lists_every_subcommand(capsys):
     (["calc", "qwen2.5-7b", "--tokens", "1k", "--", "x"], "unrecognized arguments: -- x (kvlab calc -h"),
     (["--verison", "info"], "kvlab: error: unrecognized arguments: --verison; did you mean --version?"),
     (["info", "--version"], "--version is kvlab's own option, before any command"),
+    # issue 26: no answer for a prompt the model cannot hold, nor for a TP that engines refuse
+    (["calc", "llama-3.1-8b", "--tokens", "8k", "--tp", "1000000"], "32 query heads do not split over 1,000,000"),
+    (["calc", "qwen2.5-7b", "--tokens", "8k", "--tp", "8"], "28 query heads do not split over 8 ranks"),
 ])
 def test_a_mistyped_command_line_is_one_line_with_a_suggestion_not_the_usage_block(argv, says, capsys):
     with pytest.raises(SystemExit) as done:
@@ -455,12 +458,21 @@ def test_calc_prints_the_calculator_answer(capsys):
     assert rows["tp"] == "2"
 
 
+def test_calc_says_when_a_prompt_is_longer_than_the_model_holds(capsys):
+    """Issue 26: 10^23 tokens of a 131,072-position model is arithmetic, and the answer says so on its own line."""
+    assert kvlab("calc", "llama-3.1-8b", "--tokens", "100000000000000000000000") == 0
+    rows = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines())
+    assert "more than llama-3.1-8b's 131,072 positions" in rows["positions"] and "arithmetic only" in rows["positions"]
+    assert kvlab("calc", "llama-3.1-8b", "--tokens", "8k") == 0
+    assert "positions" not in dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines())
+
+
 @pytest.mark.parametrize("argv, match", [
     (["llama-9", "--tokens", "8"], "known models"),
     (["llama-2-7b", "--tokens", "0"], "tokens"),
     (["llama-2-7b", "--tokens", "8", "--kv-dtype", "fp7"], "fp7"),
     (["llama-2-7b", "--tokens", "8", "--link=-5G"], "-5G"),
-    (["llama-2-7b", "--tokens", "8", "--tp", "3"], "tp=3"),
+    (["llama-2-7b", "--tokens", "8", "--tp", "3"], "32 query heads do not split over 3 ranks"),
 ])
 def test_calc_bad_input_is_a_clear_error(argv, match, capsys):
     assert kvlab("calc", *argv) == 2
