@@ -410,6 +410,8 @@ Example: kvlab calc qwen2.5-7b --tokens 32k --link nvlink-h100
         raise UsageError(f"--link {args.link!r} has no unit: write {args.link}G for Gb/s (as NICs are quoted) or "
                          f"{args.link}GB/s for bytes per second, or a preset: 100G, 200G, 400G, 800G, nvlink, pcie5")
     link = calculator.link(args.link)
+    if args.tp < 1:
+        raise UsageError(f"--tp {args.tp}: give a TP degree ≥ 1 (the ranks a model is split over)")
     if spec.heads % args.tp:  # what serving engines refuse (the query heads split evenly over the TP ranks)
         raise UsageError(f"--tp {args.tp:,}: {spec.name}'s {spec.heads} query heads do not split over {args.tp:,} "
                          f"ranks; give a TP that divides {spec.heads}")

@@ -116,14 +116,33 @@ def run_device(value: str, name: str = "device"):
     if torch is None:
         raise ValueError(f"{name} = {value!r}: this study needs torch, which is not installed here")
     if value == "auto":
-        value = "cpu" if preset() == "cpu" else "cuda:0"
+        try:
+            value = "cpu" if preset() == "cpu" else "cuda:0"
+        except RuntimeError as err:  # KVLAB_PRESET=gpu on a machine without one
+            raise ValueError(f"{name} = 'auto': {err}") from None
     check_device_name(value, name)
     value = "cuda:0" if value == "cuda" else str(value)
-    dev = torch.device(value)
+    try:
+        dev = torch.device(value)
+    except RuntimeError:  # an index torch cannot hold (cuda:99999999999999999999)
+        raise ValueError(f"{name} = {value!r} is not a device this machine can have; give 'auto', 'cpu' or "
+                         "'cuda:N'") from None
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if dev.type == "cuda" and dev.index >= n_gpu:
         raise ValueError(f"{name} = {value!r} does not exist: this machine has {n_gpu} GPU(s)")
     return dev
+
+
+def free_bytes(dev) -> int | None:
+    """Bytes free where `dev`'s allocations go: the GPU's free memory (cudaMemGetInfo) for a CUDA device, the host's
+    available memory otherwise; None where it cannot be read."""
+    torch = _torch()
+    if torch is not None and getattr(dev, "type", "cpu") == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info(dev)[0])
+        except RuntimeError:
+            return None
+    return host_available_bytes()
 
 
 def pci_address(props, domain_digits: int = 4) -> str:

@@ -61,9 +61,6 @@ def test_top_level_help_lists_every_subcommand(capsys):
     (["calc", "qwen2.5-7b", "--tokens", "1k", "--", "x"], "unrecognized arguments: -- x (kvlab calc -h"),
     (["--verison", "info"], "kvlab: error: unrecognized arguments: --verison; did you mean --version?"),
     (["info", "--version"], "--version is kvlab's own option, before any command"),
-    # issue 26: no answer for a prompt the model cannot hold, nor for a TP that engines refuse
-    (["calc", "llama-3.1-8b", "--tokens", "8k", "--tp", "1000000"], "32 query heads do not split over 1,000,000"),
-    (["calc", "qwen2.5-7b", "--tokens", "8k", "--tp", "8"], "28 query heads do not split over 8 ranks"),
 ])
 def test_a_mistyped_command_line_is_one_line_with_a_suggestion_not_the_usage_block(argv, says, capsys):
     with pytest.raises(SystemExit) as done:
@@ -473,6 +470,11 @@ def test_calc_says_when_a_prompt_is_longer_than_the_model_holds(capsys):
     (["llama-2-7b", "--tokens", "8", "--kv-dtype", "fp7"], "fp7"),
     (["llama-2-7b", "--tokens", "8", "--link=-5G"], "-5G"),
     (["llama-2-7b", "--tokens", "8", "--tp", "3"], "32 query heads do not split over 3 ranks"),
+    # issue 26: no answer for a TP that engines refuse
+    (["llama-3.1-8b", "--tokens", "8k", "--tp", "1000000"], "32 query heads do not split over 1,000,000"),
+    (["qwen2.5-7b", "--tokens", "8k", "--tp", "8"], "28 query heads do not split over 8 ranks"),
+    (["qwen2.5-7b", "--tokens", "8k", "--tp", "0"], "--tp 0: give a TP degree ≥ 1"),
+    (["qwen2.5-7b", "--tokens", "8k", "--tp", "-3"], "--tp -3: give a TP degree ≥ 1"),
 ])
 def test_calc_bad_input_is_a_clear_error(argv, match, capsys):
     assert kvlab("calc", *argv) == 2

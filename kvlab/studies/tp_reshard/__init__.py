@@ -144,13 +144,15 @@ def check(params) -> Config:
         except ValueError as err:
             raise ValueError(f"pairs: {a}-{b} for {spec.name}: {err}") from None
     kv = kv_dtype_name(p["kv_dtype"], "kv_dtype")
-    if not gpu:  # every rank's pools (both sides and the same-TP destination) live in this machine's memory
-        cache = calculator.kv_bytes_per_token(spec, kv) * ctx[0]
-        need = 8 * cache
-        free = devices.host_available_bytes()
-        if free is not None and need > 0.8 * free:
-            raise ValueError(f"{spec.name} at {ctx[0]} tokens needs about {need / 2**30:.1f} GiB of pools on a CPU and "
-                             f"{free / 2**30:.1f} GiB is free; give a smaller --model or --context, or run on a GPU")
+    # every rank's pools (both sides, replicas and the same-TP destination) live on the one device, in whole blocks;
+    # about eight caches at the most (a CPU run's temporaries included)
+    blocks = -(-ctx[0] // p["block_size"])
+    need = 8 * calculator.kv_bytes_per_token(spec, kv) * blocks * p["block_size"]
+    free = devices.free_bytes(dev)
+    if free is not None and need > 0.8 * free:
+        raise ValueError(f"{spec.name} at {ctx[0]} tokens in blocks of {p['block_size']:,} needs about "
+                         f"{need / 2**30:.1f} GiB on {dev} and {free / 2**30:.1f} GiB is free; give a smaller --model, "
+                         "--context or --block-size")
     repeats = p["repeats"] or (GPU_REPEATS if gpu else CPU_REPEATS)
     split = lambda s: [v.strip() for v in str(s).split(",") if v.strip()]  # noqa: E731
     return Config(model=spec.name, context=ctx[0], pairs=pairs, layouts=split(p["layouts"]),

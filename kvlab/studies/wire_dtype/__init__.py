@@ -107,12 +107,12 @@ def check(params) -> Config:
     ctx = token_list((GPU_CONTEXTS if gpu else CPU_CONTEXTS) if p["contexts"] == "auto" else p["contexts"],
                      "contexts", 1)
     spec = PoolSpec(m.layers, p["block_size"], m.kv_heads, m.head_dim, torch.bfloat16, p["layout"])
-    if not gpu:
-        need = 8 * spec.pool_bytes(spec.blocks_for(max(ctx)))
-        free = devices.host_available_bytes()
-        if free is not None and need > 0.8 * free:
-            raise ValueError(f"{m.name} at {max(ctx)} tokens needs about {need / 2**30:.1f} GiB on a CPU and "
-                             f"{free / 2**30:.1f} GiB is free; give a smaller --model or --context, or run on a GPU")
+    # the pool (twice the blocks), its destination, the packets and the bf16 yardsticks' buffers: about eight caches
+    need = 8 * spec.pool_bytes(spec.blocks_for(max(ctx)))
+    free = devices.free_bytes(dev)
+    if free is not None and need > 0.8 * free:
+        raise ValueError(f"{m.name} at {max(ctx)} tokens needs about {need / 2**30:.1f} GiB on {dev} and "
+                         f"{free / 2**30:.1f} GiB is free; give a smaller --model, --context or --block-size")
     scales = [v.strip() for v in p["scales"].split(",") if v.strip()]
     return Config(model=m.name, spec=spec, contexts=ctx, scales=scales, device=dev,
                   repeats=p["repeats"] or (GPU_REPEATS if gpu else CPU_REPEATS), seed=p["seed"])
@@ -212,7 +212,8 @@ def analyse(record: dict, tables: dict) -> Analysis:
     for r in b[(b["context"] == longest)].itertuples():
         how = "overlapped with the copy" if r.overlap else "one after another"
         findings.append(f"- {ctx_label(r.context)}, {r.scales} scales, passes {how}: FP8 wins on links below "
-                        f"{sig(r.breakeven_gbps)} GB/s [{sig(r.lo)}, {sig(r.hi)}].")
+                        f"{sig(r.breakeven_gbps)} GB/s (bounds {sig(r.lo)}–{sig(r.hi)}, from both rates' 95 % "
+                        "intervals).")
     return Analysis(NAME, record, raw=dict(tables), tables={"wire": s, "wire_rates": rates, "breakeven": b},
                     goals=g, findings=findings, values=values)
 
@@ -289,7 +290,7 @@ def _breakeven_table(analyses: list[Analysis], link, **_) -> str:
             rows.append({"run": link(a.where), "context": ctx_label(r.context), "scales": r.scales,
                          "passes": "overlapped with the copy" if r.overlap else "one after another",
                          "bytes ratio (bf16 ÷ FP8)": f"{r.ratio:.3f}",
-                         "FP8 wins below (GB/s) [95 %]": f"{sig(r.breakeven_gbps)} [{sig(r.lo)}, {sig(r.hi)}]"})
+                         "FP8 wins below (GB/s) [bounds]": f"{sig(r.breakeven_gbps)} [{sig(r.lo)}, {sig(r.hi)}]"})
     return md_table(pd.DataFrame(rows))
 
 
