@@ -57,9 +57,11 @@ def test_a_cpu_run_writes_the_reshard_table_judges_its_goals_and_is_analysed_aga
     assert set(issue) <= set(table.columns) and len(table) == 2 * 2 * len(study.METHODS)
     assert table.verified.all() and (table.pct_lo <= table.pct_of_same_tp).all()
     assert (table.pct_of_same_tp <= table.pct_hi).all()
-    # 4 decode ranks of a model with 2 KV heads: each gets one head, two ranks per head (replicas)
+    # 4 decode ranks of a model with 2 KV heads: each gets one head, two ranks per head (replicas), so twice the
+    # bytes of the cache land, where TP 2 → 1 lands it once
     r14 = table[(table.prefill_tp == 1) & (table.decode_tp == 4)]
-    assert (r14.pieces_per_decode_rank >= 1).all()
+    r21 = table[(table.prefill_tp == 2) & (table.decode_tp == 1)]
+    assert set(r14.bytes) == {2 * int(r21.bytes.iloc[0])}
     g = pd.read_csv(out / "goals.csv")
     assert g.id.tolist() == ["tp_reshard.exact"] and g.verdict.tolist() == ["met"]  # the rest are judged at 32k
     again = analyse.analyse(out, tmp_path / "again")
@@ -90,3 +92,13 @@ def test_the_summary_ratio_its_interval_and_its_inverse_come_from_the_samples():
 
 def test_the_study_has_the_one_shape():
     assert studies.has_face(study) and "tp_reshard" in studies.NAMES
+
+
+def test_the_shape_goals_judge_only_the_qwen_shape_and_the_calculator_goal_every_row():
+    row = dict(pair="1-2", prefill_tp=1, decode_tp=1, pool_layout="hnd", method="same-tp", context=32768, ms=1.0,
+               bytes=10**9, pieces_per_decode_rank=1, predicted_ms=1.0, verified=True, backend="triton")
+    rows = pd.DataFrame([row, dict(row, method="fused", decode_tp=2, ms=1.02, predicted_ms=1.0)] * 3)
+    for model, judged in (("qwen2.5-7b", {"tp_reshard.hnd_fused", "tp_reshard.p1d2_one_gpu"}), ("llama-3.1-8b", set())):
+        g = goals.evaluate(goals.for_study("tp_reshard"), study.summarise(rows, model),
+                           keys=("layout", "mode", "context"))
+        assert set(g.id) == judged | {"tp_reshard.exact", "tp_reshard.calculator"}, model
