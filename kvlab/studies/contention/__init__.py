@@ -100,7 +100,7 @@ def check(params) -> Config:
     gpu = dev.type == "cuda"
     flows = sorted(int(v) for v in p["flows"].split(",") if v.strip())
     size = parse_size((GPU_SIZE if gpu else CPU_SIZE) if p["size"] == "auto" else p["size"])
-    need = 2 * 2 * max(flows) * size + (2 << 30)  # each direction's sources and destinations, and the 1 GiB ceiling
+    need = 2 * 2 * max(flows) * size + (2 << 30)  # each direction's sources and destinations, and the ceiling's
     free = devices.host_available_bytes()
     if free is not None and need > 0.8 * free:
         raise ValueError(f"{max(flows)} flows of {size / 2**20:.0f} MiB need about {need / 2**30:.1f} GiB of host "
@@ -139,7 +139,9 @@ class _Buffers:
 
 def _run_gpu(jobs, streams, dev) -> tuple[float, list[float]]:
     """All `jobs` start together (each stream waits on one start event) and each records its end; (ms until the
-    last lands, each flow's ms)."""
+    last lands, each flow's ms). The start event is recorded before the host has queued every copy, so a flow's time
+    also holds the queueing of the copies before it: microseconds each, against milliseconds a copy at the default
+    size; a size of a few MiB would show it."""
     cur = torch.cuda.current_stream(dev)
     start = torch.cuda.Event(enable_timing=True)
     ends = [torch.cuda.Event(enable_timing=True) for _ in jobs]
@@ -176,7 +178,8 @@ def _run_cpu(jobs) -> tuple[float, list[float]]:
 
 
 def measure(cfg: Config, run: Run) -> None:
-    """The ceiling first — one 1 GiB copy alone per direction, cfg.repeats times (ceiling.csv) — then every (path,
+    """The ceiling first — one 1 GiB copy alone per direction (on a CPU 64 MiB or a flow's size), cfg.repeats times
+    (ceiling.csv) — then every (path,
     flows) configuration in rotated rounds after a warm-up round (a progress bar over the rounds): flows.csv, one
     row per (path, flows, round, flow) with the flow's ms and bytes, and the round's ms until the last flow landed."""
     run.update(resolved=cfg.resolved())
@@ -184,13 +187,16 @@ def measure(cfg: Config, run: Run) -> None:
     configs = [(p, n) for p in cfg.paths for n in cfg.flows]
     buf = _Buffers(max(cfg.flows), cfg.size, dev)
     ceil_rows = []
-    big = _Buffers(1, 1 << 30, dev)
+    # the ceiling: 1 GiB alone on a GPU (where the link ceilings are measured); on a CPU, whose run checks the logic
+    # only, the larger of a flow's size and 64 MiB
+    size = (1 << 30) if gpu else max(cfg.size, 64 << 20)
+    big = _Buffers(1, size, dev)
     for part in cfg.paths[0].split("+") if not gpu else ("d2h", "h2d"):
         for r in range(cfg.repeats + 1):
             jobs = big.jobs(part, 1)
             ms, _ = _run_gpu(jobs, big.streams, dev) if gpu else _run_cpu(jobs)
             if r:  # the first is a warm-up
-                ceil_rows.append({"path": part, "round": r - 1, "ms": ms, "bytes": 1 << 30})
+                ceil_rows.append({"path": part, "round": r - 1, "ms": ms, "bytes": size})
     del big
     run.save_table(pd.DataFrame(ceil_rows), "ceiling")
     rows = []
@@ -223,7 +229,7 @@ def summarise(flows: pd.DataFrame, ceiling: pd.DataFrame) -> pd.DataFrame:
     rounds) beside the index copies run one after another would give (jain_if_serial), and how far the flows' landings
     are from one after another (serial_gap_pct: the median over rounds of the largest |t_k ÷ (k · t_1) − 1|, per
     direction; near 0: they ran in order, each flow's "rate" is its place in the queue)."""
-    ceil = {p: (1 << 30) / statistics.median(g["ms"]) / 1e6 for p, g in ceiling.groupby("path")}
+    ceil = {p: float(g["bytes"].iloc[0]) / statistics.median(g["ms"]) / 1e6 for p, g in ceiling.groupby("path")}
     out = []
     for (path, n), g in flows.groupby(["path", "flows"], sort=False):
         per_round = g.groupby("round")
