@@ -57,7 +57,7 @@ class _Out:
                 continue
             files = [p for p in (self.dir / f"{stem}.png", self.dir / f"{stem}.svg", self.dir / f"{stem}.svgz")
                      if p.is_file()]
-            out += plots.publish_files(files, stem + suffix, run, mode=mode, drawn=self.drawn,
+            out += plots.publish_files(files, stem + suffix, run, mode=mode, drawn=self.drawn, drawn_as=stem,
                                        analysis=self.dir.relative_to(run).as_posix()
                                        if self.dir.is_relative_to(run) else str(self.dir))
         return out

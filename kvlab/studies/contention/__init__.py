@@ -332,22 +332,25 @@ def figures(a: Analysis) -> dict:
 
     s, v = a.tables["contention"], a.tables["validation"].set_index(["path", "flows"])
     paths = list(dict.fromkeys(s["path"]))
-    fig, axes = plt.subplots(1, len(paths), figsize=(4.4 * len(paths), 4.4), squeeze=False, layout="constrained")
+    # 3.4 in a panel: three side by side still read at a blog's 700 px
+    fig, axes = plt.subplots(1, len(paths), figsize=(3.4 * len(paths), 4.4), squeeze=False, layout="constrained")
     colors = plots.palette(["measured", "simulated"])
     for ax, path in zip(axes[0], paths):
         t = s[s["path"] == path]
         xs = range(len(t))
         err = [(t["aggregate_gbps"] - t["aggregate_lo"]).clip(lower=0), (t["aggregate_hi"] - t["aggregate_gbps"]).clip(lower=0)]
-        ax.bar(xs, t["aggregate_gbps"], 0.6, yerr=err, capsize=3, color=colors["measured"],
-               label="measured" if ax is axes[0][0] else None)
-        sim = [v.loc[(path, n), "simulated_gbps"] for n in t["flows"]]
         role = [v.loc[(path, n), "role"] for n in t["flows"]]
+        bars = ax.bar(xs, t["aggregate_gbps"], 0.6, yerr=err, capsize=3, color=colors["measured"],
+                      label="measured (hatched: not fitted)" if ax is axes[0][0] else None)
+        for bar, r in zip(bars, role):
+            if r != "calibrate":
+                bar.set_hatch("//")
+        sim = [v.loc[(path, n), "simulated_gbps"] for n in t["flows"]]
         ax.scatter(xs, sim, marker="_", s=220, color="black", zorder=3,
                    label="simulated (fitted on 1 and 2 flows)" if ax is axes[0][0] else None)
         ax.axhline(t["ceiling_gbps"].iloc[0], color="0.4", ls=":", lw=1)
-        ax.set_xticks(list(xs), [f"{n}\nJain {j:.2f}{'' if r == 'calibrate' else ' ·'}"
-                                 for n, j, r in zip(t["flows"], t["jain"], role)])
-        ax.set_xlabel("concurrent flows (· : not fitted)")
+        ax.set_xticks(list(xs), [f"{n}\n{j:.2f}" for n, j in zip(t["flows"], t["jain"])])
+        ax.set_xlabel("flows (below: Jain's index)")
         ax.set_title(_PATH_NAMES.get(path, path), fontsize=11)
         ax.set_ylim(0, max(t["aggregate_hi"].max(), t["ceiling_gbps"].iloc[0]) * 1.3)
     axes[0][0].set_ylabel("aggregate GB/s (dotted: the path's ceiling)")
