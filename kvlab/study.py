@@ -20,6 +20,7 @@ The notebook, `kvlab analyse` and `kvlab report` all call these same functions, 
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import math
@@ -33,7 +34,7 @@ from . import results, runfolder
 from .parse import suggest
 
 __all__ = ["Param", "Analysis", "parameters_cell", "check_params", "cell_params", "RUN_DIR_LINE", "md_table",
-           "at_least", "run_command",
+           "at_least", "run_command", "add_options", "run_from_args",
            "ctx_label", "sig", "fmt_or_dash", "run_link"]
 
 RUN_DIR_LINE = 'run_dir: str = ""  # kvlab run sets it; empty: a new data/<study>/<run_id>/'
@@ -225,3 +226,26 @@ def run_command(face, params: Mapping[str, Any], out: str = "", label: str = "")
             runfolder.record_execution(r.dir, label or f"kvlab {face.NAME}", ok=False, seconds=0.0,
                                        error=runfolder.stop_reason(err))
         raise
+
+
+_ARG_TYPES = {"int": int, "float": float}
+
+
+def add_options(parser: argparse.ArgumentParser, face, flags: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The command-line options of a study run from the command line, made from its PARAMS (declared once): one
+    ``--name`` per parameter (underscores as dashes; `flags` renames one, such as contexts → context), with its
+    default and help, and ``--out``."""
+    for p in face.PARAMS:
+        flag = "--" + (flags or {}).get(p.name, p.name).replace("_", "-")
+        parser.add_argument(flag, dest=p.name, default=p.default, type=_ARG_TYPES.get(p.type, str),
+                            help=f"{p.help} (default {p.default})".replace("%", "%%"))
+    parser.add_argument("--out", default=None, help=f"run folder (default: a new data/{face.NAME}/<run_id>/)")
+    return parser
+
+
+def run_from_args(face, args: argparse.Namespace, label: str) -> tuple[str, Analysis]:
+    """`run_command` from the options `add_options` made: --out checked first (a finished run is never
+    overwritten), then every parameter's value as parsed."""
+    if args.out is not None:
+        runfolder.check_run_folder(args.out, "--out")
+    return run_command(face, {p.name: getattr(args, p.name) for p in face.PARAMS}, args.out or "", label)

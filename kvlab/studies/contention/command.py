@@ -7,14 +7,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping, Sequence
 
-from ... import runfolder
-from ...study import Analysis, run_command
+from ...study import Analysis, add_options, run_command, run_from_args
 from .. import contention as face
-from . import PARAMS
 
 __all__ = ["add_arguments", "run", "run_args", "main"]
-
-_DEFAULTS = {p.name: p.default for p in PARAMS}
 
 # what `kvlab contention --help` says above its options
 DESCRIPTION = """N copies start together on N streams (GPU → pinned host, host → GPU, both at once); the aggregate and each
@@ -25,17 +21,9 @@ Example: kvlab contention --device cpu --flows 1,2,4 --size 4M --repeats 3 --out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``kvlab contention`` options to ``parser``; defaults are the study's PARAMS'."""
-    parser.description = DESCRIPTION  # kvlab <command> --help: what it does, then its options
-    d = _DEFAULTS
-    parser.add_argument("--flows", default=d["flows"], help="flow counts, comma-separated; 1 and 2 fit the "
-                        "simulator, the rest validate it (default 1,2,4,8)")
-    parser.add_argument("--size", default=d["size"], help="bytes per flow (default auto: 256M on a GPU, 4M on a CPU)")
-    parser.add_argument("--device", default=d["device"], help="auto (cuda:0), cuda:N, or cpu (the logic only)")
-    parser.add_argument("--repeats", type=int, default=d["repeats"], help="timed rounds per configuration (default "
-                        "0: 10 on a GPU, 3 on a CPU)")
-    parser.add_argument("--out", default=None, help="run folder (default: a new data/contention/<run_id>/)")
-    return parser
+    """Add the ``kvlab contention`` options to ``parser``: one per parameter of the study's PARAMS, and --out."""
+    parser.description = DESCRIPTION  # kvlab contention --help: what it does, then its options
+    return add_options(parser, face)
 
 
 def run(params: Mapping, out: str = "") -> tuple[str, Analysis]:
@@ -46,10 +34,7 @@ def run(params: Mapping, out: str = "") -> tuple[str, Analysis]:
 
 def run_args(args: argparse.Namespace) -> int:
     """Run ``kvlab contention`` from parsed arguments; returns the exit status (bad input: ValueError, one line)."""
-    if args.out is not None:  # before anything is measured: a finished run is never overwritten
-        runfolder.check_run_folder(args.out, "--out")
-    params = {"flows": args.flows, "size": args.size, "device": args.device, "repeats": args.repeats}
-    path, analysis = run(params, out=args.out or "")
+    path, analysis = run_from_args(face, args, "kvlab contention")
     v = analysis.tables["validation"].set_index(["path", "flows"])
     for r in analysis.tables["contention"].itertuples():
         sim = v.loc[(r.path, r.flows)]

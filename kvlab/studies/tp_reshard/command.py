@@ -7,14 +7,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping, Sequence
 
-from ... import runfolder
-from ...study import Analysis, run_command
+from ...study import Analysis, add_options, run_command, run_from_args
 from .. import tp_reshard as face
-from . import PARAMS
 
 __all__ = ["add_arguments", "run", "run_args", "main"]
-
-_DEFAULTS = {p.name: p.default for p in PARAMS}
 
 # what `kvlab reshard --help` says above its options
 DESCRIPTION = """Move a paged cache from P prefill ranks' pools to D decode ranks' (fused Triton kernel, torch indexing,
@@ -25,27 +21,9 @@ Example: kvlab reshard --model kvlab-tiny --context 256 --pairs 2-1,1-2 --layout
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``kvlab reshard`` options to ``parser``; defaults are the study's PARAMS'."""
-    parser.description = DESCRIPTION  # kvlab <command> --help: what it does, then its options
-    d = _DEFAULTS
-    parser.add_argument("--model", default=d["model"], help="registry name or a config.json / model folder (default "
-                        "auto: qwen2.5-7b on a GPU, kvlab-tiny on a CPU)")
-    parser.add_argument("--context", default=d["context"], help="tokens in the cache (default auto: 32k on a GPU, "
-                        "256 on a CPU)")
-    parser.add_argument("--pairs", default=d["pairs"], help="prefill TP - decode TP pairs, comma-separated (default "
-                        "auto: 1-2,2-1,1-4,4-1,2-4 on a GPU, 2-1,1-2,1-4 on a CPU)")
-    parser.add_argument("--layouts", default=d["layouts"], help="pool layouts: hnd and/or nhd (default hnd,nhd)")
-    parser.add_argument("--methods", default=d["methods"], help="movers timed beside the same-TP copy (default "
-                        "fused,torch-index,staging)")
-    parser.add_argument("--block-size", type=int, default=d["block_size"], help="tokens per block (default 16)")
-    parser.add_argument("--kv-dtype", default=d["kv_dtype"], help="bf16, fp16 or fp32 (default bf16)")
-    parser.add_argument("--device", default=d["device"], help="the device every rank's pool is on: auto (cuda:0), "
-                        "cuda:N, or cpu (checks the logic)")
-    parser.add_argument("--repeats", type=int, default=d["repeats"], help="timed rounds per pair and layout (default "
-                        "0: 10 on a GPU, 3 on a CPU)")
-    parser.add_argument("--seed", type=int, default=d["seed"], help="seed of the block tables and the data")
-    parser.add_argument("--out", default=None, help="run folder (default: a new data/tp_reshard/<run_id>/)")
-    return parser
+    """Add the ``kvlab reshard`` options to ``parser``: one per parameter of the study's PARAMS, and --out."""
+    parser.description = DESCRIPTION  # kvlab reshard --help: what it does, then its options
+    return add_options(parser, face)
 
 
 def run(params: Mapping, out: str = "") -> tuple[str, Analysis]:
@@ -56,12 +34,7 @@ def run(params: Mapping, out: str = "") -> tuple[str, Analysis]:
 
 def run_args(args: argparse.Namespace) -> int:
     """Run ``kvlab reshard`` from parsed arguments; returns the exit status (bad input: ValueError, one line)."""
-    if args.out is not None:  # before anything is measured: a finished run is never overwritten
-        runfolder.check_run_folder(args.out, "--out")
-    params = {"model": args.model, "context": args.context, "pairs": args.pairs, "layouts": args.layouts,
-              "methods": args.methods, "block_size": args.block_size, "kv_dtype": args.kv_dtype,
-              "device": args.device, "repeats": args.repeats, "seed": args.seed}
-    path, analysis = run(params, out=args.out or "")
+    path, analysis = run_from_args(face, args, "kvlab reshard")
     for r in analysis.tables["reshard"].itertuples():
         pred = f"  calculator {r.predicted_ms:8.3f} ms ({r.pred_err_pct:+.0f} %)" if r.predicted_ms == r.predicted_ms else ""
         print(f"TP {r.prefill_tp}→{r.decode_tp} {r.pool_layout:4} {r.method:12} {r.ms_median:9.3f} ms "

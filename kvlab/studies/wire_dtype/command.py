@@ -7,14 +7,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping, Sequence
 
-from ... import runfolder
-from ...study import Analysis, run_command
+from ...study import Analysis, add_options, run_command, run_from_args
 from .. import wire_dtype as face
-from . import PARAMS
 
 __all__ = ["add_arguments", "run", "run_args", "main"]
-
-_DEFAULTS = {p.name: p.default for p in PARAMS}
 
 # what `kvlab wire --help` says above its options
 DESCRIPTION = """Quantize a paged bf16 cache to FP8 in the gather (to GPU or pinned host memory) and dequantize it on arrival,
@@ -25,23 +21,9 @@ Example: kvlab wire --model kvlab-tiny --context 256 --repeats 3 --out /tmp/kvla
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``kvlab wire`` options to ``parser``; defaults are the study's PARAMS'."""
-    parser.description = DESCRIPTION  # kvlab <command> --help: what it does, then its options
-    d = _DEFAULTS
-    parser.add_argument("--model", default=d["model"], help="registry name or a config.json / model folder (default "
-                        "auto: qwen2.5-7b on a GPU, kvlab-tiny on a CPU)")
-    parser.add_argument("--context", default=d["contexts"], help="tokens in the cache; a list runs each (default "
-                        "auto: 4k,32k on a GPU, 256 on a CPU)")
-    parser.add_argument("--scales", default=d["scales"], help="scale modes, comma-separated (default "
-                        "per-token-head,per-head,per-tensor)")
-    parser.add_argument("--layout", default=d["layout"], help="both pools' layout: hnd or nhd (default hnd)")
-    parser.add_argument("--block-size", type=int, default=d["block_size"], help="tokens per block (default 16)")
-    parser.add_argument("--device", default=d["device"], help="auto (cuda:0), cuda:N, or cpu (checks the logic)")
-    parser.add_argument("--repeats", type=int, default=d["repeats"], help="timed rounds per context (default 0: 10 on "
-                        "a GPU, 3 on a CPU)")
-    parser.add_argument("--seed", type=int, default=d["seed"], help="seed of the block tables and the data")
-    parser.add_argument("--out", default=None, help="run folder (default: a new data/wire_dtype/<run_id>/)")
-    return parser
+    """Add the ``kvlab wire`` options to ``parser``: one per parameter of the study's PARAMS, and --out."""
+    parser.description = DESCRIPTION  # kvlab wire --help: what it does, then its options
+    return add_options(parser, face, {"contexts": "context"})
 
 
 def run(params: Mapping, out: str = "") -> tuple[str, Analysis]:
@@ -52,11 +34,7 @@ def run(params: Mapping, out: str = "") -> tuple[str, Analysis]:
 
 def run_args(args: argparse.Namespace) -> int:
     """Run ``kvlab wire`` from parsed arguments; returns the exit status (bad input: ValueError, one line)."""
-    if args.out is not None:  # before anything is measured: a finished run is never overwritten
-        runfolder.check_run_folder(args.out, "--out")
-    params = {"model": args.model, "contexts": args.context, "scales": args.scales, "layout": args.layout,
-              "block_size": args.block_size, "device": args.device, "repeats": args.repeats, "seed": args.seed}
-    path, analysis = run(params, out=args.out or "")
+    path, analysis = run_from_args(face, args, "kvlab wire")
     for r in analysis.tables["wire"].itertuples():
         print(f"{r.context:>6} {r.kernel:19} {r.direction} {r.scales:15} {r.ms_median:9.3f} ms "
               f"[{r.ms_lo:.3f}, {r.ms_hi:.3f}]  {r.pct_of_bf16:5.0f} % of bf16  {r.input_gbps:8.1f} GB/s of input  "
