@@ -40,8 +40,8 @@ def _started(record: dict) -> _dt.datetime | None:
 
 
 def _ceiling_runs() -> list:
-    """Finished GPU runs of link_ceilings under this workbook's data folder and, where that is elsewhere
-    (KVLAB_DATA), under the repository's committed data/ too."""
+    """(folder, run.json) of every finished GPU run of link_ceilings under this workbook's data folder and, where
+    that is elsewhere (KVLAB_DATA), under the repository's committed data/ too."""
     roots = list(dict.fromkeys([paths.data_root(), paths.repo_root() / "data"]))
     found = []
     for root in roots:
@@ -51,7 +51,7 @@ def _ceiling_runs() -> list:
             except (OSError, ValueError):
                 continue  # being written, or damaged: not a result
             if record.get("status") == "finished" and record.get("device_kind") == "cuda":
-                found.append(meta.parent)
+                found.append((meta.parent, record))
     return found
 
 
@@ -67,12 +67,11 @@ def peer_ceiling(record: dict, src: str, dst: str) -> dict | None:
     arrow = f":{a.group(1)}->{b.group(1)}"
     mine = fingerprint(record)
     best = None
-    for run_dir in _ceiling_runs():
-        meta, tables = results.load(run_dir)
+    for run_dir, meta in _ceiling_runs():  # the machine and the time from run.json; tables only of a match
         started = _started(meta)
         if fingerprint(meta) != mine or started is None or abs((started - when).total_seconds()) > WITHIN_HOURS * 3600:
             continue
-        fit = tables.get("fit")
+        fit = results.load(run_dir)[1].get("fit")
         if fit is None or not {"path", "ceiling_gbps"} <= set(fit.columns):
             continue
         peer = fit[fit["path"].astype(str).str.startswith("d2d_peer") & fit["path"].astype(str).str.endswith(arrow)]
