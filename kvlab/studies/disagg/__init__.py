@@ -19,7 +19,7 @@ from ... import disagg, goals, host_ceilings, models, nbtools
 from ...disagg import DisaggConfig, from_params
 from ...parse import suggest, token_list
 from ...results import Run
-from ...study import Analysis, Param, check_params, ctx_label
+from ...study import Analysis, Param, at_least, check_params, ctx_label
 from .analysis import (bench_table, checksum_table, fault_goal_rows, fault_table, goal_rows, nixl_table, plot,
                        plot_faults)
 from .blocks import BLOCKS, goal_table
@@ -33,13 +33,6 @@ TITLE = "Two processes"
 QUESTION = ("What does crossing a process boundary add to the decode side's time to first token, and does nothing "
             "decode from a partial cache when a layer is lost, late or corrupt?")
 FIGURES = ("disagg_ttft", "faults")
-
-
-def _at_least(n: int):
-    def check(value, name):
-        if value < n:
-            raise ValueError(f"{name} = {value!r}: give an int ≥ {n}")
-    return check
 
 
 def _one_of(*valid: str):
@@ -61,17 +54,17 @@ PARAMS = (
     Param("modes", "str", "bulk,layerwise", "bulk (one send after prefill) and/or layerwise (each layer as it is "
           "final)"),
     Param("layouts", "str", "contiguous,paged", "the decode side's cache: one buffer, or a pool of blocks"),
-    Param("block_size", "int", 16, "tokens per block of a paged cache", _at_least(1)),
+    Param("block_size", "int", 16, "tokens per block of a paged cache", at_least(1)),
     Param("block_order", "str", "random", 'paged: both sides\' blocks drawn at random (a busy server) or "packed" '
           "(lowest ids first)"),
     Param("repeats", "int", 9, "timed rounds; a round is a colocated prefill and every mode, in rotated order",
-          _at_least(1)),
-    Param("warmup", "int", 2, "untimed rounds first", _at_least(0)),
-    Param("decode_tokens", "int", 20, "greedy tokens compared with the colocated decode", _at_least(1)),
+          at_least(1)),
+    Param("warmup", "int", 2, "untimed rounds first", at_least(0)),
+    Param("decode_tokens", "int", 20, "greedy tokens compared with the colocated decode", at_least(1)),
     Param("bench", "str", "auto", 'time the bulk send alone beside a copy of the same bytes: "auto" (on for ipc and '
           'nccl), "on", "off"', _one_of("auto", "on", "off")),
     Param("faults", "int", 3, "a fault-injection campaign after the measurement: requests with one dropped, late or "
-          "corrupt layer", _at_least(0)),
+          "corrupt layer", at_least(0)),
     Param("policy", "str", "fail", "what the decode side does about a fault: fail (refuse), retry (the bad layers "
           "only), recompute", _one_of("fail", "retry", "recompute")),
 )

@@ -22,7 +22,7 @@ from ... import ceilings, devices, models, steps
 from ...parse import name_list, suggest, token_list
 from ...results import Run
 from ...sends import check_policy
-from ...study import Param, check_params
+from ...study import Param, at_least, check_params
 from ...transfer import Destination
 from .analysis import analyse
 from .blocks import BLOCKS, goal_table
@@ -37,13 +37,6 @@ NOTEBOOK = "02_handoff"
 TITLE = "The prefill→decode handoff"
 QUESTION = ("What does handing prefill's KV cache to decode add to the time to first token, sent in one copy after "
             "prefill or layer by layer during it?")
-
-
-def _at_least(n: int):
-    def check(value, name):
-        if value < n:
-            raise ValueError(f"{name} = {value!r}: give an int ≥ {n}")
-    return check
 
 
 def _choice(*valid: str):
@@ -77,19 +70,19 @@ PARAMS = (
           "or 32,128 (CPU)", lambda v, n: token_list(v, n, 2)),
     Param("destinations", "str", "auto", 'comma-separated: same-gpu, pinned, pageable, cuda:N; "auto": every kind '
           "this machine has", _destinations),
-    Param("repeats", "int", 9, "timed samples per measure after warm-up (9 or more for published numbers)", _at_least(1)),
-    Param("warmup", "int", 2, "untimed runs before each measure", _at_least(0)),
-    Param("decode_tokens", "int", 20, "greedy tokens compared with the colocated decode", _at_least(1)),
+    Param("repeats", "int", 9, "timed samples per measure after warm-up (9 or more for published numbers)", at_least(1)),
+    Param("warmup", "int", 2, "untimed runs before each measure", at_least(0)),
+    Param("decode_tokens", "int", 20, "greedy tokens compared with the colocated decode", at_least(1)),
     Param("interleave_short", "int", 30, "colocated/layer-wise A/B rounds at the shortest context (host-bound "
-          "regime)", _at_least(1)),
-    Param("interleave", "int", 15, "A/B rounds at the longer contexts (never fewer than repeats)", _at_least(1)),
+          "regime)", at_least(1)),
+    Param("interleave", "int", 15, "A/B rounds at the longer contexts (never fewer than repeats)", at_least(1)),
     Param("policy", "str", "eager", 'when layers go: "eager" (each at its signal), "deadline" (held while the prefill '
           'left covers the transfer left, 2× margin), "batch:N"; not with pageable', lambda v, n: check_policy(v)),
     Param("point", "str", "cache", 'where layer i is signalled: "cache" (kvlab\'s KV arena, no module hooks) or '
           '"attention" (forward hooks)', _choice("cache", "attention")),
     Param("attribution", "str", "auto", 'split the shortest context\'s layer-wise cost into hooks / copies / wakes: '
           '"auto" (on), "off"', _choice("auto", "off")),
-    Param("attribution_rounds", "int", 30, "interleaved rounds per variant for that split", _at_least(1)),
+    Param("attribution_rounds", "int", 30, "interleaved rounds per variant for that split", at_least(1)),
     Param("ceiling_sizes", "str", "auto", 'copy sizes for this run\'s link ceilings; "auto": 64M,256M,1G (GPU) or '
           "1M,4M (CPU)", _sizes),
 )

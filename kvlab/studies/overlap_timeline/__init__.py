@@ -23,7 +23,7 @@ from ... import devices, models
 from ...clocks import Sampler
 from ...parse import name_list, suggest, token_list
 from ...results import Run
-from ...study import Analysis, Param, check_params, ctx_label, fmt_or_dash, md_table
+from ...study import Analysis, Param, at_least, check_params, ctx_label, fmt_or_dash, md_table
 from ...tracefmt import GPU_KINDS, host_layers, summarize
 from ...transfer import Destination
 from . import report
@@ -52,13 +52,6 @@ def _choice(*valid: str):
     def check(value, name):
         if str(value) not in valid:
             raise ValueError(f"{name} = {value!r} is not valid; valid: {', '.join(valid)}{suggest(str(value), valid)}")
-    return check
-
-
-def _at_least(n: int):
-    def check(value, name):
-        if value < n:
-            raise ValueError(f"{name} = {value!r}: give an int ≥ {n}")
     return check
 
 
@@ -112,17 +105,17 @@ PARAMS = (
     Param("send_mode", "str", "auto", 'layer-wise sending: "auto" (armed flags, or staged for pageable), "event" (each '
           "hook launches its copy: the naive way)", _choice("auto", "event")),
     Param("repeats", "int", 3, "traced and untraced runs of each variant, interleaved; the median traced run is "
-          "analysed", _at_least(1)),
+          "analysed", at_least(1)),
     Param("events", "str", "auto", 'the per-layer timeline from CUDA events alone (no profiler): "auto" (on a GPU), '
           '"off"', _choice("auto", "off")),
     Param("event_rounds", "int", 15, "interleaved rounds with and without those events (their overhead is measured)",
-          _at_least(1)),
+          at_least(1)),
     Param("clock_interval_ms", "float", 5.0, "NVML samples of the GPUs' SM clock, power and NVLink counters during "
           "the traced rounds (0: off)", _clock_interval),
     Param("patterns", "str", "auto", 'the send-pattern experiment (kvlab.studies.overlap_timeline.patterns): "auto" '
           '(when the destination is another GPU), "off", or names from its PATTERNS separated by ";"', _patterns),
     Param("pattern_rounds", "int", 9, "rounds of every pattern, in balanced orders (9 or more for published numbers)",
-          _at_least(1)),
+          at_least(1)),
 )
 
 

@@ -23,7 +23,7 @@ from ... import devices, models
 from ...parse import name_list, suggest, token_list
 from ...paths import repo_root
 from ...results import Run
-from ...study import Analysis, Param, check_params, fmt_or_dash, md_table, sig
+from ...study import Analysis, Param, at_least, check_params, fmt_or_dash, md_table, sig
 from ...transfer import Destination
 from . import bench, correctness, patterns, report
 
@@ -36,13 +36,6 @@ TITLE = "Paged transfer"
 QUESTION = ("How close does each way of moving a paged KV cache's scattered blocks come to one contiguous copy of the "
             "same bytes on the same link?")
 FIGURES = ("gbps_vs_block_size", "access_patterns")
-
-
-def _at_least(n: int):
-    def check(value, name):
-        if value < n:
-            raise ValueError(f"{name} = {value!r}: give an int ≥ {n}")
-    return check
 
 
 def _methods(value, name):
@@ -105,8 +98,8 @@ PARAMS = (
     Param("pool_layout", "str", "nhd", 'block layout in the pool: "nhd" (vLLM-like) or "hnd" (heads first)',
           _pool_layout),
     Param("repeats", "int", 9, "timed sends per configuration after warm-up (slow methods are timed once; the row "
-          "says so)", _at_least(1)),
-    Param("warmup", "int", 2, "untimed sends per configuration first", _at_least(0)),
+          "says so)", at_least(1)),
+    Param("warmup", "int", 2, "untimed sends per configuration first", at_least(0)),
     Param("tune", "bool", True, "GPU: time a few tile/warp shapes of the Triton kernels on the real tables and keep "
           "the fastest"),
     Param("check_model", "str", "kvlab-tiny", 'model for the decode-from-pages check (random weights); "" skips the '

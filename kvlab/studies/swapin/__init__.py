@@ -19,7 +19,7 @@ from ...disagg.config import kv_dtype_name
 from ...paged import PoolSpec
 from ...parse import token_list
 from ...results import Run
-from ...study import Analysis, Param, check_params, ctx_label, md_table, sig
+from ...study import Analysis, Param, at_least, check_params, ctx_label, md_table, sig
 from . import bench
 
 __all__ = ["NAME", "NOTEBOOK", "TITLE", "QUESTION", "FIGURES", "PARAMS", "Config", "check", "measure", "analyse",
@@ -37,24 +37,17 @@ GPU_MODEL, GPU_CONTEXTS = "qwen2.5-7b", "4k,32k"
 CPU_MODEL, CPU_CONTEXTS = "kvlab-tiny", "256"
 
 
-def _at_least(n: int):
-    def check(value, name):
-        if value < n:
-            raise ValueError(f"{name} = {value!r}: give an int ≥ {n}")
-    return check
-
-
 PARAMS = (
     Param("model", "str", "auto", "registry name or a config.json / model folder: the cache's shape; \"auto\": "
           f"{GPU_MODEL} on a GPU, {CPU_MODEL} on a CPU", lambda v, n: models.model_ref(v, n)),
     Param("contexts", "str", "auto", f"tokens in the cache, comma-separated (\"4k,32k\"), each run in turn; \"auto\": "
           f"{GPU_CONTEXTS} on a GPU, {CPU_CONTEXTS} on a CPU", lambda v, n: token_list(v, n, 1)),
-    Param("block_size", "int", 16, "tokens per block", _at_least(1)),
+    Param("block_size", "int", 16, "tokens per block", at_least(1)),
     Param("kv_dtype", "str", "bf16", "bf16, fp16 or fp32", lambda v, n: kv_dtype_name(v, n)),
     Param("device", "str", "auto", "the GPU the pool is on: cuda:N, or cpu (checks the logic); \"auto\": cuda:0, "
           "cpu where there is no GPU (or KVLAB_PRESET set to cpu)", devices.check_device_name),
-    Param("repeats", "int", 9, "timed sends per method and context", _at_least(1)),
-    Param("seed", "int", 0, "seed of the block tables and the data", _at_least(0)),
+    Param("repeats", "int", 9, "timed sends per method and context", at_least(1)),
+    Param("seed", "int", 0, "seed of the block tables and the data", at_least(0)),
 )
 
 
