@@ -347,7 +347,11 @@ def start(study: str, params: Mapping, run_dir: str | os.PathLike = "") -> Run:
 
     argv, invocation = _invocation()
     git = provenance.git_state()
-    _record_diff(path, git)
+    try:
+        _record_diff(path, git)
+    except OSError as err:  # a full disk: the error names the folder (a write's own error names no file)
+        err.filename = err.filename or str(path)
+        raise
     record = {
         "schema": SCHEMA,
         "run_id": path.name,
@@ -368,7 +372,11 @@ def start(study: str, params: Mapping, run_dir: str | os.PathLike = "") -> Run:
         "host_state_start": devices.host_state(),
     }
     run = Run(path, record)
-    run._write()
+    try:
+        run._write()
+    except OSError as err:
+        err.filename = err.filename or str(path)
+        raise
     return run
 
 

@@ -60,11 +60,15 @@ def check_run_folder(folder: str | os.PathLike, flag: str = "--run-dir") -> None
 def run_state(folder: str | os.PathLike) -> str:
     """What a run folder is: "finished", "failed", "running" (its process is alive), "killed" (run.json says running
     and the process that claimed the folder, or started the run, is gone: a SIGKILL, a reboot), "stopped" (a
-    STOPPED.txt and no run.json), "unreadable" (a run.json that is not a run's record) or "none" (no run)."""
+    STOPPED.txt and no run.json; without either, a claim whose process is gone is "killed" too, as a full disk
+    leaves a run that could not write its record), "unreadable" (a run.json that is not a run's record) or "none" (no run)."""
     folder = Path(folder)
     meta = folder / RUN_JSON
     if not meta.is_file():
-        return "stopped" if (folder / STOPPED).is_file() else "none"
+        if (folder / STOPPED).is_file():
+            return "stopped"
+        c = claims.held(folder)  # claimed, and nothing written yet: a run starting, or one that died starting
+        return "none" if c is None else "running" if claims.alive(c) else "killed"
     try:
         record = paths.read_json(meta)
     except (OSError, UnicodeDecodeError, ValueError):

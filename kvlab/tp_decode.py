@@ -221,7 +221,7 @@ def _decode_rank(job: dict, folder: str, rank: int, dev: torch.device, split: bo
     read this rank's pool as the re-shard wrote it, decode, save tokens, logits and the split used."""
     model = models.build(job["model"], device=dev, dtype=job["dtype"], seed=job["seed"])
     impl = shard_model(model, impl=job["impl"]) if split else "none"
-    saved = torch.load(Path(folder) / f"pool{rank}.pt")
+    saved = torch.load(Path(folder) / f"pool{rank}.pt", weights_only=True)
     spec = PoolSpec(**{**saved["spec"], "dtype": getattr(torch, saved["spec"]["dtype"])})
     pool = BlockPool(spec, saved["data"].shape[2], data=saved["data"].to(dev))
     cache = pool.read(BlockTable(saved["ids"].numpy(), job["context"], spec.block_size))
@@ -282,7 +282,7 @@ def run(model: str = "kvlab-tiny", prefill_tp: int = 1, decode_tp: int = 2, cont
                 "dtype": str(s.dtype).removeprefix("torch."), "layout": s.layout}}, Path(folder) / f"pool{r}.pt")
         if decode_tp == 1:  # one decode rank needs no collectives: it decodes here, from its own pool all the same
             _decode_rank(job, folder, 0, torch.device("cpu"), split=False)
-            outs = [torch.load(Path(folder) / "out0.pt")]
+            outs = [torch.load(Path(folder) / "out0.pt", weights_only=True)]
         else:
             # gloo ranks fork (the children start with torch and transformers already imported: ~6 s each saved on
             # a CPU); CUDA cannot be forked, so NCCL ranks are spawned
@@ -320,4 +320,4 @@ def _spawn(world: int, folder: str, timeout_s: float, start_method: str) -> list
                 if p.is_alive():
                     p.terminate()
             raise TimeoutError(f"{world} decode ranks did not finish within {timeout_s + 60:g} s")
-    return [torch.load(Path(folder) / f"out{r}.pt") for r in range(world)]
+    return [torch.load(Path(folder) / f"out{r}.pt", weights_only=True) for r in range(world)]

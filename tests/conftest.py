@@ -4,12 +4,15 @@ the repository, and tests marked ``gpu`` are skipped on a machine without CUDA."
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+from kvlab.disagg.launch import worker_pids
 
 # Variables a developer's shell may carry that would change what kvlab does under test.
 _KVLAB_ENV = ("KVLAB_ROOT", "KVLAB_PRESET", "KVLAB_BATCH", "KVLAB_INVOCATION", "KVLAB_DEBUG", "KVLAB_PUBLISH",
@@ -129,3 +132,28 @@ def workbook(tmp_path_factory):
     done = kvlab_command(["run-all", "--no-progress"],
                          {"KVLAB_DATA": str(data), "KVLAB_FIGURES": str(figures), "KVLAB_PRESET": "cpu"})
     return SimpleNamespace(process=done, data=data, figures=figures)
+
+
+# ------------------------------------------------------------- two-process runs (kvlab disagg) as a user starts them
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def requests_done(port: int) -> int:
+    """Requests the decode worker has finished, from the launcher's control store (the `progress` counter)."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    try:
+        return int(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=2)).add("kvlab/progress", 0))
+    except Exception:  # the store is not up yet
+        return 0
+
+
+def disagg_workers(out) -> dict[str, int]:
+    """pid of each disagg worker process whose run folder is `out`, by role."""
+    return worker_pids(out)

@@ -12,11 +12,15 @@ import socket
 import pandas as pd
 import pytest
 import torch
+import torch.distributed as dist
 
 from conftest import cpu_env as _env
+from conftest import disagg_workers as _workers_of
+from conftest import free_port as _free_port
 from conftest import kvlab_command
+from conftest import requests_done as _requests_done
 from kvlab import calculator, disagg, models
-from kvlab.disagg.protocol import IncompleteCacheError, LandedLayers
+from kvlab.disagg.protocol import Control, IncompleteCacheError, LandedLayers
 
 
 # ------------------------------------------------------------------------------------------ protocol
@@ -226,54 +230,11 @@ def test_sigterm_stops_both_workers_and_marks_the_run(tmp_path, signals):
     assert not left, f"orphan workers: pids {left}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _requests_done(port: int) -> int:
-    """Requests the decode worker has finished, from the launcher's control store (the `progress` counter)."""
-    import torch.distributed as dist
-    from datetime import timedelta
-
-    try:
-        return int(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=2)).add("kvlab/progress", 0))
-    except Exception:  # the store is not up yet
-        return 0
-
-
-def _workers_of(out) -> dict[str, int]:
-    """pid of each disagg worker process whose run folder is `out`, by role."""
-    from pathlib import Path
-
-    found = {}
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"kvlab.disagg" in args and str(out).encode() in args:
-            rank = args[args.index(b"--rank") + 1]
-            found["decode" if rank == b"0" else "prefill"] = int(cmdline.parent.name)
-    return found
-
-
 @pytest.mark.parametrize("posted_first", [True, False])
 def test_a_signal_death_is_named_before_the_error_it_caused_in_its_peer(posted_first, tmp_path, monkeypatch):
     """CI once saw the decode side's "Connection closed by peer" reach the launcher before the prefill process's
     SIGKILL did, and the line named the consequence. Whichever arrives first, the death by a signal is the cause."""
     from kvlab.disagg import launch
-
-    class Store:
-        def __init__(self):
-            self.kv = {}
-
-        def check(self, keys):
-            return all(k in self.kv for k in keys)
-
-        def get(self, k):
-            return self.kv[k]
 
     class Proc:
         def __init__(self, role, code):
@@ -284,8 +245,8 @@ def test_a_signal_death_is_named_before_the_error_it_caused_in_its_peer(posted_f
             return self.code
 
     monkeypatch.setattr(launch.time, "sleep", lambda s: None)
-    store = Store()
-    store.kv["kvlab/error/decode"] = json.dumps({"error": "RuntimeError: Connection closed by peer"})
+    store = Control(dist.HashStore(), 5.0, b"k" * 32, scope="kvlab")  # as the launcher reads it: signed values
+    store.post("error/decode", {"error": "RuntimeError: Connection closed by peer"})
     procs = [("decode", Proc("decode", 1 if not posted_first else None)), ("prefill", Proc("prefill", -9))]
     line = launch._first_cause(store, procs)
     assert line == "the prefill process was killed by SIGKILL (exit code -9): last line of its log: prefill was here"
@@ -300,17 +261,17 @@ def test_a_signal_death_is_named_before_the_error_it_caused_in_its_peer(posted_f
     assert launch._first_cause(store, procs, planned_prefill_kill=True) == \
         "the decode process stopped: RuntimeError: Connection closed by peer"
     # a crash signal (SIGABRT from a library as its peer vanished) does not outrank a posted error: both are named
-    del store.kv["kvlab/error/decode"]
-    store.kv["kvlab/error/prefill"] = json.dumps({"error": "RuntimeError: NIXL transfer ERR"})
+    store.store.delete_key("error/decode")
+    store.post("error/prefill", {"error": "RuntimeError: NIXL transfer ERR"})
     procs[:] = [("decode", Proc("decode", -6)), ("prefill", Proc("prefill", 1))]
     assert launch._first_cause(store, procs) == ("the prefill process stopped: RuntimeError: NIXL transfer ERR (the "
                                                  "decode process was killed by SIGABRT (exit code -6))")
-    del store.kv["kvlab/error/prefill"]
-    store.kv["kvlab/error/decode"] = json.dumps({"error": "RuntimeError: Connection closed by peer"})
+    store.store.delete_key("error/prefill")
+    store.post("error/decode", {"error": "RuntimeError: Connection closed by peer"})
     # without a death by a signal the posted error is the cause, and without either the exit code and the log
     procs[1] = ("prefill", Proc("prefill", None))
     assert launch._first_cause(store, procs) == "the decode process stopped: RuntimeError: Connection closed by peer"
-    del store.kv["kvlab/error/decode"]
+    store.store.delete_key("error/decode")
     procs[0] = ("decode", Proc("decode", 3))
     assert launch._first_cause(store, procs) == "the decode process exited with code 3: last line of its log: decode was here"
 
@@ -529,16 +490,6 @@ def test_a_stopped_run_records_how_each_worker_ended_and_the_decode_sides_memory
     from kvlab import results
     from kvlab.disagg import launch
 
-    class Store:
-        def __init__(self, d):
-            self.d = d
-
-        def check(self, keys):
-            return all(k in self.d for k in keys)
-
-        def get(self, k):
-            return self.d[k].encode()
-
     class Proc:
         def __init__(self, code):
             self.code = code
@@ -547,7 +498,8 @@ def test_a_stopped_run_records_how_each_worker_ended_and_the_decode_sides_memory
             return self.code
 
     mem = [{"phase": "reference", "allocated_bytes": 10}, {"phase": "destination", "failed": True}]
-    store = Store({"kvlab/error/decode": json.dumps({"error": "DecodeOutOfMemory: x", "memory": mem})})
+    store = Control(dist.HashStore(), 5.0, b"k" * 32, scope="kvlab")
+    store.post("error/decode", {"error": "DecodeOutOfMemory: x", "memory": mem})
     run = results.start("disagg", {}, run_dir=tmp_path / "r")
     launch._stopped(run, "DisaggError: the decode process stopped")
     launch._record_end(run, [("decode", Proc(1)), ("prefill", Proc(-15))], launch._worker_memory(store))
@@ -557,7 +509,7 @@ def test_a_stopped_run_records_how_each_worker_ended_and_the_decode_sides_memory
     run.update(note="later")  # the Run object was read back: a later update keeps "failed" and the record
     got = json.loads((tmp_path / "r" / "run.json").read_text())
     assert got["status"] == "failed" and got["worker_exit"]["decode"] == 1 and got["note"] == "later"
-    assert launch._worker_memory(Store({})) is None
+    assert launch._worker_memory(Control(dist.HashStore(), 5.0, b"k" * 32)) is None
 
 
 def test_an_out_of_memory_after_decode_is_named_as_the_check_and_leaves_no_process(tmp_path):
@@ -596,7 +548,7 @@ def test_a_decode_out_of_memory_under_torchrun_is_one_line_and_keeps_the_memory(
     from kvlab.disagg.memory import DecodeOutOfMemory
 
     for k, v in {"TORCHELASTIC_RUN_ID": "t", "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": "29999"}.items():
+                 "MASTER_PORT": "29999", "KVLAB_CONTROL_KEY": "ab" * 32}.items():
         monkeypatch.setenv(k, v)
     rows = [{"phase": "reference", "allocated_bytes": 1}, {"phase": "destination", "failed": True}]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import shlex
 import subprocess
 import sys
@@ -94,6 +95,7 @@ def run(out: Path, timeout_s: float = 240.0, env: dict | None = None) -> dict:
     Returns {"returncodes", "logs", "link": rank 0's veth counters before and after, "commands"}."""
     commands = readme_commands()
     base = {k: v for k, v in os.environ.items() if not k.startswith(("KVLAB_", "GLOO_", "MASTER_"))}
+    base["KVLAB_CONTROL_KEY"] = secrets.token_hex(32)  # the page's export, the same secret on both "nodes"
     base.update(env or {})
     base["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{base.get('PATH', '')}"  # this venv's torchrun
     base["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), base.get("PYTHONPATH")) if p)

@@ -285,7 +285,7 @@ def _done_or_dead(w, n: int):
     while time.monotonic() < deadline:
         if w.control.ready(f"req{n}/done"):
             return w.control.wait(f"req{n}/done", f"request {n}'s prefill")
-        if w.control.ready(dead):
+        if w.control.read(dead) is not None:  # checked: only the launcher, holding the run key, records a death
             planned = w.control.wait(f"kill/{w.generation}", "the prefill process's announced kill")
             if planned["request"] != n:
                 raise RuntimeError(f"the prefill process died at request {planned['request']}, not at request {n} "

@@ -1,10 +1,11 @@
 """Start the two processes, wait for them, and write the run: `run(cfg, out)`.
 
-On one host the launcher hosts the control store (a TCPStore on a free port, or --port) and starts the prefill
-and the decode worker as subprocesses (`python -m kvlab.disagg`). Under torchrun (two nodes, or two processes on one)
+On one host the launcher hosts the control store (a TCPStore on a free port, or --port, listening on loopback
+only), draws the run key that signs every control message (kvlab.disagg.protocol) and starts the prefill and the
+decode worker as subprocesses (`python -m kvlab.disagg`), the key in their environment. Under torchrun (two nodes, or two processes on one)
 every process runs `kvlab disagg` itself: rank 0 is the decode worker and writes the run, rank 1 prefills; both
-use torchrun's own store. Either way a worker that fails posts its error first, the launcher names it in one
-line, stops the other process (no orphans) and leaves the run folder marked as stopped.
+use torchrun's own store, and the user sets one run key (KVLAB_CONTROL_KEY) on every node. Either way a worker
+that fails posts its error first, the launcher names it in one line, stops the other process (no orphans) and leaves the run folder marked as stopped.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from .. import results, runfolder
 from .backends import BACKENDS
 from .config import DECODE, DisaggConfig, check
 from .memory import DecodeOutOfMemory
+from .protocol import KEY_ENV, Control, ControlIntegrityError, new_key, run_key
 from .summary import build as summary_of
 from .workers import ROWS_FILE, entry
 
-__all__ = ["run", "DisaggError", "under_torchrun", "gloo_interface"]
+__all__ = ["run", "DisaggError", "under_torchrun", "gloo_interface", "worker_pids", "is_halted"]
 
 
 class DisaggError(RuntimeError):
@@ -43,15 +45,36 @@ def _params(cfg: DisaggConfig) -> dict:
 
 
 def _store(port: int, timeout_s: float):
+    """The control store's server, listening on 127.0.0.1 only. Given host 127.0.0.1, torch's TCPStore still
+    listens on every interface (`*:PORT`); a socket bound here to loopback and handed over (master_listen_fd, libuv
+    backend, which closes it with the store) keeps it to this machine."""
+    import socket
     import torch.distributed as dist
     from datetime import timedelta
 
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError as err:  # address in use, or a port below 1024 without the right
+        sock.close()
+        raise ValueError(f"port = {port}: cannot listen on it ({err.strerror or err}); pick another --port, or leave "
+                         "it out and a free port is chosen") from None
+    port = sock.getsockname()[1]
+    fd = sock.detach()
     try:
         return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                             timeout=timedelta(seconds=timeout_s))
-    except Exception as err:  # DistNetworkError: address in use
-        raise ValueError(f"port = {port}: cannot listen on it ({str(err).splitlines()[0][:120]}); pick another "
-                         "--port, or leave it out and a free port is chosen") from None
+                             timeout=timedelta(seconds=timeout_s), master_listen_fd=fd, use_libuv=True)
+    except Exception as err:
+        os.close(fd)
+        raise ValueError(f"port = {port}: the control store cannot listen on it ({str(err).splitlines()[0][:120]}); "
+                         "pick another --port, or leave it out and a free port is chosen") from None
+
+
+def _control(store, timeout_s: float, key: str) -> Control:
+    """The launcher's view of the workers' messages: the same prefix ("kvlab") and key as theirs."""
+    import torch.distributed as dist
+
+    return Control(dist.PrefixStore("kvlab", store), timeout_s, bytes.fromhex(key), scope="kvlab")
 
 
 def _stopped(run, why: str) -> None:
@@ -63,7 +86,10 @@ def _stopped(run, why: str) -> None:
             run.update(stopped=why)
         except Exception:
             pass
-        runfolder.record_execution(run.dir, "kvlab disagg", ok=False, seconds=0.0, error=why)
+        try:
+            runfolder.record_execution(run.dir, "kvlab disagg", ok=False, seconds=0.0, error=why)
+        except OSError:  # a full disk, a folder removed: the error that stopped the run is the one to raise
+            pass
         try:
             run.reload()  # so a later update starts from "failed", not from this object's "running"
         except Exception:
@@ -93,20 +119,24 @@ def _exit_codes(procs: list) -> dict:
     return {role: p.poll() for role, p in procs}
 
 
-def _worker_memory(store) -> list | None:
+def _worker_memory(control) -> list | None:
     """The memory phases the decode process posted with its error (an out-of-memory), or None."""
-    key = "kvlab/error/decode"
     try:
-        return json.loads(store.get(key)).get("memory") if store.check([key]) else None
+        return (control.read("error/decode") or {}).get("memory")
     except Exception:
         return None
 
 
-def _worker_error(store) -> str | None:
+def _worker_error(control) -> str | None:
+    """The first error a worker posted, in one line; a posted value that does not verify is itself the failure
+    (someone else wrote into the run's control store)."""
     for role in ("decode", "prefill"):
-        key = f"kvlab/error/{role}"
-        if store.check([key]):
-            return f"the {role} process stopped: {json.loads(store.get(key))['error']}"
+        try:
+            got = control.read(f"error/{role}")
+        except ControlIntegrityError as err:
+            return f"the control store was written by someone else: {err}"
+        if got is not None:
+            return f"the {role} process stopped: {got['error']}"
     return None
 
 
@@ -124,6 +154,8 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True, r
                              "prefill process; under torchrun leave kill out")
         return _torchrun(cfg, out, progress)
     store = _store(cfg.port, cfg.timeout_s)
+    key = new_key()
+    control = _control(store, cfg.timeout_s, key)
     owned = run is None
     procs: list = []
     run_ = None
@@ -132,8 +164,9 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True, r
         run_ = results.start("disagg", _params(cfg), run_dir=out) if owned else run
         run_.update(disagg_config=_params(cfg))
         t0 = time.monotonic()
-        procs = _start_workers(cfg, store.port, run_.dir)
-        deaths = _watch(cfg, store, procs, progress, restart=lambda g: _start(cfg, store.port, run_.dir, "prefill", g))
+        procs = _start_workers(cfg, store.port, run_.dir, key)
+        deaths = _watch(cfg, control, procs, progress,
+                        restart=lambda g: _start(cfg, store.port, run_.dir, "prefill", key, g))
         summary = _write(run_, cfg, time.monotonic() - t0, deaths=deaths)
         _stop(procs)  # a prefill process still on its way out is stopped here, not left to run on
         run_.update(worker_exit=_exit_codes(procs))
@@ -142,10 +175,12 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True, r
         return summary
     except BaseException as err:
         if run_ is not None:
+            if isinstance(err, OSError) and not err.filename:  # a full disk mid-run: name the folder
+                err.filename = str(run_.dir)
             _stopped(run_, runfolder.stop_reason(err))
             with runfolder.shielded():  # a second Ctrl-C or SIGTERM must not cut the stop or the record short
                 _stop(procs)
-            _record_end(run_, procs, _worker_memory(store))
+            _record_end(run_, procs, _worker_memory(control))
         raise
     finally:
         _stop(procs)
@@ -155,9 +190,10 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True, r
 Terminated = runfolder.Terminated  # the launcher's SIGTERM, as kvlab.results raises it
 
 
-def _start(cfg: DisaggConfig, port: int, run_dir: Path, role: str, generation: int = 0):
+def _start(cfg: DisaggConfig, port: int, run_dir: Path, role: str, key: str, generation: int = 0):
     """One worker: `python -m kvlab.disagg`, its output in <run>/worker-<role>.log (a prefill process started in
-    place of a dead one: worker-prefill-g<generation>.log). Plain subprocesses rather than multiprocessing's
+    place of a dead one: worker-prefill-g<generation>.log), the run key in its environment (not on its command line,
+    which every user of the machine can read). Plain subprocesses rather than multiprocessing's
     spawn, so a caller's script needs no ``if __name__ == "__main__"`` guard."""
     import subprocess
     import sys
@@ -166,10 +202,10 @@ def _start(cfg: DisaggConfig, port: int, run_dir: Path, role: str, generation: i
     cmd = [sys.executable, "-m", "kvlab.disagg", "--rank", str(rank), "--config", json.dumps(_params(cfg)),
            "--host", "127.0.0.1", "--port", str(port), "--prefix", "kvlab", "--run-dir", str(run_dir),
            "--generation", str(generation)]
-    env = None
+    env = {**os.environ, KEY_ENV: key}
     if cfg.backend == "nixl" and "UCX_PROTO_INFO" not in os.environ:
         # UCX prints which transport each protocol chose (cma, cuda_ipc, tcp…) into the log: summary.json reads it
-        env = {**os.environ, "UCX_PROTO_INFO": "y"}
+        env["UCX_PROTO_INFO"] = "y"
     with open(Path(run_dir, _log_name(role, generation)), "w") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
@@ -179,12 +215,12 @@ def _log_name(role: str, generation: int = 0) -> str:
     return f"worker-{role}.log" if not generation else f"worker-{role}-g{generation}.log"
 
 
-def _start_workers(cfg: DisaggConfig, port: int, run_dir: Path) -> list:
+def _start_workers(cfg: DisaggConfig, port: int, run_dir: Path, key: str) -> list:
     """The decode (rank 0) and the prefill (rank 1) process."""
-    return [(role, _start(cfg, port, run_dir, role)) for role in ("decode", "prefill")]
+    return [(role, _start(cfg, port, run_dir, role, key)) for role in ("decode", "prefill")]
 
 
-def _watch(cfg: DisaggConfig, store, procs: list, progress: bool, restart=None) -> list[dict]:
+def _watch(cfg: DisaggConfig, control, procs: list, progress: bool, restart=None) -> list[dict]:
     """Wait for both workers, showing the decode side's progress; the first failure is a DisaggError naming the
     process and its error (posted by the worker, else its exit code and last log line). In a campaign with kill
     faults, a prefill process that announced its kill (`kill/<generation>`) and died by SIGKILL is the fault
@@ -200,22 +236,25 @@ def _watch(cfg: DisaggConfig, store, procs: list, progress: bool, restart=None) 
     generation = 0
     deaths: list[dict] = []
     kills = "kill" in cfg.fault_kinds and cfg.faults > 0 and restart is not None
+    halted: dict[str, float] = {}  # role: when its process was first seen stopped (SIGSTOP, Ctrl-Z, a debugger)
     try:
         while True:
             time.sleep(0.05 if kills else 0.2)
-            done = int(store.add("kvlab/progress", 0))
+            done = int(control.store.add("progress", 0))  # unsigned: it only moves the bar
             bar.update(done - bar.n)
             codes = [(role, p.poll()) for role, p in procs]
-            announced = kills and store.check([f"kvlab/kill/{generation}"])  # a planned kill: a fault, never a cause
+            _check_halted(procs, halted, cfg.timeout_s)
+            announced = kills and control.ready(f"kill/{generation}")  # a planned kill: a fault, never a cause
             if announced and dict(codes).get("prefill") == -signal.SIGKILL:  # the kill it announced: the fault itself
-                store.set(f"kvlab/dead/prefill/{generation}", json.dumps(-signal.SIGKILL))
+                planned = control.read(f"kill/{generation}")  # checked: a forged announcement stops the run
+                control.post(f"dead/prefill/{generation}", -signal.SIGKILL)
                 pid = next(p.pid for r, p in procs if r == "prefill")
-                deaths.append({"generation": generation, "pid": pid, **json.loads(store.get(f"kvlab/kill/{generation}"))})
+                deaths.append({"generation": generation, "pid": pid, **planned})
                 generation += 1
                 procs[:] = [(r, p) for r, p in procs if r != "prefill"] + [("prefill", restart(generation))]
                 continue
-            if _worker_error(store) or any(c not in (None, 0) for _, c in codes):
-                raise DisaggError(_first_cause(store, procs, planned_prefill_kill=announced))
+            if _worker_error(control) or any(c not in (None, 0) for _, c in codes):
+                raise DisaggError(_first_cause(control, procs, planned_prefill_kill=announced))
             if all(c == 0 for _, c in codes):
                 return deaths
             if dict(codes).get("decode") == 0:
@@ -227,7 +266,46 @@ def _watch(cfg: DisaggConfig, store, procs: list, progress: bool, restart=None) 
         bar.close()
 
 
-def _first_cause(store, procs: list, planned_prefill_kill: bool = False) -> str:
+def worker_pids(run_dir) -> dict[str, int]:
+    """{role: pid} of the live worker processes writing run folder `run_dir` (from /proc; {} where there is none):
+    what to look for when a run must be stopped or watched from outside."""
+    found = {}
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"kvlab.disagg" in args and str(run_dir).encode() in args and b"--rank" in args:
+            rank = args[args.index(b"--rank") + 1]
+            found["decode" if rank == str(DECODE).encode() else "prefill"] = int(cmdline.parent.name)
+    return found
+
+
+def is_halted(pid: int) -> bool:
+    """Whether process `pid` is stopped (state T or t in /proc/<pid>/stat: SIGSTOP, Ctrl-Z, a tracer); False where
+    there is no /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:][:1] in ("T", "t")
+
+
+def _check_halted(procs: list, halted: dict, timeout_s: float) -> None:
+    """A worker stopped for longer than the deadline is a failure, named as such: its peer would otherwise wait out
+    its own deadline (the prefill side waits twice the deadline for a request) and name only the silence."""
+    now = time.monotonic()
+    for role, p in procs:
+        if p.poll() is None and is_halted(p.pid):
+            since = halted.setdefault(role, now)
+            if now - since > timeout_s:
+                raise DisaggError(f"the {role} process (pid {p.pid}) has been stopped (SIGSTOP, Ctrl-Z or a debugger) "
+                                  f"for {now - since:.1f} s, past the {timeout_s:g} s deadline")
+        else:
+            halted.pop(role, None)
+
+
+def _first_cause(control, procs: list, planned_prefill_kill: bool = False) -> str:
     """The line that names what went wrong first. A process killed from outside (SIGKILL: the OOM killer or a
     user; SIGTERM) without posting an error is the cause, and its peer's posted error ("Connection closed by
     peer") only the consequence, whichever reached the launcher first — unless it is the prefill process whose
@@ -240,11 +318,11 @@ def _first_cause(store, procs: list, planned_prefill_kill: bool = False) -> str:
 
     # deaths by a signal nothing else explains: the process posted no error of its own, and no campaign planned it
     silent = {role: code for role, code in codes if code is not None and code < 0
-              and not store.check([f"kvlab/error/{role}"]) and not (role == "prefill" and planned_prefill_kill)}
+              and not control.ready(f"error/{role}") and not (role == "prefill" and planned_prefill_kill)}
     for role, code in silent.items():
         if code in (-signal.SIGKILL, -signal.SIGTERM):
             return f"the {role} process {_how_it_ended(code)}: {_last_line(procs, role)}"
-    why = _worker_error(store)
+    why = _worker_error(control)
     if why:
         also = [f"the {role} process {_how_it_ended(code)}" for role, code in silent.items()]
         return why + (f" ({'; '.join(also)})" if also else "")
@@ -278,10 +356,15 @@ def _last_line(procs: list, role: str) -> str:
 
 
 def _stop(procs: list) -> None:
-    """No orphans: terminate what still runs, kill what does not stop in 5 s."""
+    """No orphans: terminate what still runs (and continue it: a stopped process takes no SIGTERM), kill what does
+    not stop in 5 s."""
     for _, p in procs:
         if p.poll() is None:
             p.terminate()
+            try:
+                os.kill(p.pid, signal.SIGCONT)
+            except OSError:
+                pass
     for _, p in procs:
         try:
             p.wait(5)
@@ -328,23 +411,42 @@ def gloo_interface(master_addr: str, nnodes: int = 1) -> tuple[str | None, str]:
     return None, f"no interface holds {local}: gloo's own choice"
 
 
+def _env_int(name: str, default: str | None = None, low: int = 0, high: int | None = None) -> int:
+    """An integer torchrun set in the environment, checked: ValueError in one line naming the variable."""
+    text = os.environ.get(name, default)
+    valid = f"an integer ≥ {low}" + (f" and ≤ {high}" if high is not None else "")
+    if text is None:
+        raise ValueError(f"{name} is not set; torchrun sets it for every process it starts (valid: {valid})")
+    try:
+        v = int(text.strip())
+    except ValueError:
+        v = None
+    if v is None or v < low or (high is not None and v > high):
+        raise ValueError(f"{name} = {text[:40]!r}: expected {valid}, as torchrun sets it")
+    return v
+
+
 def _torchrun(cfg: DisaggConfig, out, progress: bool) -> dict:
-    rank, world = int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", "0"))
+    world = _env_int("WORLD_SIZE", "0")
     if world != 2:
         raise ValueError(f"kvlab disagg under torchrun needs exactly 2 processes (decode = rank 0, prefill = rank 1), "
                          f"got WORLD_SIZE={world}")
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    rank = _env_int("RANK", high=1)
+    host, port = os.environ.get("MASTER_ADDR", ""), _env_int("MASTER_PORT", low=1, high=65535)
+    if not host:
+        raise ValueError("MASTER_ADDR is not set; torchrun sets it (the decode node's address) for every process")
+    key = run_key(where="under torchrun every process of the pair")  # before anything is written
     prefix = f"kvlab/{os.environ['TORCHELASTIC_RUN_ID']}"
-    nnodes = int(os.environ.get("GROUP_WORLD_SIZE", "0")) or None
+    nnodes = _env_int("GROUP_WORLD_SIZE", "0") or None
     group = BACKENDS[cfg.backend].group
     iface, why = gloo_interface(host, nnodes or 1) if group == "gloo" else (None, f"{group} chooses its own")
     if iface:
         os.environ["GLOO_SOCKET_IFNAME"] = iface
     if rank != DECODE:
-        entry(rank, _params(cfg), host, port, prefix, "", progress=False)
+        entry(rank, _params(cfg), host, port, prefix, "", progress=False, key=key)
         return {}
     launcher = {"kind": "torchrun", "nnodes": nnodes,
-                "node_rank": int(os.environ.get("GROUP_RANK", "0")), "master_addr": host, "master_port": port,
+                "node_rank": _env_int("GROUP_RANK", "0"), "master_addr": host, "master_port": port,
                 "run_id": os.environ["TORCHELASTIC_RUN_ID"], "gloo_interface": iface, "gloo_interface_why": why}
     run_ = None
     try:
@@ -352,7 +454,7 @@ def _torchrun(cfg: DisaggConfig, out, progress: bool) -> dict:
         run_.update(launcher=launcher)
         t0 = time.monotonic()
         try:
-            entry(rank, _params(cfg), host, port, prefix, str(run_.dir), progress)
+            entry(rank, _params(cfg), host, port, prefix, str(run_.dir), progress, key=key)
         except DecodeOutOfMemory as err:  # this process is the decode worker: its error, in the launcher's words
             raise DisaggError(f"the decode process stopped: DecodeOutOfMemory: {err}") from err
         summary = _write(run_, cfg, time.monotonic() - t0, launcher)

@@ -34,6 +34,7 @@ import torch
 from ..paged import kernels
 from ..paged.transports import enable_peer
 from ..paged.triton_transports import finalists as fastest
+from . import cuda_ipc
 from .endpoints import Rows, Sink, Source, flip_first_byte, span
 
 __all__ = ["DistLink", "IpcLink", "BULK_ORDERS", "bulk_perm", "event_ms", "unit_tag"]
@@ -218,9 +219,7 @@ class IpcLink:
 
     # decode side
     def expose(self, tag: str, sink: Sink) -> None:
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        self.control.post_bytes(f"ipc/{tag}", reduce_tensor(sink.tensor))
+        self.control.post(f"ipc/{tag}", cuda_ipc.export(sink.tensor))  # plain fields, never a pickle
 
     def post_receive(self, request: int, plan, sink: Sink) -> None:
         self._plan = plan
@@ -240,8 +239,7 @@ class IpcLink:
     # prefill side
     def attach(self, tag: str, sink_rows_ids=None) -> torch.Tensor:
         if tag not in self._dst:
-            fn, args = self.control.wait_bytes(f"ipc/{tag}", f"the decode side's destination {tag}")
-            t = fn(*args)
+            t = cuda_ipc.rebuild(self.control.wait(f"ipc/{tag}", f"the decode side's destination {tag}"))
             if t.device != self.device and t.device.type == "cuda":
                 enable_peer(self.device, t.device)
             self._dst = {tag: t}  # the decode side has moved on: release the mapping of its previous destination

@@ -12,15 +12,59 @@ Two things cross the process boundary besides the cache itself:
   layer signalled twice, a negative or out-of-range layer, or a signal for a request that is not the
   current one; `require(r)` raises IncompleteCacheError naming the request and the missing layers, and
   the decode worker calls it before every decode.
+
+The store has no authentication, and a TCPStore a client can reach is open to every process that can reach its port.
+So every value kvlab posts carries an HMAC-SHA256 under a per-run key (`run_key`) that only this run's processes
+hold: the launcher draws it and hands it to its workers in their environment (KVLAB_CONTROL_KEY), and under torchrun
+the user sets the same key on every node. The MAC covers the store's prefix, the key and the value, so a value
+copied from another key or another run does not verify either. A value that does not verify is refused before it is
+parsed (ControlIntegrityError, naming the key) and the run stops; nothing read from the store is ever unpickled or
+run. What a stranger can still do is break a run: delete a key (the wait for it times out, naming it) or write
+garbage (refused). The one unsigned value is the progress counter (`store.add`), which drives a progress bar only.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
-import pickle
+import os
+import secrets
 from datetime import timedelta
 
-__all__ = ["IncompleteCacheError", "LandedLayers", "Control"]
+__all__ = ["IncompleteCacheError", "ControlIntegrityError", "LandedLayers", "Control", "KEY_ENV", "new_key",
+           "run_key"]
+
+KEY_ENV = "KVLAB_CONTROL_KEY"  # the run's HMAC key, as hex, in each worker's environment
+_MIN_KEY_BYTES = 16
+_TAG = b"kvlab-hmac1:"  # what a signed value starts with: the scheme, then the MAC in hex, ':', the JSON body
+
+
+class ControlIntegrityError(RuntimeError):
+    """A value in the control store that this run's processes did not write (or that was changed on the way)."""
+
+
+def new_key() -> str:
+    """A fresh run key: 32 random bytes, as 64 hex digits."""
+    return secrets.token_hex(32)
+
+
+def run_key(environ=None, where: str = "") -> bytes:
+    """The run key from KVLAB_CONTROL_KEY (hex, at least 16 bytes). ValueError in one line when it is missing or
+    malformed; `where` says who needs it (e.g. "under torchrun every process")."""
+    env = os.environ if environ is None else environ
+    text = env.get(KEY_ENV, "")
+    how = (f"set {KEY_ENV} to the same secret on every node, e.g. "
+           f"export {KEY_ENV}=$(python3 -c 'import secrets; print(secrets.token_hex(32))')")
+    if not text:
+        raise ValueError(f"{KEY_ENV} is not set{': ' + where + ' needs it' if where else ''}; {how}")
+    try:
+        key = bytes.fromhex(text.strip())
+    except ValueError:
+        raise ValueError(f"{KEY_ENV} = {text[:12]!r}…: not hexadecimal; {how}") from None
+    if len(key) < _MIN_KEY_BYTES:
+        raise ValueError(f"{KEY_ENV} holds {len(key)} bytes: at least {_MIN_KEY_BYTES} (32 hex digits) are needed; {how}")
+    return key
 
 
 class IncompleteCacheError(RuntimeError):
@@ -79,35 +123,61 @@ class LandedLayers:
 
 
 class Control:
-    """Control messages over a torch.distributed Store, each wait bounded by a deadline.
+    """Control messages over a torch.distributed Store, each signed and each wait bounded by a deadline.
 
-    store: a TCPStore (or PrefixStore) both processes reach; timeout_s: the default deadline of `wait`.
+    store: a TCPStore (or PrefixStore) both processes reach; timeout_s: the default deadline of `wait`; key: the run
+    key (`run_key`); scope: the store prefix the values live under (kept in the MAC, so a value is good only where
+    it was written).
     """
 
-    def __init__(self, store, timeout_s: float):
+    def __init__(self, store, timeout_s: float, key: bytes, scope: str = "kvlab"):
+        if not isinstance(key, bytes) or len(key) < _MIN_KEY_BYTES:
+            raise ValueError(f"key: expected at least {_MIN_KEY_BYTES} bytes (kvlab.disagg.protocol.run_key)")
         self.store = store
         self.timeout_s = float(timeout_s)
+        self._key = key
+        self.scope = str(scope)
+
+    def _mac(self, key: str, body: bytes) -> bytes:
+        msg = self.scope.encode() + b"\0" + key.encode() + b"\0" + body
+        return hmac.new(self._key, msg, hashlib.sha256).hexdigest().encode()
+
+    def seal(self, key: str, value) -> bytes:
+        """What `post` stores for `value` under `key`: the scheme tag, the MAC and the JSON body."""
+        body = json.dumps(value).encode()
+        return _TAG + self._mac(key, body) + b":" + body
+
+    def open(self, key: str, raw) -> object:
+        """The value `raw` (as read from the store under `key`) holds, once its MAC has been checked; anything else
+        is a ControlIntegrityError naming the key. The body is parsed only after it verified."""
+        raw = raw.encode() if isinstance(raw, str) else bytes(raw)
+        if raw.startswith(_TAG) and len(raw) > len(_TAG) + 65 and raw[len(_TAG) + 64:len(_TAG) + 65] == b":":
+            mac, body = raw[len(_TAG):len(_TAG) + 64], raw[len(_TAG) + 65:]
+            if hmac.compare_digest(mac, self._mac(key, body)):
+                return json.loads(body)
+            why = "its signature does not match (written by someone without this run's key, or changed since)"
+        else:
+            why = "it is not signed"
+        raise ControlIntegrityError(f"control key {self.scope}/{key}: {why}; the value ({len(raw)} bytes) is refused "
+                                    "unread and the run stops")
 
     def post(self, key: str, value) -> None:
-        self.store.set(key, json.dumps(value))
-
-    def post_bytes(self, key: str, obj) -> None:
-        self.store.set(key, pickle.dumps(obj))
+        self.store.set(key, self.seal(key, value))
 
     def ready(self, key: str) -> bool:
         return bool(self.store.check([key]))
 
-    def _wait(self, key: str, what: str, timeout_s: float | None):
+    def read(self, key: str):
+        """The checked value under `key`, or None when the key is absent (does not wait)."""
+        return self.open(key, self.store.get(key)) if self.ready(key) else None
+
+    def wait(self, key: str, what: str, timeout_s: float | None = None):
+        """The checked value under `key`, once it is there; TimeoutError naming `what` and the key after the
+        deadline (timeout_s, else the default)."""
         t = self.timeout_s if timeout_s is None else float(timeout_s)
         try:
             self.store.wait([key], timedelta(seconds=t))
         except Exception as err:  # torch raises DistStoreError (a RuntimeError) on timeout and on a lost peer
             raise TimeoutError(f"waited {t:g} s for {what} ({key!r}) and it did not come: the peer process is "
                                f"dead, stuck or too slow ({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
-        return self.store.get(key)
-
-    def wait(self, key: str, what: str, timeout_s: float | None = None):
-        return json.loads(self._wait(key, what, timeout_s))
-
-    def wait_bytes(self, key: str, what: str, timeout_s: float | None = None):
-        return pickle.loads(self._wait(key, what, timeout_s))
+        return self.open(key, self.store.get(key))

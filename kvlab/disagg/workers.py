@@ -34,7 +34,7 @@ from .config import DECODE, PREFILL, DisaggConfig
 from .decode import DecodeWorker
 from .group import build_model, connect, init_group
 from .prefill import PrefillWorker
-from .protocol import Control
+from .protocol import Control, run_key
 
 __all__ = ["entry", "connect", "init_group", "ROWS_FILE"]
 
@@ -42,14 +42,16 @@ ROWS_FILE = "decode_rows.json"  # what the decode worker hands to the launcher (
 
 
 def entry(rank: int, cfg_dict: dict, host: str, port: int, prefix: str, run_dir: str, progress: bool = True,
-          generation: int = 0) -> None:
-    """One process of the pair (torch.multiprocessing calls it with the rank first; torchrun through the CLI).
+          generation: int = 0, key: bytes | None = None) -> None:
+    """One process of the pair (the launcher's subprocess, or torchrun's process through the CLI).
     Errors are posted as ``error/<role>`` (one line) before they propagate, so the launcher can name them.
-    generation > 0: a prefill process started in place of a dead one."""
+    generation > 0: a prefill process started in place of a dead one. key: the run key that signs the control
+    messages (None: read from KVLAB_CONTROL_KEY, kvlab.disagg.protocol.run_key)."""
     cfg = DisaggConfig(**cfg_dict)
     role = "decode" if rank == DECODE else "prefill"
+    key = run_key(where="a kvlab disagg worker") if key is None else key
     store = connect(host, port, prefix, cfg.timeout_s)
-    control = Control(store, cfg.timeout_s)
+    control = Control(store, cfg.timeout_s, key, scope=prefix)
     try:
         if cfg.threads or not torch.cuda.is_available():
             torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) // 2))
