@@ -22,7 +22,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from . import docgen, goals, provenance, studies
+from . import docgen, goals, provenance, reliability, studies
 from .paths import read_json, repo_root
 from .study import ctx_label, md_table, run_link
 
@@ -197,7 +197,9 @@ def provenance_table(prefix: str = "") -> str:
 
 
 # blocks about the runs rather than tables of results
-META_BLOCKS = {"verdicts": verdicts, "verdict_counts": verdict_counts, "provenance": provenance_table}
+META_BLOCKS = {"verdicts": verdicts, "verdict_counts": verdict_counts, "provenance": provenance_table,
+               "reliability_campaigns": lambda prefix: reliability.campaigns(prefix, manifest(), goals_of),
+               "reliability_sigstop": reliability.sigstop, "reliability_cases": reliability.cases}
 # blocks that need the commits of the runs (to check their code): a shallow clone lacks them
 NEEDS_HISTORY = ("provenance",)
 

@@ -239,7 +239,7 @@ def _watch(cfg: DisaggConfig, control, procs: list, progress: bool, restart=None
     halted: dict[str, float] = {}  # role: when its process was first seen stopped (SIGSTOP, Ctrl-Z, a debugger)
     try:
         while True:
-            time.sleep(0.05 if kills else 0.2)
+            time.sleep(0.05 if kills else 0.1)
             done = int(control.store.add("progress", 0))  # unsigned: it only moves the bar
             bar.update(done - bar.n)
             codes = [(role, p.poll()) for role, p in procs]
