@@ -18,7 +18,7 @@ import pandas as pd
 from .paths import read_json, repo_root
 from .study import md_table, run_link
 
-__all__ = ["campaigns", "sigstop", "cases", "SUITES", "BLOCKS"]
+__all__ = ["campaigns", "sigstop", "sigstop_rows", "cases", "SUITES"]
 
 # what each suite of the bad-input record covers (the record names the files; this says what they are for)
 SUITES = {
@@ -35,7 +35,7 @@ def _probes(name: str) -> list[Path]:
     return sorted(p for p in (repo_root() / "data" / "probes" / name).glob("*") if p.is_dir())
 
 
-def campaigns(prefix: str = "", manifest: dict | None = None, goals_of=None) -> str:
+def campaigns(prefix: str, manifest: dict, goals_of) -> str:
     """The published fault campaigns, one row each, with their goals' verdicts (kvlab.report passes its manifest and
     its goal reader)."""
     rows = []
@@ -104,9 +104,9 @@ def cases(prefix: str = "") -> str:
         rows.append({"suite": f"`{suite}`", "covers": SUITES.get(suite, ""), "cases": len(g),
                      "passed": int(n.get("passed", 0)), "failed": int(n.get("failed", 0) + n.get("error", 0)),
                      "skipped": int(n.get("skipped", 0))})
-    head = (f"Record [{folder.name}]({prefix}data/probes/bad_input/{folder.name}/): commit `{meta.get('commit', '?')[:10]}`, "
-            f"{meta.get('host_kind', '?')}, Hypothesis examples per parser: {meta.get('hypothesis_examples', '?')}.\n\n")
+    code = f"commit `{meta.get('commit', '?')[:10]}`" + (" with uncommitted changes" if meta.get("dirty", True) else "")
+    head = (f"Record [{folder.name}]({prefix}data/probes/bad_input/{folder.name}/): {code}, {meta.get('host_kind', '?')}, "
+            f"Hypothesis examples per parser: {meta.get('hypothesis_examples', '?')}, pytest's exit code "
+            f"{meta.get('pytest_exit', '?')}.\n\n")
     return head + md_table(pd.DataFrame(rows))
 
-
-BLOCKS = {"reliability_campaigns": campaigns, "reliability_sigstop": sigstop, "reliability_cases": cases}

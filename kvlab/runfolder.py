@@ -23,8 +23,9 @@ __all__ = ["RUN_JSON", "STOPPED", "check_run_folder", "run_state", "set_aside_st
 
 def check_run_folder(folder: str | os.PathLike, flag: str = "--run-dir") -> None:
     """ValueError when `folder` (given as option `flag`) may not receive a new run: an empty path, a file, a
-    folder holding a finished run, or a folder with other files and no run.json. A folder of a run that stopped
-    (STOPPED.txt, or run.json not "finished") may be written again."""
+    folder holding a finished run, or a folder with other files and no run.json (unless a claim whose process is gone says a run died there
+    before writing it). A folder of a run that stopped (STOPPED.txt, or run.json not "finished") may be written
+    again."""
     if str(folder).strip() == "":
         raise ValueError(f"{flag} is empty; give a folder (or leave the option out for a new one under data/)")
     folder = Path(folder).expanduser()
@@ -48,7 +49,9 @@ def check_run_folder(folder: str | os.PathLike, flag: str = "--run-dir") -> None
             raise ValueError(f"{flag} {str(folder)!r} holds a run still in progress (process {pid} on this host); "
                              "give another folder — two runs in one folder overwrite each other's tables")
     elif (folder.is_dir() and any(p.name != claims.CLAIM for p in folder.iterdir())
-          and not (folder / STOPPED).is_file()):
+          and not (folder / STOPPED).is_file() and not (c is not None and not claims.alive(c))):
+        # (a claim whose process is gone and no run.json: a run that died before its record, e.g. on a full disk;
+        # its files are set aside like any killed attempt's)
         raise ValueError(f"{flag} {str(folder)!r} is a folder with other files in it and no run.json; give a new "
                          "or empty folder")
     if c is not None and claims.alive(c) and not claims.owns(folder) and not claims.held_by_me(folder):

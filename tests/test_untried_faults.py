@@ -59,25 +59,33 @@ def _no_orphans(out) -> None:
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_a_stopped_worker_ends_the_run_within_the_deadline_in_one_line(role, tmp_path):
-    """SIGSTOP of either worker while requests flow: the run ends within its deadline plus 2 s (the launcher's poll
-    and the 0.5 s it waits for the other side's word; CI's two cores are busy), names the stopped process or the
-    wait that ran out, stops both workers (a stopped one is continued so it can take its SIGTERM) and marks the
-    folder stopped. Before, a stopped decode side was noticed only when the prefill side's wait for the next
-    request, twice the deadline, ran out."""
+    """SIGSTOP of either worker while requests flow: the launcher's one line names the stopped process (even when
+    its peer's own wait ran out first) within the deadline plus 2.5 s (its poll, marking the folder and stopping
+    both workers; the probe measured at most 0.8 s past the deadline with the 2-core machine loaded by four busy
+    processes, and CI's cores are busy with the suite), stops both workers (a stopped one is continued so it can
+    take its SIGTERM) and marks the folder stopped. Before, a stopped decode side was noticed only when the prefill
+    side's wait for the next request, twice the deadline, ran out."""
+    import threading
+
     out, port = tmp_path / "run", free_port()
     p = _start(out, tmp_path, "--repeats", "1000000", "--timeout", str(TIMEOUT_S), port=port)
+    said: list = []
     try:
         _flowing(out, port)
         os.kill(disagg_workers(out)[role], signal.SIGSTOP)
         t0 = time.monotonic()
-        _, err = p.communicate(timeout=60)
-        took = time.monotonic() - t0
+        reader = threading.Thread(target=lambda: said.extend((ln, time.monotonic() - t0) for ln in p.stderr),
+                                  daemon=True)
+        reader.start()
+        p.wait(timeout=60)
+        reader.join(timeout=10)
     finally:
         _cleanup(p, out)
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert p.returncode != 0 and len(lines) == 1, err
-    assert f"the {role} process (pid" in lines[0] and "has been stopped" in lines[0] or "TimeoutError" in lines[0], lines[0]
-    assert took <= TIMEOUT_S + 2.0, f"the run ended {took:.1f} s after the SIGSTOP (deadline {TIMEOUT_S} s)"
+    lines = [(ln, t) for ln, t in said if ln.strip()]
+    assert p.returncode != 0 and len(lines) == 1, said
+    line, t = lines[0]
+    assert f"the {role} process (pid" in line and "has been stopped" in line, line
+    assert t <= TIMEOUT_S + 2.5, f"the launcher said why {t:.1f} s after the SIGSTOP (deadline {TIMEOUT_S} s)"
     assert runfolder.run_state(out) == "failed" and (out / "STOPPED.txt").is_file()
     _no_orphans(out)
 
@@ -95,7 +103,7 @@ def test_the_run_folder_removed_mid_run_is_one_line_and_no_orphan(tmp_path):
         _cleanup(p, out)
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert p.returncode != 0 and len(lines) == 1 and "Traceback" not in err, err
-    assert not out.exists() or runfolder.run_state(out) in ("failed", "killed", "stopped"), os.listdir(out)
+    assert not out.exists(), f"the removed folder came back: {os.listdir(out)}"  # nothing half-written reappears
     _no_orphans(out)
 
 
@@ -127,6 +135,7 @@ def test_a_full_disk_is_one_line_naming_the_folder_which_reads_as_stopped(size, 
         assert len(lines) == 1 and "No space left on device" in lines[0] and str(out) in lines[0], err
         assert runfolder.run_state(out) in ("failed", "killed", "stopped"), runfolder.run_state(out)
         _no_orphans(out)
+        runfolder.check_run_folder(out)  # and, the disk freed, the folder takes a new run (the attempt set aside)
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 

@@ -37,6 +37,10 @@ def main(argv: list[str]) -> int:
         done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
                                *SUITES], cwd=REPO, stdin=subprocess.DEVNULL)
         seconds = time.monotonic() - t0
+        if not report.is_file():  # pytest itself failed (a collection error): nothing to record
+            out.rmdir()
+            print(f"pytest wrote no report (exit {done.returncode}): nothing recorded", file=sys.stderr)
+            return done.returncode or 1
         rows = []
         for case in ET.parse(report).getroot().iter("testcase"):
             parts = case.get("classname", "").split(".")  # tests.test_x (a function) or tests.test_x.TestY

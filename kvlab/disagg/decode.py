@@ -127,7 +127,7 @@ class DecodeWorker:
                 row.update(round=r, warmup=r < cfg.warmup)
                 self.rows.append(row)
                 bar.update(1)
-                self.control.store.add("progress", 1)
+                self.control.count("progress", 1)
         if cfg.bench:
             self.mem.where, self.mem.step = f"the bench of {tag}", "landing"
             msg = dict(base, mode="bulk", bench=True, n=cfg.bench_repeats, warmup=3)

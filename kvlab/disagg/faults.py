@@ -25,7 +25,8 @@ request without a fault comes first (_warm_up). Then it follows the policy, name
 vLLM's kv_load_failure_policy names them:
 
     fail       refuse: the request is not decoded (an IncompleteCacheError naming it and its layers)
-    retry      ask again for the missing or corrupt layers only, up to `retries` times with doubling backoff
+    retry      ask again for the missing or corrupt layers only, up to `retries` times with doubling backoff; when
+               the prefill process died, recompute (its successor's start is not bounded by the deadline)
     recompute  prefill on the decode side itself, into the same destination
 
 Each fault's row (faults.csv): kind, layer, detected_by, outcome, attempts, recover_ms, and whether the decode
@@ -136,16 +137,17 @@ def run_campaign(w, base: dict, sink, table, ref) -> list[dict]:
             if not bad:
                 outcome = "delivered" if first_try else "recovered (retry)"
                 break
-            if cfg.policy == "retry" and attempts <= cfg.retries:
+            if cfg.policy == "retry" and attempts <= cfg.retries and not w.peer_dead:
                 time.sleep(0.05 * 2 ** (attempts - 1))
-                if w.peer_dead:  # ask the process that took the dead one's place: part of this recovery's time
-                    w.take_over()
                 want = sorted(bad)
                 continue
-            if cfg.policy == "recompute":
+            # a retry needs the sender: when it died, the start of its successor (seconds: a new process builds its
+            # model and joins a new group) is not bounded by the fault's deadline, so the decode side prefills
+            # itself, as recompute does, and joins the successor after the decision (takeover_ms)
+            if cfg.policy == "recompute" or (cfg.policy == "retry" and w.peer_dead):
                 _recompute(w, base, sink, table)
                 good = set(range(L))
-                outcome = "recovered (recompute)"
+                outcome = "recovered (recompute)" if cfg.policy == "recompute" else "recovered (recompute: sender died)"
                 break
             missing = sorted(bad)
             why = ("the prefill process died mid-send, so no layer of it is trusted" if w.peer_dead
@@ -175,7 +177,7 @@ def run_campaign(w, base: dict, sink, table, ref) -> list[dict]:
         else:
             row.update(decoded=False, bytes_equal=None, tokens_match=None, logits_equal=None)
         rows.append(row)
-        w.control.store.add("progress", 1)
+        w.control.count("progress", 1)
     return rows
 
 

@@ -65,7 +65,10 @@ def _store(port: int, timeout_s: float):
         return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                              timeout=timedelta(seconds=timeout_s), master_listen_fd=fd, use_libuv=True)
     except Exception as err:
-        os.close(fd)
+        try:  # torch may have closed it already
+            os.close(fd)
+        except OSError:
+            pass
         raise ValueError(f"port = {port}: the control store cannot listen on it ({str(err).splitlines()[0][:120]}); "
                          "pick another --port, or leave it out and a free port is chosen") from None
 
@@ -240,8 +243,9 @@ def _watch(cfg: DisaggConfig, control, procs: list, progress: bool, restart=None
     try:
         while True:
             time.sleep(0.05 if kills else 0.1)
-            done = int(control.store.add("progress", 0))  # unsigned: it only moves the bar
-            bar.update(done - bar.n)
+            done = control.count("progress", 0)  # unsigned: it only moves the bar
+            if done is not None and done >= bar.n:
+                bar.update(done - bar.n)
             codes = [(role, p.poll()) for role, p in procs]
             _check_halted(procs, halted, cfg.timeout_s)
             announced = kills and control.ready(f"kill/{generation}")  # a planned kill: a fault, never a cause
@@ -254,7 +258,7 @@ def _watch(cfg: DisaggConfig, control, procs: list, progress: bool, restart=None
                 procs[:] = [(r, p) for r, p in procs if r != "prefill"] + [("prefill", restart(generation))]
                 continue
             if _worker_error(control) or any(c not in (None, 0) for _, c in codes):
-                raise DisaggError(_first_cause(control, procs, planned_prefill_kill=announced))
+                raise DisaggError(_halted_cause(procs) or _first_cause(control, procs, planned_prefill_kill=announced))
             if all(c == 0 for _, c in codes):
                 return deaths
             if dict(codes).get("decode") == 0:
@@ -305,6 +309,24 @@ def _check_halted(procs: list, halted: dict, timeout_s: float) -> None:
             halted.pop(role, None)
 
 
+def _halted_cause(procs: list) -> str | None:
+    """A worker that is stopped (SIGSTOP, Ctrl-Z, a debugger) is the cause of whatever its peer then reports (a
+    wait that ran out): named first."""
+    for role, p in procs:
+        if p.poll() is None and is_halted(p.pid):
+            return (f"the {role} process (pid {p.pid}) has been stopped (SIGSTOP, Ctrl-Z or a debugger); its peer "
+                    "gave up waiting for it")
+    return None
+
+
+def _posted(control, role: str) -> bool:
+    """Whether `role` posted a verified error (a value someone else wrote there does not count)."""
+    try:
+        return control.read(f"error/{role}") is not None
+    except Exception:
+        return False
+
+
 def _first_cause(control, procs: list, planned_prefill_kill: bool = False) -> str:
     """The line that names what went wrong first. A process killed from outside (SIGKILL: the OOM killer or a
     user; SIGTERM) without posting an error is the cause, and its peer's posted error ("Connection closed by
@@ -318,7 +340,7 @@ def _first_cause(control, procs: list, planned_prefill_kill: bool = False) -> st
 
     # deaths by a signal nothing else explains: the process posted no error of its own, and no campaign planned it
     silent = {role: code for role, code in codes if code is not None and code < 0
-              and not control.ready(f"error/{role}") and not (role == "prefill" and planned_prefill_kill)}
+              and not _posted(control, role) and not (role == "prefill" and planned_prefill_kill)}
     for role, code in silent.items():
         if code in (-signal.SIGKILL, -signal.SIGTERM):
             return f"the {role} process {_how_it_ended(code)}: {_last_line(procs, role)}"

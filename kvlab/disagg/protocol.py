@@ -60,8 +60,10 @@ def run_key(environ=None, where: str = "") -> bytes:
         raise ValueError(f"{KEY_ENV} is not set{': ' + where + ' needs it' if where else ''}; {how}")
     try:
         key = bytes.fromhex(text.strip())
-    except ValueError:
-        raise ValueError(f"{KEY_ENV} = {text[:12]!r}…: not hexadecimal; {how}") from None
+    except ValueError:  # the secret itself is never echoed: its length and the first bad character's position
+        bad = next((i for i, ch in enumerate(text.strip()) if ch not in "0123456789abcdefABCDEF"), len(text.strip()))
+        raise ValueError(f"{KEY_ENV} ({len(text)} characters) is not hexadecimal (character {bad + 1} is not a hex "
+                         f"digit, or the count is odd); {how}") from None
     if len(key) < _MIN_KEY_BYTES:
         raise ValueError(f"{KEY_ENV} holds {len(key)} bytes: at least {_MIN_KEY_BYTES} (32 hex digits) are needed; {how}")
     return key
@@ -166,6 +168,14 @@ class Control:
 
     def ready(self, key: str) -> bool:
         return bool(self.store.check([key]))
+
+    def count(self, key: str, by: int) -> int | None:
+        """Add `by` to the unsigned counter `key` (the progress bar's), its new value; None when the store refuses
+        (a stranger wrote text there): a counter only moves a bar, so it never stops a run."""
+        try:
+            return int(self.store.add(key, by))
+        except Exception:
+            return None
 
     def read(self, key: str):
         """The checked value under `key`, or None when the key is absent (does not wait)."""

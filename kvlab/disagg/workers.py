@@ -34,7 +34,7 @@ from .config import DECODE, PREFILL, DisaggConfig
 from .decode import DecodeWorker
 from .group import build_model, connect, init_group
 from .prefill import PrefillWorker
-from .protocol import Control, run_key
+from .protocol import KEY_ENV, Control, run_key
 
 __all__ = ["entry", "connect", "init_group", "ROWS_FILE"]
 
@@ -50,6 +50,7 @@ def entry(rank: int, cfg_dict: dict, host: str, port: int, prefix: str, run_dir:
     cfg = DisaggConfig(**cfg_dict)
     role = "decode" if rank == DECODE else "prefill"
     key = run_key(where="a kvlab disagg worker") if key is None else key
+    os.environ.pop(KEY_ENV, None)  # read once: nothing this process starts (compilers, UCX) inherits the secret
     store = connect(host, port, prefix, cfg.timeout_s)
     control = Control(store, cfg.timeout_s, key, scope=prefix)
     try:
