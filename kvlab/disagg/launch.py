@@ -2,10 +2,11 @@
 
 On one host the launcher hosts the control store (a TCPStore on a free port, or --port, listening on loopback
 only), draws the run key that signs every control message (kvlab.disagg.protocol) and starts the prefill and the
-decode worker as subprocesses (`python -m kvlab.disagg`), the key in their environment. Under torchrun (two nodes, or two processes on one)
-every process runs `kvlab disagg` itself: rank 0 is the decode worker and writes the run, rank 1 prefills; both
-use torchrun's own store, and the user sets one run key (KVLAB_CONTROL_KEY) on every node. Either way a worker
-that fails posts its error first, the launcher names it in one line, stops the other process (no orphans) and leaves the run folder marked as stopped.
+decode worker as subprocesses (`python -m kvlab.disagg`), the key in their environment. Under torchrun (two nodes,
+or two processes on one) every process runs `kvlab disagg` itself: rank 0 is the decode worker and writes the run,
+rank 1 prefills; both use torchrun's own store, and the user sets one run key (KVLAB_CONTROL_KEY) on every node.
+Either way a worker that fails posts its error first, the launcher names it in one line, stops the other process
+(no orphans) and leaves the run folder marked as stopped; a worker stopped (SIGSTOP) past the deadline is named too.
 """
 
 from __future__ import annotations
