@@ -69,6 +69,7 @@ def sigstop_rows() -> pd.DataFrame:
         t = pd.read_csv(folder / "results.csv")
         t.insert(0, "probe", folder.name)
         t["cpus"], t["backend"] = meta.get("cpus"), meta.get("backend")
+        t["code"] = f"`{str(meta.get('commit', '?'))[:10]}`" + ("" if meta.get("dirty") is False else " + changes")
         frames.append(t)
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
@@ -79,7 +80,8 @@ def sigstop(prefix: str = "") -> str:
         return "(no SIGSTOP probe is committed)\n"
     rows = []
     for (probe, load, role), g in t.groupby(["probe", "load", "role"], sort=False):
-        rows.append({"probe": f"[{probe}]({prefix}data/probes/sigstop/{probe}/)", "backend": g["backend"].iloc[0],
+        rows.append({"probe": f"[{probe}]({prefix}data/probes/sigstop/{probe}/)", "code": g["code"].iloc[0],
+                     "backend": g["backend"].iloc[0],
                      "cores": int(g["cpus"].iloc[0]), "load": f"{load} ({int(g['busy_processes'].iloc[0])} busy)",
                      "stopped": role, "trials": len(g), "deadline s": float(g["deadline_s"].iloc[0]),
                      "said why, median s": round(float(g["said_s"].median()), 2),

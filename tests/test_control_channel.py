@@ -287,10 +287,21 @@ def test_a_third_process_writing_into_the_store_stops_the_run_closed_naming_the_
     assert not marker.exists(), "a pickle in the store was loaded"
 
 
-def test_a_counter_a_stranger_wrote_text_into_moves_no_bar_and_stops_nothing():
-    """The progress counter is the store's one unsigned value: text written there makes `add` fail in the store,
-    which kvlab takes as "no count", never as a failure of the run."""
-    c = _control()
-    assert c.count("progress", 1) == 1 and c.count("progress", 0) == 1
-    c.store.set("progress", "not a number")
-    assert c.count("progress", 1) is None
+def test_text_a_stranger_writes_into_the_progress_key_moves_no_bar_and_the_store_still_works():
+    """`progress` is signed like every value (an unsigned `store.add` counter with text in it makes the real
+    store drop the next adding client's connection): on the launcher's own store, a stranger's text there is read
+    as no count, and signed messages still go through afterwards."""
+    store = launch._store(0, 5.0)
+    try:
+        c = Control(dist.PrefixStore("kvlab", store), 5.0, KEY, scope="kvlab")
+        c.post("progress", 3)
+        assert c.read("progress") == 3 and launch.progress_of(store.port) == 3
+        stranger = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=5))
+        stranger.set("kvlab/progress", "not a number")
+        with pytest.raises(ControlIntegrityError):
+            c.read("progress")
+        assert launch.progress_of(store.port) == 0
+        c.post("req0/done", {"ok": True})
+        assert c.wait("req0/done", "done") == {"ok": True}
+    finally:
+        del store

@@ -60,7 +60,8 @@ def main(argv: list[str]) -> int:
         "commit": commit, "dirty": dirty, "host": socket.gethostname(), "cpus": os.cpu_count(),
         "host_kind": f"{os.cpu_count()} CPU cores, no GPU" if not torch.cuda.is_available() else "with a GPU",
         "platform": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
-        "hypothesis_examples": int(os.environ.get("HYPOTHESIS_EXAMPLES", "10000")),
+        "hypothesis_examples": int(os.environ.get("HYPOTHESIS_EXAMPLES", "10000")) *
+        (10 if os.environ.get("HYPOTHESIS_PROFILE") == "big" else 1),
         "pytest_exit": done.returncode, "seconds": round(seconds, 1), "suites": list(SUITES),
         "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n")
     print(f"{len(rows)} cases, pytest exit {done.returncode}: {out}")

@@ -35,9 +35,15 @@ class DecodeWorker:
         self.fault_rows: list[dict] = []
         self.n = 0
         self.progress = progress
+        self.finished = 0  # requests finished (and faults decided), posted signed as `progress` for the launcher's bar
         self.generation = 0  # of the prefill process now serving; a new one after each death (kill faults)
         self.peer_dead = False  # the launcher recorded the current prefill process's death
         self.mem = DecodeMemory(dev, cfg.decode_memory_gib)  # its phases, its cap, what an out-of-memory says
+
+    def count_done(self) -> None:
+        """One more request finished: the launcher's progress bar reads it (`progress`, signed like every value)."""
+        self.finished += 1
+        self.control.post("progress", self.finished)
 
     def take_over(self) -> None:
         """The prefill process died: leave its process group and form the next with the process the launcher
@@ -127,7 +133,7 @@ class DecodeWorker:
                 row.update(round=r, warmup=r < cfg.warmup)
                 self.rows.append(row)
                 bar.update(1)
-                self.control.count("progress", 1)
+                self.count_done()
         if cfg.bench:
             self.mem.where, self.mem.step = f"the bench of {tag}", "landing"
             msg = dict(base, mode="bulk", bench=True, n=cfg.bench_repeats, warmup=3)

@@ -177,7 +177,7 @@ def run_campaign(w, base: dict, sink, table, ref) -> list[dict]:
         else:
             row.update(decoded=False, bytes_equal=None, tokens_match=None, logits_equal=None)
         rows.append(row)
-        w.control.count("progress", 1)
+        w.count_done()
     return rows
 
 

@@ -28,7 +28,7 @@ from .protocol import KEY_ENV, Control, ControlIntegrityError, new_key, run_key
 from .summary import build as summary_of
 from .workers import ROWS_FILE, entry
 
-__all__ = ["run", "DisaggError", "under_torchrun", "gloo_interface", "worker_pids", "is_halted"]
+__all__ = ["run", "DisaggError", "under_torchrun", "gloo_interface", "worker_pids", "is_halted", "progress_of"]
 
 
 class DisaggError(RuntimeError):
@@ -244,8 +244,11 @@ def _watch(cfg: DisaggConfig, control, procs: list, progress: bool, restart=None
     try:
         while True:
             time.sleep(0.05 if kills else 0.1)
-            done = control.count("progress", 0)  # unsigned: it only moves the bar
-            if done is not None and done >= bar.n:
+            try:
+                done = control.read("progress")  # signed like the rest; one that does not verify moves no bar
+            except ControlIntegrityError:
+                done = None
+            if isinstance(done, int) and done >= bar.n:
                 bar.update(done - bar.n)
             codes = [(role, p.poll()) for role, p in procs]
             _check_halted(procs, halted, cfg.timeout_s)
@@ -259,7 +262,7 @@ def _watch(cfg: DisaggConfig, control, procs: list, progress: bool, restart=None
                 procs[:] = [(r, p) for r, p in procs if r != "prefill"] + [("prefill", restart(generation))]
                 continue
             if _worker_error(control) or any(c not in (None, 0) for _, c in codes):
-                raise DisaggError(_halted_cause(procs) or _first_cause(control, procs, planned_prefill_kill=announced))
+                raise DisaggError(_halted_cause(procs, halted) or _first_cause(control, procs, planned_prefill_kill=announced))
             if all(c == 0 for _, c in codes):
                 return deaths
             if dict(codes).get("decode") == 0:
@@ -286,6 +289,25 @@ def worker_pids(run_dir) -> dict[str, int]:
     return found
 
 
+def progress_of(port: int, host: str = "127.0.0.1") -> int:
+    """Requests a run's decode side has finished, as an onlooker (a test, a probe) without the run key reads it from
+    the store on `port`: the body of the signed `kvlab/progress` value, unchecked; 0 while there is none."""
+    import socket
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    with socket.socket() as probe:  # not before the store listens: torch's client logs every refused attempt
+        if probe.connect_ex((host, port)) != 0:
+            return 0
+    try:
+        s = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=2))
+        if not s.check(["kvlab/progress"]):
+            return 0
+        return int(json.loads(bytes(s.get("kvlab/progress")).split(b":", 2)[2]))
+    except Exception:
+        return 0
+
+
 def is_halted(pid: int) -> bool:
     """Whether process `pid` is stopped (state T or t in /proc/<pid>/stat: SIGSTOP, Ctrl-Z, a tracer); False where
     there is no /proc."""
@@ -310,13 +332,16 @@ def _check_halted(procs: list, halted: dict, timeout_s: float) -> None:
             halted.pop(role, None)
 
 
-def _halted_cause(procs: list) -> str | None:
-    """A worker that is stopped (SIGSTOP, Ctrl-Z, a debugger) is the cause of whatever its peer then reports (a
-    wait that ran out): named first."""
+def _halted_cause(procs: list, halted: dict) -> str | None:
+    """A worker that has been stopped (SIGSTOP, Ctrl-Z, a debugger) for at least 0.5 s is the cause of whatever its
+    peer then reports (a wait that ran out): named first. A shorter stop (a sampling profiler's) blames nobody.
+    halted: {role: when _check_halted first saw it stopped}."""
+    now = time.monotonic()
     for role, p in procs:
-        if p.poll() is None and is_halted(p.pid):
-            return (f"the {role} process (pid {p.pid}) has been stopped (SIGSTOP, Ctrl-Z or a debugger); its peer "
-                    "gave up waiting for it")
+        since = halted.get(role)
+        if since is not None and now - since >= 0.5 and p.poll() is None and is_halted(p.pid):
+            return (f"the {role} process (pid {p.pid}) has been stopped (SIGSTOP, Ctrl-Z or a debugger) for "
+                    f"{now - since:.1f} s; its peer gave up waiting for it")
     return None
 
 

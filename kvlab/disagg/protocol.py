@@ -20,7 +20,8 @@ the user sets the same key on every node. The MAC covers the store's prefix, the
 copied from another key or another run does not verify either. A value that does not verify is refused before it is
 parsed (ControlIntegrityError, naming the key) and the run stops; nothing read from the store is ever unpickled or
 run. What a stranger can still do is break a run: delete a key (the wait for it times out, naming it) or write
-garbage (refused). The one unsigned value is the progress counter (`store.add`), which drives a progress bar only.
+garbage (refused). kvlab uses no unsigned counter (`store.add`): text a stranger writes into one makes the store
+close the connection of the next client that adds to it.
 """
 
 from __future__ import annotations
@@ -58,12 +59,12 @@ def run_key(environ=None, where: str = "") -> bytes:
            f"export {KEY_ENV}=$(python3 -c 'import secrets; print(secrets.token_hex(32))')")
     if not text:
         raise ValueError(f"{KEY_ENV} is not set{': ' + where + ' needs it' if where else ''}; {how}")
-    try:
-        key = bytes.fromhex(text.strip())
-    except ValueError:  # the secret itself is never echoed: its length and the first bad character's position
-        bad = next((i for i, ch in enumerate(text.strip()) if ch not in "0123456789abcdefABCDEF"), len(text.strip()))
-        raise ValueError(f"{KEY_ENV} ({len(text)} characters) is not hexadecimal (character {bad + 1} is not a hex "
-                         f"digit, or the count is odd); {how}") from None
+    text = text.strip()
+    bad = next((i for i, ch in enumerate(text) if ch not in "0123456789abcdefABCDEF"), None)
+    if bad is not None or len(text) % 2:  # the secret itself is never echoed: its length and where it goes wrong
+        why = f"character {bad + 1} is not a hex digit" if bad is not None else "an odd number of hex digits"
+        raise ValueError(f"{KEY_ENV} ({len(text)} characters) is not hexadecimal ({why}); {how}")
+    key = bytes.fromhex(text)
     if len(key) < _MIN_KEY_BYTES:
         raise ValueError(f"{KEY_ENV} holds {len(key)} bytes: at least {_MIN_KEY_BYTES} (32 hex digits) are needed; {how}")
     return key
@@ -168,14 +169,6 @@ class Control:
 
     def ready(self, key: str) -> bool:
         return bool(self.store.check([key]))
-
-    def count(self, key: str, by: int) -> int | None:
-        """Add `by` to the unsigned counter `key` (the progress bar's), its new value; None when the store refuses
-        (a stranger wrote text there): a counter only moves a bar, so it never stops a run."""
-        try:
-            return int(self.store.add(key, by))
-        except Exception:
-            return None
 
     def read(self, key: str):
         """The checked value under `key`, or None when the key is absent (does not wait)."""

@@ -19,27 +19,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
+from kvlab.disagg.launch import progress_of as _done
 from kvlab.disagg.launch import worker_pids
 
 
 def _burn() -> None:
     while True:
         pass
-
-
-def _done(port: int) -> int:
-    import torch.distributed as dist
-
-    with socket.socket() as probe:  # not before the store listens: torch's client logs every refused attempt
-        if probe.connect_ex(("127.0.0.1", port)) != 0:
-            return 0
-    try:
-        return int(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=2)).add("kvlab/progress", 0))
-    except Exception:
-        return 0
 
 
 def trial(role: str, backend: str, timeout_s: float, scratch: Path) -> dict:
