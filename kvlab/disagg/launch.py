@@ -24,7 +24,7 @@ from .. import results, runfolder
 from .backends import BACKENDS
 from .config import DECODE, DisaggConfig, check
 from .memory import DecodeOutOfMemory
-from .protocol import KEY_ENV, Control, ControlIntegrityError, new_key, run_key
+from .protocol import KEY_ENV, Control, ControlIntegrityError, new_key, run_key, unverified
 from .summary import build as summary_of
 from .workers import ROWS_FILE, entry
 
@@ -303,7 +303,7 @@ def progress_of(port: int, host: str = "127.0.0.1") -> int:
         s = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=2))
         if not s.check(["kvlab/progress"]):
             return 0
-        return int(json.loads(bytes(s.get("kvlab/progress")).split(b":", 2)[2]))
+        return int(unverified(s.get("kvlab/progress")))
     except Exception:
         return 0
 

@@ -34,11 +34,26 @@ import secrets
 from datetime import timedelta
 
 __all__ = ["IncompleteCacheError", "ControlIntegrityError", "LandedLayers", "Control", "KEY_ENV", "new_key",
-           "run_key"]
+           "run_key", "unverified"]
 
 KEY_ENV = "KVLAB_CONTROL_KEY"  # the run's HMAC key, as hex, in each worker's environment
 _MIN_KEY_BYTES = 16
 _TAG = b"kvlab-hmac1:"  # what a signed value starts with: the scheme, then the MAC in hex, ':', the JSON body
+
+
+def _split(raw) -> tuple[bytes, bytes] | None:
+    """(MAC, body) of a value in the signed form (`Control.seal`), or None when it is not in that form."""
+    raw = raw.encode() if isinstance(raw, str) else bytes(raw)
+    if raw.startswith(_TAG) and len(raw) > len(_TAG) + 65 and raw[len(_TAG) + 64:len(_TAG) + 65] == b":":
+        return raw[len(_TAG):len(_TAG) + 64], raw[len(_TAG) + 65:]
+    return None
+
+
+def unverified(raw):
+    """The value a signed store value holds, its MAC NOT checked: for an onlooker without the run key (a test or a
+    probe watching a run's progress), never for a decision. None when `raw` is not in the signed form."""
+    parts = _split(raw)
+    return None if parts is None else json.loads(parts[1])
 
 
 class ControlIntegrityError(RuntimeError):
@@ -154,8 +169,9 @@ class Control:
         """The value `raw` (as read from the store under `key`) holds, once its MAC has been checked; anything else
         is a ControlIntegrityError naming the key. The body is parsed only after it verified."""
         raw = raw.encode() if isinstance(raw, str) else bytes(raw)
-        if raw.startswith(_TAG) and len(raw) > len(_TAG) + 65 and raw[len(_TAG) + 64:len(_TAG) + 65] == b":":
-            mac, body = raw[len(_TAG):len(_TAG) + 64], raw[len(_TAG) + 65:]
+        parts = _split(raw)
+        if parts is not None:
+            mac, body = parts
             if hmac.compare_digest(mac, self._mac(key, body)):
                 return json.loads(body)
             why = "its signature does not match (written by someone without this run's key, or changed since)"
