@@ -112,6 +112,14 @@ def cpu_env(tmp_path) -> dict:
     return {"KVLAB_DATA": str(tmp_path / "data"), "KVLAB_FIGURES": str(tmp_path / "figures"), "KVLAB_PRESET": "cpu"}
 
 
+def cpu_process_env(tmp_path) -> dict:
+    """The environment of a `kvlab` process a test starts itself (Popen): the developer's shell without its KVLAB_
+    variables, then cpu_env and the repository on PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVLAB_")}
+    env.update(cpu_env(tmp_path), PYTHONPATH=str(REPO))
+    return env
+
+
 def kvlab_command(argv: list[str], env_extra: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run ``kvlab ARGV`` as a user would (a new process, the repository as working directory), with the data
     and figures roots and the published-figure switch taken from ``env_extra``, never the developer's shell."""

@@ -8,11 +8,9 @@ import json
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
-import time
 from datetime import timedelta
 
 import pytest
@@ -21,8 +19,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import REPO
-from conftest import cpu_env as _env
+from conftest import REPO, cpu_process_env, free_port
 from kvlab import disagg
 from kvlab.disagg import cuda_ipc, launch
 from kvlab.disagg.protocol import KEY_ENV, Control, ControlIntegrityError, new_key, run_key
@@ -260,11 +257,8 @@ def test_a_third_process_writing_into_the_store_stops_the_run_closed_naming_the_
     value of this run copied under other keys) ahead of the prefill side: the decode side refuses the first it
     reads, the run stops in one line naming the key, no forged message is taken, and nothing is unpickled."""
     out, marker = tmp_path / "run", tmp_path / "loaded"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVLAB_")}
-    env.update(_env(tmp_path), PYTHONPATH=str(REPO))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    env = cpu_process_env(tmp_path)
+    port = free_port()
     run = subprocess.Popen([sys.executable, "-m", "kvlab", "disagg", "--repeats", "200", "--quiet", "--out", str(out),
                             "--port", str(port), "--timeout", "30"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)

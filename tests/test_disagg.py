@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import cpu_env as _env
+from conftest import cpu_process_env
 from conftest import disagg_workers as _workers_of
 from conftest import free_port as _free_port
 from conftest import kvlab_command
@@ -202,8 +203,7 @@ def test_sigterm_stops_both_workers_and_marks_the_run(tmp_path, signals):
     from conftest import REPO
 
     out = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVLAB_")}
-    env.update(_env(tmp_path), PYTHONPATH=str(REPO))
+    env = cpu_process_env(tmp_path)
     port = _free_port()
     p = subprocess.Popen([sys.executable, "-m", "kvlab", "disagg", "--repeats", "1000000", "--quiet", "--out", str(out),
                           "--port", str(port)],
@@ -290,8 +290,7 @@ def test_a_peer_that_dies_is_named_in_one_line_and_leaves_no_orphan(when, tmp_pa
     from conftest import REPO
 
     out = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVLAB_")}
-    env.update(_env(tmp_path), PYTHONPATH=str(REPO))
+    env = cpu_process_env(tmp_path)
     port = _free_port()
     # with kill faults planned, a SIGKILL the prefill process did not announce (the OOM killer, a user) is still
     # a failure, not a fault to recover from

@@ -16,16 +16,14 @@ import time
 
 import pytest
 
-from conftest import REPO, disagg_workers, free_port, requests_done
-from conftest import cpu_env as _env
+from conftest import REPO, cpu_process_env, disagg_workers, free_port, requests_done
 from kvlab import runfolder
 
 TIMEOUT_S = 3.0  # the run's deadline (--timeout) in these tests
 
 
 def _start(out, tmp_path, *extra: str, port: int | None = None) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVLAB_")}
-    env.update(_env(tmp_path), PYTHONPATH=str(REPO))
+    env = cpu_process_env(tmp_path)
     argv = [sys.executable, "-m", "kvlab", "disagg", "--quiet", "--out", str(out), *extra]
     if port is not None:
         argv += ["--port", str(port)]
