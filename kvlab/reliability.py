@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from .paths import read_json, repo_root
-from .study import md_table, run_link
+from .study import host_label, md_table, run_link
 
 __all__ = ["campaigns", "sigstop", "sigstop_rows", "cases", "SUITES"]
 
@@ -49,7 +49,7 @@ def campaigns(prefix: str, manifest: dict, goals_of) -> str:
             g = goals_of("faults", path).set_index("id")
             verdict = lambda gid: g.loc[gid, "verdict"] if gid in g.index else "—"  # noqa: E731
             rows.append({"run": run_link(path, prefix), "block": name, "backend": s.get("backend", "?"),
-                         "host": rec.get("device_tag", "?"), "policy": s.get("policy", "?"),
+                         "host": host_label(rec), "policy": s.get("policy", "?"),
                          "faults": s.get("faults_injected", 0), "kinds": ", ".join(sorted(s.get("outcomes_by_kind") or {})),
                          "partial decodes": s.get("decoded_from_partial"),
                          "slowest over its deadlines": g.loc["faults.deadline", "value"] if "faults.deadline" in g.index else "—",

@@ -24,7 +24,7 @@ import yaml
 
 from . import docgen, goals, provenance, reliability, studies
 from .paths import read_json, repo_root
-from .study import ctx_label, md_table, run_link
+from .study import ctx_label, host_label, md_table, run_link
 
 __all__ = ["MANIFEST", "manifest", "block_names", "render", "update", "check", "evidence_runs", "add_arguments",
            "run_args"]
@@ -90,16 +90,6 @@ def _render_block(name: str, prefix: str) -> str:
 def goals_of(study: str, path: str) -> pd.DataFrame:
     """The goal table of committed run `path` as its study judges it ("faults": a fault campaign's goals)."""
     return studies.get("disagg" if study == "faults" else study).goal_table(analysis(path), study)
-
-
-def host_label(record: dict) -> str:
-    """The host a run ran on, as the verdicts name it: "1×H200 host (16 vCPU)", "CPU host (2 vCPU)"."""
-    devices = record.get("devices") or []
-    cpus = (record.get("host") or {}).get("cpu_count")
-    if not devices:
-        return f"CPU host ({cpus} vCPU)"
-    name = str(devices[0].get("name", "GPU")).removeprefix("NVIDIA ")
-    return f"{len(devices)}×{name} host ({cpus} vCPU)"
 
 
 def host_bound_label(record: dict) -> str:

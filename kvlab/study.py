@@ -34,7 +34,7 @@ from . import results, runfolder
 from .parse import suggest
 
 __all__ = ["Param", "Analysis", "parameters_cell", "check_params", "cell_params", "RUN_DIR_LINE", "md_table",
-           "at_least", "run_command", "add_options", "run_from_args",
+           "host_label", "at_least", "run_command", "add_options", "run_from_args",
            "ctx_label", "sig", "fmt_or_dash", "run_link"]
 
 RUN_DIR_LINE = 'run_dir: str = ""  # kvlab run sets it; empty: a new data/<study>/<run_id>/'
@@ -196,6 +196,16 @@ def sig(x, digits: int = 3) -> str:
 def run_link(path: str, prefix: str = "") -> str:
     """A link to a committed run ("study/run_id") as the docs write it: [run_id](<prefix>data/study/run_id/)."""
     return f"[{path.split('/')[-1]}]({prefix}data/{path}/)"
+
+
+def host_label(record: dict) -> str:
+    """The host a run ran on, as the verdicts name it: "1×H200 host (16 vCPU)", "CPU host (2 vCPU)"."""
+    devices = record.get("devices") or []
+    cpus = (record.get("host") or {}).get("cpu_count")
+    if not devices:
+        return f"CPU host ({cpus} vCPU)"
+    name = str(devices[0].get("name", "GPU")).removeprefix("NVIDIA ")
+    return f"{len(devices)}×{name} host ({cpus} vCPU)"
 
 
 def at_least(n: int) -> Callable[[Any, str], None]:

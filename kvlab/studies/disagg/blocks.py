@@ -20,7 +20,7 @@ import pandas as pd
 
 from ...disagg.nixl_link import cache_transports, ucx_transports
 from ...paths import repo_root
-from ...study import Analysis, ctx_label, md_table, sig
+from ...study import Analysis, ctx_label, host_label, md_table, sig
 
 __all__ = ["BLOCKS", "goal_table"]
 
@@ -97,17 +97,19 @@ def nixl(analyses: list[Analysis], link, **_) -> str:
 def faults(analyses: list[Analysis], link, **_) -> str:
     """The fault campaigns (kvlab disagg --faults): per policy and fault kind, how faults were detected, what came
     of them, decodes that differed from colocated, and the time to each decision."""
-    tables, backends = [], []
-    for a in analyses:  # one run at a time: two runs may share a policy (another backend)
+    tables, backends, hosts = [], [], []
+    for a in analyses:  # one run at a time: two runs may share a policy (another backend, another host)
         t = a.tables["fault_summary"].copy()
         t.insert(0, "run", link(a.where))
         s = a.record["summary"]
         backends.append(s["backend"] + (" (in order)" if s["backend"] == "gloo" and s.get("in_order") else ""))
-        t.insert(1, "backend", backends[-1])
+        hosts.append(host_label(a.record))
+        t.insert(1, "host", hosts[-1])
+        t.insert(2, "backend", backends[-1])
         tables.append(t)
     t = pd.concat(tables, ignore_index=True)
-    if len(set(backends)) == 1:
-        t = t.drop(columns="backend")
+    # a column that says the same on every row is said once, by the text around the table
+    t = t.drop(columns=[c for c, v in (("backend", backends), ("host", hosts)) if len(set(v)) == 1])
     t["decision median ms"] = t["decision median ms"].map(lambda x: sig(x, 4))
     t["decision max ms"] = t["decision max ms"].map(lambda x: sig(x, 4))
     if t["new prefill process median ms"].notna().any():
