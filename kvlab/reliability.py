@@ -18,7 +18,7 @@ import pandas as pd
 from .paths import read_json, repo_root
 from .study import host_label, md_table, run_link
 
-__all__ = ["campaigns", "sigstop", "sigstop_rows", "cases", "SUITES"]
+__all__ = ["loads", "campaigns", "sigstop", "sigstop_rows", "cases", "SUITES"]
 
 # what each suite of the bad-input record covers (the record names the files; this says what they are for)
 SUITES = {
@@ -35,10 +35,21 @@ def _probes(name: str) -> list[Path]:
     return sorted(p for p in (repo_root() / "data" / "probes" / name).glob("*") if p.is_dir())
 
 
+def loads() -> dict[str, int]:
+    """Run id → busy-looping processes beside it, for the campaigns run under load (data/probes/loaded_faults/)."""
+    out = {}
+    for folder in _probes("loaded_faults"):
+        if (folder / "meta.json").is_file():
+            meta = read_json(folder / "meta.json")
+            out.update({run: int(meta.get("busy_processes", 0)) for run in meta.get("runs", [])})
+    return out
+
+
 def campaigns(prefix: str, manifest: dict, goals_of) -> str:
     """The published fault campaigns, one row each, with their goals' verdicts (kvlab.report passes its manifest and
-    its goal reader)."""
+    its goal reader); a campaign run under load says how many busy processes ran beside it."""
     rows = []
+    busy = loads()
     for name, entry in manifest["blocks"].items():
         if entry["kind"] != "faults":
             continue
@@ -49,7 +60,9 @@ def campaigns(prefix: str, manifest: dict, goals_of) -> str:
             g = goals_of("faults", path).set_index("id")
             verdict = lambda gid: g.loc[gid, "verdict"] if gid in g.index else "—"  # noqa: E731
             rows.append({"run": run_link(path, prefix), "block": name, "backend": s.get("backend", "?"),
-                         "host": host_label(rec), "policy": s.get("policy", "?"),
+                         "host": host_label(rec) + (f", {busy[rec['run_id']]} busy processes beside it"
+                                                    if rec.get("run_id") in busy else ", no load added"),
+                         "policy": s.get("policy", "?"),
                          "faults": s.get("faults_injected", 0), "kinds": ", ".join(sorted(s.get("outcomes_by_kind") or {})),
                          "partial decodes": s.get("decoded_from_partial"),
                          "slowest over its deadlines": g.loc["faults.deadline", "value"] if "faults.deadline" in g.index else "—",

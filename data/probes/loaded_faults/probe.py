@@ -31,6 +31,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=False)
     data = Path(os.environ.get("KVLAB_DATA", "data")) / "disagg"
     before = set(p.name for p in data.glob("*")) if data.is_dir() else set()
+    # the code as it is when the run starts (the run's own run.json records it too)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                text=True).stdout.strip())
     cpus = os.cpu_count() or 1
     burners = [multiprocessing.Process(target=_burn, daemon=True) for _ in range(2 * cpus)]
     for b in burners:
@@ -44,9 +48,6 @@ def main() -> None:
         for b in burners:
             b.kill()
     new = sorted(set(p.name for p in data.glob("*")) - before)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                text=True).stdout.strip())
     meta = {"runs": new, "busy_processes": len(burners), "cpus": cpus, "host": platform.node(),
             "platform": platform.platform(), "python": platform.python_version(), "options": options,
             "exit_code": done.returncode, "wall_s": round(time.monotonic() - t0, 1), "commit": commit, "dirty": dirty,
