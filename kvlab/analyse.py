@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import plots, provenance, results, studies
+from . import pages, plots, provenance, results, studies
 
 __all__ = ["analyse", "add_arguments", "run_args"]
 
@@ -50,13 +50,13 @@ class _Out:
         them."""
 
         out = []
-        stems = [f.removesuffix(".png") for f in self.meta["figures"]]
+        stems = [f.removesuffix(".png").removesuffix(".html") for f in self.meta["figures"]]
         mode = plots.publishing() or "yes"  # KVLAB_PUBLISH=force overrides the parameters check, as for a run
         for stem in stems:
             if only and stem not in only:
                 continue
-            files = [p for p in (self.dir / f"{stem}.png", self.dir / f"{stem}.svg", self.dir / f"{stem}.svgz")
-                     if p.is_file()]
+            files = [p for p in (self.dir / f"{stem}.png", self.dir / f"{stem}.svg", self.dir / f"{stem}.svgz",
+                                 self.dir / f"{stem}.html") if p.is_file()]
             out += plots.publish_files(files, stem + suffix, run, mode=mode, drawn=self.drawn, drawn_as=stem,
                                        analysis=self.dir.relative_to(run).as_posix()
                                        if self.dir.is_relative_to(run) else str(self.dir))
@@ -67,6 +67,10 @@ class _Out:
 
         footer = (f"{plots.footer_text(self.run_id, self.device_tag)} · re-analysed "
                   f"{self.meta['analysed_utc'][:10]} by {provenance.short(self.drawn)}")
+        if pages.is_page(fig):  # an interactive page: written as .html, no matplotlib
+            plots.write(fig, self.dir, name, footer)
+            self.meta["figures"].append(f"{name}.html")
+            return
         plots.set_footer(fig, footer)
         self.meta.setdefault("readability", {})[name] = plots.readability(fig)  # issues at 700 px wide
         plots.write(fig, self.dir, name, footer)

@@ -19,7 +19,7 @@ import re
 import shutil
 from pathlib import Path
 
-from . import devices, paths, provenance, results
+from . import devices, pages, paths, provenance, results
 
 # Okabe & Ito (2008), "Color Universal Design".
 BLACK = "#000000"
@@ -250,6 +250,10 @@ def write(fig, folder: Path, name: str, footer: str) -> list[Path]:
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise ValueError(f"figure name {name!r} is not valid: use lowercase letters, digits, '-' "
                          "and '_' (e.g. 'exposure_vs_link'), without an extension")
+    if pages.is_page(fig):  # an interactive page: one .html, its footer below the chart
+        if fig.name != name:
+            raise ValueError(f"page {fig.name!r} saved as {name!r}: a page is saved under its own name")
+        return [pages.write(fig, folder, footer)]
     set_footer(fig, footer)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -298,8 +302,8 @@ def save(fig, name: str, run, publish: bool | None = None) -> list[Path]:
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise ValueError(f"figure name {name!r} is not valid: use lowercase letters, digits, '-' "
                          "and '_' (e.g. 'exposure_vs_link'), without an extension")
-    if not hasattr(fig, "savefig"):
-        raise TypeError(f"fig must be a matplotlib Figure, got {type(fig).__name__}")
+    if not hasattr(fig, "savefig") and not pages.is_page(fig):
+        raise TypeError(f"fig must be a matplotlib Figure or a kvlab.pages.Page, got {type(fig).__name__}")
     folder, run_id, study, is_gpu, device = _run_facts(run)
     drawn = provenance.drawing()
     written = write(fig, folder / "figures", name, footer_text(run_id, device, provenance.short(drawn)))
@@ -318,6 +322,7 @@ def publish_files(files: list[Path], name: str, run, mode: str = "yes", drawn: d
     through this too (`kvlab analyse RUN --publish`)."""
     folder, run_id, study, is_gpu, device = _run_facts(run)
     params = _run_parameters(run)
+    shown = ".html" if any(Path(f).suffix == ".html" for f in files) else ".png"  # the file the messages name
     drawn = drawn if drawn is not None else provenance.drawing()
     target = paths.figures_root() / study
     sidecar = target / f"{name}.json"
@@ -328,13 +333,13 @@ def publish_files(files: list[Path], name: str, run, mode: str = "yes", drawn: d
         except (OSError, json.JSONDecodeError):
             published = {}
         if published.get("is_gpu") and not is_gpu:
-            print(f"kept {target / name}.png from GPU run {published.get('run_id')}: a CPU run "
+            print(f"kept {target / name}{shown} from GPU run {published.get('run_id')}: a CPU run "
                   f"does not replace it (this run's copy: {files[0]})")
             return []
         theirs = published.get("parameters")
         if mode != "force" and theirs is not None and published.get("run_id") != run_id and theirs != params:
             differ = sorted(k for k in set(theirs) | set(params) if theirs.get(k) != params.get(k))
-            print(f"kept {target / name}.png from run {published.get('run_id')}: this run's parameters differ "
+            print(f"kept {target / name}{shown} from run {published.get('run_id')}: this run's parameters differ "
                   f"({', '.join(differ)}); publish it anyway with KVLAB_PUBLISH=force (this run's copy: {files[0]})")
             return []
     if _git_ignores(folder):
@@ -345,13 +350,16 @@ def publish_files(files: list[Path], name: str, run, mode: str = "yes", drawn: d
     for src in files:
         suffix = Path(src).suffix
         dst = target / f"{name}{suffix}"
-        shutil.copyfile(src, dst)
+        if suffix == ".html":  # a page links its chart library relative to where it lies
+            dst.write_text(pages.relinked(Path(src).read_text(encoding="utf-8"), target), encoding="utf-8")
+        else:
+            shutil.copyfile(src, dst)
         copies.append(dst)
         if suffix in (".svg", ".svgz"):
             _drop_other_svg(target, name, suffix)
     # say what was replaced, and from which run: published figures change only on purpose, and visibly
     was = published.get("run_id")
-    print(f"published {target / name}.png from run {run_id}"
+    print(f"published {target / name}{shown} from run {run_id}"
           + (f", replacing the one from run {was}" if was and was != run_id else " (redrawn)" if was else " (new)"))
     sidecar.write_text(
         json.dumps({"figure": name, "study": study, "run_id": run_id, "is_gpu": is_gpu,

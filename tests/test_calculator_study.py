@@ -146,7 +146,8 @@ def test_figures_draws_what_it_is_asked_and_refuses_others(published):
 def test_kvlab_analyse_redraws_every_figure_of_the_notebook(tmp_path):
     out = analyse.analyse(PUBLISHED, tmp_path / "a")
     meta = json.loads((out / "analysis.json").read_text())
-    assert meta["figures"] == [f"{n}.png" for n in study.FIGURES]
+    assert meta["figures"] == [f"{n}.html" if n == "calculator_page" else f"{n}.png" for n in study.FIGURES]
+    assert (out / "calculator_page.html").is_file()  # the interactive page, beside the pictures
     assert all(issues == [] for issues in meta["readability"].values())
     assert meta["findings"][0].startswith("Per token, **llama-2-7b** stores the most (512 KiB)")
     assert {"kv.csv", "ratio_summary.csv", "tp_summary.csv", "exposure_summary.csv", "timelines.csv"} == set(

@@ -11,6 +11,7 @@ checked against the run's own exposed times.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pandas as pd
@@ -19,17 +20,17 @@ from ... import calculator
 from ...parse import name_list
 from ...results import Run
 from ...study import Analysis, Param, check_params, md_table
-from . import calcviz, findings
+from . import calcviz, findings, page
 
 __all__ = ["NAME", "NOTEBOOK", "TITLE", "QUESTION", "FIGURES", "PARAMS", "Config", "check", "measure", "analyse",
-           "figures", "BLOCKS", "widget"]
+           "figures", "BLOCKS", "widget", "start_page"]
 
 NAME = "calculator"
 NOTEBOOK = "00_calculator"
 TITLE = "The KV-cache calculator"
 QUESTION = ("How many bytes does a prompt's KV cache hand from prefill to decode, how long does each link take, "
             "and can a layer-by-layer send hide it under prefill?")
-FIGURES = ("kv_table", "ratio_vs_length", "tp_scaling", "exposure_vs_link")
+FIGURES = ("kv_table", "ratio_vs_length", "tp_scaling", "exposure_vs_link", page.NAME)
 
 
 def _named(fn):
@@ -190,7 +191,8 @@ def analyse(record: dict, tables: dict) -> Analysis:
 
 def figures(a: Analysis, names=FIGURES) -> dict:
     """The figures `names` (default all of FIGURES) of the analysis: KV per token, the ratio against prompt length,
-    per-GPU transfer time against TP, and the exposed time against link with each case's per-layer lag."""
+    per-GPU transfer time against TP, the exposed time against link with each case's per-layer lag, and the
+    interactive calculator as a page (kvlab.pages), starting where the notebook's widget starts."""
     bad = [n for n in names if n not in FIGURES]
     if bad:
         raise ValueError(f"figure {bad[0]!r}: the calculator draws {', '.join(FIGURES)}")
@@ -202,6 +204,9 @@ def figures(a: Analysis, names=FIGURES) -> dict:
         elif name == "ratio_vs_length":
             ratio = calcviz.finding_rows(res, "ratio_vs_length")
             out[name] = calcviz.plot_ratio(ratio, float(ratio["tflops"].iloc[0]))
+        elif name == page.NAME:
+            given = a.record.get("parameters") or {}
+            out[name] = start_page(check({k: v for k, v in given.items() if k in _HELP}))
         elif name == "tp_scaling":
             out[name] = calcviz.plot_tp(calcviz.finding_rows(res, "tp_scaling"))
         else:
@@ -214,10 +219,25 @@ def figures(a: Analysis, names=FIGURES) -> dict:
 def widget(cfg: Config):
     """The interactive calculator (ipywidgets), starting from the run's first exposure case, prompt length, first
     link (a preset; 100G when the first link is a rate) and TFLOP/s."""
+    model, tokens, dtype, link, tflops = _start(cfg)
+    return calcviz.calculator_widget(model, tokens, dtype, link, tp=1, tflops=tflops)
+
+
+def _start(cfg: Config) -> tuple:
+    """Where the interactive calculators start: the run's first exposure case, prompt length, first link (a preset;
+    100G when it is a rate) and TFLOP/s."""
     model, dtype = cfg.cases[0]
     first = cfg.links[0].name
-    return calcviz.calculator_widget(model, cfg.prompt_tokens, dtype, first if first in calculator.LINKS else "100G",
-                                     tp=1, tflops=cfg.tflops)
+    return model, cfg.prompt_tokens, dtype, first if first in calculator.LINKS else "100G", cfg.tflops
+
+
+def start_page(cfg: Config):
+    """The calculator page (kvlab.studies.calculator.page), starting where the widget starts; a prompt length off
+    the page's slider (powers of two in quarter steps, 128 to 128k) starts at the nearest step."""
+    model, tokens, dtype, link, tflops = _start(cfg)
+    log2 = min(17.0, max(7.0, round(math.log2(tokens) * 4) / 4))
+    return page.page(model, round(2 ** log2), dtype if dtype in ("bf16", "fp8") else "bf16", link, 1,
+                     min(1000.0, max(50.0, round(tflops / 10) * 10)))
 
 
 def _params_b(row) -> str:

@@ -13,11 +13,12 @@ import pandas as pd
 
 from ... import plots
 from ...study import Analysis
+from . import page
 from .analysis import SEED004_H100
 
 __all__ = ["FIGURES", "figures", "plot_ttft", "plot_attribution", "ttft_title", "attribution_title"]
 
-FIGURES = ("handoff_ttft", "attribution_short")
+FIGURES = ("handoff_ttft", "attribution_short", page.NAME)
 
 
 def ttft_title(a: Analysis) -> str:
@@ -40,11 +41,13 @@ def attribution_title(a: Analysis) -> str:
 
 
 def figures(a: Analysis) -> dict:
-    """{name: Figure} of a handoff analysis: handoff_ttft (with the run's predictions), and attribution_short when
-    the run measured the attribution."""
+    """{name: Figure} of a handoff analysis: handoff_ttft (with the run's predictions), attribution_short when
+    the run measured the attribution, and seed004_table, seed 004's results figure as an interactive page
+    (kvlab.pages)."""
     out = {"handoff_ttft": plot_ttft(a.tables["summary"], a.tables.get("predictions"), title=ttft_title(a))}
     if "attribution" in a.tables:
         out["attribution_short"] = plot_attribution(a.tables["attribution"], title=attribution_title(a))
+    out[page.NAME] = page.page(a)
     return out
 
 

@@ -1,0 +1,105 @@
+"""Seed 004's results figure as a page a blog post can embed (kvlab.pages), from a handoff run: per context (a
+slider), the colocated prefill, the one copy of the whole cache after prefill, and what layer-by-layer sending added
+(with its 95 % interval), each as a bar scaled to prefill; beside them, dashed and marked as such, what the same
+cache would take over a 400 Gb/s and a 100 Gb/s network card at their nominal rates (the calculator's prediction,
+not a measurement). One page per destination the run measured; the run and its commit are in the page."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from ...pages import Page
+from ...study import Analysis, ctx_label
+
+__all__ = ["NAME", "where", "rows", "page"]
+
+NAME = "seed004_table"
+ROWS = ("prefill on GPU 0", "one copy after prefill", "layer by layer: extra")
+
+
+def where(destination: str) -> str:
+    """A destination in words a reader of a post shares: "peer-cuda:1" → "GPU 0 → GPU 1 over NVLink"."""
+    d = str(destination)
+    if d.startswith("peer-cuda:"):
+        return f"GPU 0 → GPU {d.split(':', 1)[1]} over NVLink"
+    return {"same-gpu": "within GPU 0 (device memory to device memory)", "pinned-host": "GPU 0 → pinned host memory",
+            "pageable-host": "GPU 0 → pageable host memory", "same-device": "within one device"}.get(d, d)
+
+
+def _bar(ctx_i: int, context: int, order: int, label: str, kind: str, ms: float, prefill: float,
+         lo: float | None = None, hi: float | None = None) -> dict:
+    pct = 100.0 * ms / prefill
+    return {"i": ctx_i, "context": context, "order": order, "row": label, "kind": kind, "ms": ms, "pct": pct,
+            "pct_lo": None if lo is None else 100.0 * lo / prefill, "pct_hi": None if hi is None else 100.0 * hi / prefill,
+            "text": f"{ms:,.4g} ms ({pct:,.3g} %)" + ("" if lo is None else f"; 95 %: {lo:,.3g}–{hi:,.3g}")}
+
+
+def rows(a: Analysis, destination: str) -> list[dict]:
+    """The page's bars for one destination: per context, prefill, bulk copy, layer-wise extra, then the network
+    predictions (ms, and % of that context's prefill)."""
+    s = a.tables["summary"]
+    s = s[s.destination == destination].sort_values("context")
+    preds = a.tables.get("predictions")
+    out = []
+    for i, r in enumerate(s.itertuples()):
+        c, pf = int(r.context), float(r.prefill_ms)
+        lo = getattr(r, "copy_ci_lo_ms", None)
+        hi = getattr(r, "copy_ci_hi_ms", None)
+        has_ci = lo is not None and pd.notna(lo)
+        out.append(_bar(i, c, 0, ROWS[0], "measured", pf, pf))
+        out[-1]["text"] += f"; spread {float(r.prefill_spread_ms):,.3g} ms"
+        out.append(_bar(i, c, 1, ROWS[1], "measured", float(r.copy_ms), pf,
+                        float(lo) if has_ci else None, float(hi) if has_ci else None))
+        out.append(_bar(i, c, 2, ROWS[2], "measured", float(r.layerwise_extra_ms), pf,
+                        float(r.extra_ci_lo_ms), float(r.extra_ci_hi_ms)))
+        if preds is not None:
+            net = preds[(preds.destination == "network") & (preds.context == c)]
+            for k, p in enumerate(net.sort_values("ms").itertuples()):
+                nic = str(p.model).split(" ")[0].replace("G", " Gb/s")
+                out.append(_bar(i, c, 3 + k, f"predicted: {nic} network card", "predicted", float(p.ms), pf))
+    return out
+
+
+def page(a: Analysis, destination: str | None = None) -> Page:
+    """The page for `destination` (default: the run's peer GPU if it measured one, else its first destination)."""
+    import altair as alt
+
+    dests = list(dict.fromkeys(a.tables["summary"].destination))
+    dest = destination or next((d for d in dests if str(d).startswith("peer-")), dests[0])
+    data = rows(a, dest)
+    contexts = sorted({r["context"] for r in data})
+    labels = ", ".join(f"{i} = {ctx_label(c)}" for i, c in enumerate(contexts))
+    p_ctx = alt.param(name="ctx", value=len(contexts) - 1, bind=alt.binding_range(
+        min=0, max=len(contexts) - 1, step=1, name=f"Context length ({labels} tokens)"))
+    model = (a.record.get("resolved") or {}).get("model", "the model")
+    gpus = len(a.record.get("devices") or [])
+    device = f"{gpus}× {a.device_tag.upper()}" if gpus > 1 else a.device_tag.upper()
+    commit = str((a.record.get("git") or {}).get("commit") or "?")[:10]
+    base = alt.Chart(alt.Data(values=data)).transform_filter("datum.i === ctx")
+    order = list(dict.fromkeys(r["row"] for r in sorted(data, key=lambda r: r["order"])))
+    y = alt.Y("row:N", sort=order, title=None, axis=alt.Axis(labelLimit=250, labelFontSize=12))
+    bars = base.mark_bar(height=18).encode(
+        x=alt.X("pct:Q", title="% of that context's prefill time", scale=alt.Scale(domainMin=-5, domainMax=105)),
+        y=y,
+        color=alt.Color("kind:N", scale=alt.Scale(domain=["measured", "predicted"], range=["#0072B2", "#FFFFFF"]),
+                        legend=alt.Legend(title=None, orient="bottom")),
+        stroke=alt.Stroke("kind:N", scale=alt.Scale(domain=["measured", "predicted"], range=["#0072B2", "#555555"]),
+                          legend=None),
+        strokeDash=alt.StrokeDash("kind:N", scale=alt.Scale(domain=["measured", "predicted"], range=[[1, 0], [4, 3]]),
+                                  legend=None),
+        tooltip=["row:N", "text:N"])
+    whiskers = base.transform_filter("datum.pct_lo != null").mark_rule(color="#000000").encode(
+        x="pct_lo:Q", x2="pct_hi:Q", y=y)
+    text = base.mark_text(align="left", fontSize=11).encode(x=alt.value(250), y=y, text="text:N")
+    heading = base.transform_filter("datum.order === 0").mark_text(align="left", fontSize=14, fontWeight="bold").encode(
+        x=alt.value(0), y=alt.value(-12),
+        text=alt.Text("label:N")).transform_calculate(
+        label="'Context: ' + format(datum.context, ',d') + ' tokens; prefill ' + format(datum.ms, ',.4~r') + ' ms'")
+    chart = alt.layer(bars, whiskers, text, heading).add_params(p_ctx).properties(
+        width=240, height=alt.Step(30)).configure_view(stroke=None).configure_axis(labelFontSize=12, titleFontSize=12)
+    intro = (f"{model} on {device}: what moving the KV cache to the decode side costs against the prefill that "
+             f"built it, {where(dest)}. Drag the slider to change the context length. Bars are scaled to prefill; "
+             "the black line on a bar is its 95 % interval. The dashed rows are predictions for the same cache over "
+             f"a network card (its bytes at the card's nominal rate), not measurements. Run {a.run_id}, code {commit}.")
+    return Page(NAME, f"Cost of moving the cache to the decode GPU, against prefill ({model}, median ms)", intro,
+                chart)

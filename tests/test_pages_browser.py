@@ -1,0 +1,182 @@
+"""The interactive pages in a real browser (headless Chromium, tests/browser.py): each page written as its study
+writes it, opened from disk with no network, its controls moved through the page, the numbers it then shows read back
+from the page and compared with kvlab's own for the same inputs; no console errors; a screenshot of each page kept
+under $KVLAB_TEST_ARTIFACTS (default: pytest's tmp folder). Skipped, with the reason, where there is no Chromium."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+import browser
+from kvlab import calculator, models, pages
+from kvlab.studies.calculator import page as calc_page
+
+pytestmark = pytest.mark.skipif(browser.missing() is not None, reason=f"browser tests: {browser.missing()}")
+
+# set one control as a reader would (a range's input event, a select's or a radio's change), then wait until the
+# view has run and the browser has painted; returns the milliseconds that took
+SET = """
+const [name, value, done] = arguments;
+const t0 = performance.now();
+const radio = document.querySelector(`input[type=radio][name="${name}"][value="${value}"]`);
+if (radio) { radio.click(); }
+else {
+  const el = document.querySelector(`[name="${name}"]`);
+  el.value = String(value);
+  el.dispatchEvent(new Event(el.tagName === "SELECT" ? "change" : "input", {bubbles: true}));
+}
+window.kvlabView.runAsync().then(() => requestAnimationFrame(() => done(performance.now() - t0)));
+"""
+TEXTS = "return Array.from(document.querySelectorAll('#chart svg text')).map(t => t.textContent)"
+
+
+def _artifacts(tmp_path) -> Path:
+    out = Path(os.environ.get("KVLAB_TEST_ARTIFACTS", tmp_path))
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _open(driver, path: Path) -> None:
+    driver.get(path.resolve().as_uri())
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        state = driver.execute_script("return document.body.dataset.ready")
+        if state:
+            assert state == "1", driver.find_element("id", "chart").text
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{path.name} did not draw its chart within 30 s")
+
+
+def _number(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def _readout(driver) -> dict:
+    """The calculator page's readout lines, parsed."""
+    lines = [t for t in driver.execute_script(TEXTS) if t]
+    out = {"lines": lines}
+    for line in lines:
+        for key, pattern in (("tokens", r"^Prompt: ([\d,]+) tokens$"), ("kv_bytes", r"^KV cache: ([\d,]+) bytes"),
+                             ("gpu_bytes", r"^Sent by each GPU: ([\d,]+) bytes"), ("prefill_ms", r"^Prefill: ([\d,.e+-]+) ms$"),
+                             ("bulk_ms", r"^Whole cache sent after prefill: ([\d,.e+-]+) ms$"),
+                             ("ratio", r"^Transfer ÷ prefill compute: ([\d,.e+-]+)$"),
+                             ("exposed_ms", r"^Layer by layer, exposed after prefill: ([\d,.e+-]+) ms$")):
+            m = re.match(pattern, line)
+            if m:
+                out[key] = _number(m.group(1))
+        out["link_bound"] = any(x.startswith("The link falls behind") for x in lines) or (
+            False if any(x.startswith("The link keeps up") for x in lines) else None)
+        out["refused"] = any("does not split" in x for x in lines)
+        out["heads_note"] = any("engines refuse this TP" in x for x in lines)
+    return out
+
+
+def _close(shown: float, expected: float, what: str, inputs) -> None:
+    # the page prints five significant digits
+    assert abs(shown - expected) <= 6e-5 * abs(expected) + 1e-12, f"{what}: page {shown}, kvlab {expected} at {inputs}"
+
+
+def _check(shown: dict, model: str, tokens: int, dtype: str, link: str, tp: int, tflops: float) -> None:
+    inputs = (model, tokens, dtype, link, tp, tflops)
+    assert shown["tokens"] == tokens, inputs
+    assert shown["kv_bytes"] == calculator.kv_cache_bytes(model, tokens, dtype), inputs
+    try:
+        e = calculator.handoff_estimate(model, tokens, link, dtype, tp=tp, tflops=tflops)
+    except ValueError as err:
+        assert "does not split" in str(err) and shown["refused"], (inputs, shown["lines"])
+        return
+    assert not shown["refused"], (inputs, shown["lines"])
+    assert shown["gpu_bytes"] == e.kv_bytes_per_gpu, inputs
+    _close(shown["prefill_ms"], e.prefill_s * 1e3, "prefill", inputs)
+    _close(shown["bulk_ms"], e.transfer_s * 1e3, "bulk", inputs)
+    _close(shown["ratio"], e.ratio, "ratio", inputs)
+    _close(shown["exposed_ms"], e.exposed_s * 1e3, "exposed", inputs)
+    assert shown["link_bound"] == e.link_bound, (inputs, shown["lines"])
+    assert shown["heads_note"] == (not e.shard.query_heads_split), (inputs, shown["lines"])
+
+
+def test_calculator_page_shows_kvlabs_numbers_for_every_input_it_is_given(tmp_path):
+    path = pages.write(calc_page.page(), tmp_path, "kvlab · test page")
+    combos = []
+    rng = random.Random(27)
+    names = models.names()
+    for i in range(240):  # every model and link several times, TP and dtype in every pairing, the slider's whole range
+        combos.append((names[i % len(names)], rng.randrange(28, 69) / 4, rng.choice(["bf16", "fp8"]),
+                       list(calculator.LINKS)[i % len(calculator.LINKS)], rng.choice(calc_page.TP_CHOICES),
+                       float(rng.randrange(5, 101) * 10)))
+    with browser.chromium() as d:
+        _open(d, path)
+        assert browser.errors(d) == []
+        # the page's first state is the seed's example: Llama 2 7B, 8k tokens, bf16, 100G
+        _check(_readout(d), "llama-2-7b", 8192, "bf16", "100G", 1, 400.0)
+        # a dropdown and the slider moved as a reader would: Selenium's own select, arrow keys on the range
+        from selenium.webdriver.common.keys import Keys
+        from selenium.webdriver.support.ui import Select
+
+        Select(d.find_element("css selector", "select[name=model]")).select_by_value("llama-3.1-8b")
+        slider = d.find_element("css selector", "input[name=log2_tokens]")
+        slider.send_keys(Keys.ARROW_RIGHT, Keys.ARROW_RIGHT, Keys.ARROW_RIGHT, Keys.ARROW_RIGHT)  # 2^13 → 2^14
+        d.execute_async_script("window.kvlabView.runAsync().then(() => arguments[0]())")
+        _check(_readout(d), "llama-3.1-8b", 16384, "bf16", "100G", 1, 400.0)
+        d.save_screenshot(str(_artifacts(tmp_path) / "calculator_page.png"))
+        times = []
+        for model, log2, dtype, link, tp, tflops in combos:
+            for name, value in (("model", model), ("log2_tokens", log2), ("kv_dtype", dtype), ("link", link),
+                                ("tp", tp), ("tflops", tflops)):
+                times.append(d.execute_async_script(SET, name, value))
+            _check(_readout(d), model, round(2 ** log2), dtype, link, tp, tflops)
+        assert browser.errors(d) == []
+    times.sort()
+    # goal: a control answers within 100 ms (median and 95th percentile of every change above, this host)
+    assert times[len(times) // 2] < 100 and times[int(len(times) * 0.95)] < 100, times[-10:]
+
+
+def test_calculator_page_weighs_little_and_reaches_nothing_outside_the_disk(tmp_path):
+    path = pages.write(calc_page.page(), tmp_path, "kvlab · test page")
+    text = path.read_text(encoding="utf-8")
+    assert len(text.encode()) <= pages.PAGE_BYTES
+    assert not re.search(r"(src|href)=\"(https?:)?//", text), "a page loads nothing from the network"
+    with browser.chromium() as d:
+        _open(d, path)
+        urls = d.execute_script("return Array.from(document.querySelectorAll('[src], [href]'))"
+                                ".map(e => e.src || e.href)")
+        assert len(urls) == len(pages.LIBRARY) and all(u.startswith("file://") for u in urls), urls
+        assert browser.errors(d) == []
+
+
+def test_seed004_page_shows_the_runs_numbers_at_every_context_the_slider_reaches(tmp_path):
+    from selenium.webdriver.common.keys import Keys
+
+    from kvlab import report
+    from kvlab.studies.handoff import page as handoff_page
+
+    a = report.analysis("handoff/20261201-092005-h200")  # the published 2×H200 NVLink run
+    path = pages.write(handoff_page.page(a), tmp_path, "kvlab · test page")
+    s = a.tables["summary"].sort_values("context")
+    preds = a.tables["predictions"]
+    with browser.chromium() as d:
+        _open(d, path)
+        slider = d.find_element("css selector", "input[name=ctx]")
+        slider.send_keys(Keys.HOME)  # the shortest context, then one step right at a time, as a reader drags it
+        for k, r in enumerate(s.itertuples()):
+            if k:
+                slider.send_keys(Keys.ARROW_RIGHT)
+            d.execute_async_script("window.kvlabView.runAsync().then(() => arguments[0]())")
+            texts = [t for t in d.execute_script(TEXTS) if t]
+            assert f"Context: {int(r.context):,} tokens; prefill {float(r.prefill_ms):,.4g} ms" in texts, texts
+            shown = {t.split(" ms ")[0] for t in texts if " ms (" in t}
+            expect = {f"{float(r.prefill_ms):,.4g}", f"{float(r.copy_ms):,.4g}", f"{float(r.layerwise_extra_ms):,.4g}"}
+            net = preds[(preds.destination == "network") & (preds.context == r.context)]
+            expect |= {f"{float(x):,.4g}" for x in net.ms}
+            assert shown == expect, (int(r.context), shown, expect)
+            lo, hi = float(r.extra_ci_lo_ms), float(r.extra_ci_hi_ms)
+            assert any(f"95 %: {lo:,.3g}–{hi:,.3g}" in t for t in texts), texts
+        d.save_screenshot(str(_artifacts(tmp_path) / "seed004_table.png"))
+        assert browser.errors(d) == []
