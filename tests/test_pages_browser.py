@@ -180,3 +180,36 @@ def test_seed004_page_shows_the_runs_numbers_at_every_context_the_slider_reaches
             assert any(f"95 %: {lo:,.3g}–{hi:,.3g}" in t for t in texts), texts
         d.save_screenshot(str(_artifacts(tmp_path) / "seed004_table.png"))
         assert browser.errors(d) == []
+
+
+def test_paged_page_shows_the_runs_medians_for_every_destination_and_block_size(tmp_path):
+    from kvlab import report
+    from kvlab.studies.paged_transfer import page as paged_page
+
+    a = report.analysis("paged_transfer/20261201-052414-h200")  # the published one-H200 run
+    path = pages.write(paged_page.page(a), tmp_path, "kvlab · test page")
+    pct = a.tables["pct_of_ceiling"]  # the analysis's own % of the contiguous copy, per block size and method
+    pct = pct[pct.context == pct.context.max()]
+    headline = a.tables["summary"].set_index(["destination", "method"])  # 16-token blocks: GB/s as the docs show
+    sizes = sorted(pct.block_size.unique())
+    with browser.chromium() as d:
+        _open(d, path)
+        checked = 0
+        for dest in dict.fromkeys(pct.destination):
+            d.execute_async_script(SET, "destination", dest)
+            for i, bs in enumerate(sizes):
+                d.execute_async_script(SET, "block", i)
+                texts = [t for t in d.execute_script(TEXTS) if t]
+                assert f"32k tokens in {bs}-token blocks" in texts, texts
+                row = pct[(pct.destination == dest) & (pct.block_size == bs)].iloc[0]
+                for method in ("torch-index", "triton", "chunked-gather-d2h", "mapped-pinned", "cuda-memcpy-batch"):
+                    if method not in row.index or row[method] != row[method]:
+                        continue
+                    shown = [t for t in texts if t.startswith(tuple("0123456789")) and f"({row[method]:,.3g} % " in t]
+                    assert shown, (dest, bs, method, row[method], texts)
+                    checked += 1
+                    if bs == 16 and (dest, method) in headline.index:
+                        assert any(t.startswith(f"{headline.loc[(dest, method), 'gbps']:,.4g} GB/s") for t in shown)
+        d.save_screenshot(str(_artifacts(tmp_path) / "paged_gbps.png"))
+        assert browser.errors(d) == []
+    assert checked >= 20

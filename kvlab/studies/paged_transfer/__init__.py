@@ -25,7 +25,7 @@ from ...paths import repo_root
 from ...results import Run
 from ...study import Analysis, Param, at_least, check_params, fmt_or_dash, md_table, sig
 from ...transfer import Destination
-from . import bench, correctness, patterns, report
+from . import bench, correctness, page, patterns, report
 
 __all__ = ["NAME", "NOTEBOOK", "TITLE", "QUESTION", "FIGURES", "PARAMS", "Config", "check", "measure", "analyse",
            "figures", "BLOCKS", "goal_table"]
@@ -35,7 +35,7 @@ NOTEBOOK = "04_paged_transfer"
 TITLE = "Paged transfer"
 QUESTION = ("How close does each way of moving a paged KV cache's scattered blocks come to one contiguous copy of the "
             "same bytes on the same link?")
-FIGURES = ("gbps_vs_block_size", "access_patterns")
+FIGURES = ("gbps_vs_block_size", "access_patterns", page.NAME)
 
 
 def _methods(value, name):
@@ -222,12 +222,14 @@ def analyse(record: dict, tables: dict) -> Analysis:
 
 
 def figures(a: Analysis) -> dict:
-    """GB/s against block size per destination (the longest context); on a GPU run, the access patterns too."""
+    """GB/s against block size per destination (the longest context); on a GPU run, the access patterns too; and
+    the same medians as a page, by destination and block size."""
     figs = {"gbps_vs_block_size": report.plot_gbps_vs_block_size(a.raw["results"])}
     if "access_pattern_summary" in a.tables:
         figs["access_patterns"] = report.plot_patterns(
             a.tables["access_pattern_summary"], title=f"{_headline_context(a):,} tokens in 16-token blocks: what the "
                                                       "access pattern costs one kernel launch")
+    figs[page.NAME] = page.page(a)  # the same medians as an interactive page (kvlab.pages)
     return figs
 
 
