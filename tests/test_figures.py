@@ -37,7 +37,7 @@ FIGURES = {  # the calculator's: drawn by notebook 00 (kvlab.studies.calculator.
 PUBLISHED = json.loads("{}")
 for side in sorted((DATA.parent / "figures").glob("*/*.json")):
     meta = json.loads(side.read_text())
-    if meta.get("analysis"):
+    if meta.get("analysis") and not side.with_suffix(".html").is_file():  # a page is read in a browser (test_pages_browser)
         # the name the analysis draws it under (published with a suffix, such as _nvlink, it says so)
         PUBLISHED.setdefault(meta["run"], []).append(meta.get("drawn_as", meta["figure"].removesuffix("_nvlink")))
 
