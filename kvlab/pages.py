@@ -23,7 +23,8 @@ from pathlib import Path
 
 from . import paths
 
-__all__ = ["Page", "PAGE_BYTES", "LIBRARY", "is_page", "vendor_dir", "render", "write", "relinked", "standalone"]
+__all__ = ["Page", "PAGE_BYTES", "LIBRARY", "is_page", "vendor_dir", "render", "write", "relinked", "standalone",
+           "run_facts"]
 
 # what a page may weigh without the chart library (its spec, data and text): small enough for a post
 PAGE_BYTES = 300_000
@@ -135,13 +136,26 @@ def write(page: Page, folder: Path, footer: str) -> Path:
     return out
 
 
-def relinked(text: str, folder: Path) -> str:
-    """A written page's HTML with its library links made relative to ``folder`` (where a copy of it goes)."""
-    links = iter(_library_links(folder))
-    out, n = _SCRIPT.subn(lambda m: f'<script src="{html.escape(next(links))}" data-kvlab-library></script>', text)
+def run_facts(record: dict, device_tag: str) -> tuple[str, str]:
+    """What a page's text says of the run it shows: its device ("2× H200", or the tag alone for one device) and its
+    commit (ten characters, "?" when the record has none)."""
+    gpus = len(record.get("devices") or [])
+    device = f"{gpus}× {device_tag.upper()}" if gpus > 1 else device_tag.upper()
+    return device, str((record.get("git") or {}).get("commit") or "?")[:10]
+
+
+def _swap_library(text: str, script) -> str:
+    """``text`` with each library script tag replaced by ``script(match)``; ValueError unless all are there."""
+    out, n = _SCRIPT.subn(script, text)
     if n != len(LIBRARY):
         raise ValueError(f"this is not a kvlab page: it links {n} of the {len(LIBRARY)} library scripts")
     return out
+
+
+def relinked(text: str, folder: Path) -> str:
+    """A written page's HTML with its library links made relative to ``folder`` (where a copy of it goes)."""
+    links = iter(_library_links(folder))
+    return _swap_library(text, lambda m: f'<script src="{html.escape(next(links))}" data-kvlab-library></script>')
 
 
 def standalone(text: str) -> str:
@@ -152,7 +166,4 @@ def standalone(text: str) -> str:
         code = (vendor / Path(m.group(1)).name).read_text(encoding="utf-8")
         return "<script>" + code.replace("</script", "<\\/script") + "</script>"
 
-    out, n = _SCRIPT.subn(inline, text)
-    if n != len(LIBRARY):
-        raise ValueError(f"this is not a kvlab page: it links {n} of the {len(LIBRARY)} library scripts")
-    return out
+    return _swap_library(text, inline)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ...pages import Page
+from ...pages import Page, run_facts
 from ...study import Analysis, ctx_label
 
 __all__ = ["NAME", "where", "rows", "page"]
@@ -72,9 +72,7 @@ def page(a: Analysis, destination: str | None = None) -> Page:
     p_ctx = alt.param(name="ctx", value=len(contexts) - 1, bind=alt.binding_range(
         min=0, max=len(contexts) - 1, step=1, name=f"Context length ({labels} tokens)"))
     model = (a.record.get("resolved") or {}).get("model", "the model")
-    gpus = len(a.record.get("devices") or [])
-    device = f"{gpus}× {a.device_tag.upper()}" if gpus > 1 else a.device_tag.upper()
-    commit = str((a.record.get("git") or {}).get("commit") or "?")[:10]
+    device, commit = run_facts(a.record, a.device_tag)
     base = alt.Chart(alt.Data(values=data)).transform_filter("datum.i === ctx")
     order = list(dict.fromkeys(r["row"] for r in sorted(data, key=lambda r: r["order"])))
     y = alt.Y("row:N", sort=order, title=None, axis=alt.Axis(labelLimit=250, labelFontSize=12))

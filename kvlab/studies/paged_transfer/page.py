@@ -9,7 +9,7 @@ import math
 
 import pandas as pd
 
-from ...pages import Page
+from ...pages import Page, run_facts
 from ...study import Analysis, ctx_label
 
 __all__ = ["NAME", "WHERE", "rows", "page"]
@@ -82,9 +82,7 @@ def page(a: Analysis) -> Page:
         align="left", fontSize=14, fontWeight="bold").encode(x=alt.value(0), y=alt.value(-12), text="label:N")
     chart = alt.layer(bars, text, heading).add_params(p_dest, p_block).properties(
         width=260, height=alt.Step(26)).configure_view(stroke=None)
-    gpus = len(a.record.get("devices") or [])
-    device = f"{gpus}× {a.device_tag.upper()}" if gpus > 1 else a.device_tag.upper()
-    commit = str((a.record.get("git") or {}).get("commit") or "?")[:10]
+    device, commit = run_facts(a.record, a.device_tag)
     intro = (f"A paged KV cache ({ctx_label(context)} tokens of the run's model) sits in small blocks scattered over a "
              "pool; each method below moves the same blocks to the destination you pick, on "
              f"{device}. Move the slider to change the block size. The grey bar is one contiguous copy of the same "
