@@ -24,7 +24,7 @@ from pathlib import Path
 from . import paths
 
 __all__ = ["Page", "PAGE_BYTES", "LIBRARY", "is_page", "vendor_dir", "render", "write", "relinked", "standalone",
-           "run_facts"]
+           "run_facts", "source_device", "gpu_name", "WHERE", "where"]
 
 # what a page may weigh without the chart library (its spec, data and text): small enough for a post
 PAGE_BYTES = 300_000
@@ -32,6 +32,12 @@ PAGE_BYTES = 300_000
 LIBRARY = ("vega.min.js", "vega-lite.min.js", "vega-embed.min.js")
 _SCRIPT = re.compile(r'<script src="([^"]*)" data-kvlab-library></script>')
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
+_END_SCRIPT = re.compile(r"</(script)", re.IGNORECASE)
+# each destination kvlab's runs name, in words a reader of a post shares ("{src}" is the sending GPU, "{dst}" the
+# receiving one)
+WHERE = {"same-gpu": "within GPU {src} (device memory to device memory)",
+         "pinned-host": "GPU {src} → pinned host memory", "pageable-host": "GPU {src} → pageable host memory",
+         "peer": "GPU {src} → GPU {dst} over NVLink", "same-device": "within one device (a CPU run)"}
 
 _STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; color: #1a1a1a; max-width: 700px;
@@ -144,6 +150,32 @@ def run_facts(record: dict, device_tag: str) -> tuple[str, str]:
     return device, str((record.get("git") or {}).get("commit") or "?")[:10]
 
 
+def _gpu_index(device: str | None) -> str:
+    m = re.fullmatch(r"(?:peer-)?cuda(?::(\d+))?", str(device or "cuda"))
+    return (m.group(1) or "0") if m else "0"
+
+
+def gpu_name(device: str | None) -> str:
+    """A device as a reader names it: "cuda:1" → "GPU 1", "cuda" → "GPU 0", "cpu" → "the CPU"."""
+    return "the CPU" if str(device) == "cpu" else f"GPU {_gpu_index(device)}"
+
+
+def where(destination: str, source: str | None = None) -> str:
+    """A destination in words a reader of a post shares, e.g. ``where("peer-cuda:1", "cuda:0")`` → "GPU 0 → GPU 1
+    over NVLink". ``source`` is the sending device as the run recorded it ("cuda", "cuda:0"; GPU 0 when None); a
+    destination kvlab does not know is shown as it is."""
+    d = str(destination)
+    key = "peer" if d.startswith("peer-") else d
+    if key not in WHERE:
+        return d
+    return WHERE[key].format(src=_gpu_index(source), dst=_gpu_index(d) if key == "peer" else "")
+
+
+def source_device(record: dict) -> str:
+    """The device a run sent from, as its record says ("cuda" when it does not)."""
+    return str((record.get("resolved") or {}).get("device") or "cuda")
+
+
 def _swap_library(text: str, script) -> str:
     """``text`` with each library script tag replaced by ``script(match)``; ValueError unless all are there."""
     out, n = _SCRIPT.subn(script, text)
@@ -164,6 +196,35 @@ def standalone(text: str) -> str:
 
     def inline(m: re.Match) -> str:
         code = (vendor / Path(m.group(1)).name).read_text(encoding="utf-8")
-        return "<script>" + code.replace("</script", "<\\/script") + "</script>"
+        return "<script>" + _END_SCRIPT.sub(r"<\\/\1", code) + "</script>"
 
     return _swap_library(text, inline)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvlab.pages PAGE OUT``: write a one-file copy of a written page (the chart library inlined), for a
+    post that wants a single file; refuses to overwrite OUT."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m kvlab.pages", description=main.__doc__)
+    parser.add_argument("page", help="a page kvlab wrote, e.g. figures/calculator/calculator_page.html")
+    parser.add_argument("out", help="the one-file copy to write (a new file)")
+    args = parser.parse_args(argv)
+    src, out = Path(args.page), Path(args.out)
+    if not src.is_file():
+        parser.error(f"page {str(src)!r}: no such file; give a page kvlab wrote (figures/<study>/<name>.html)")
+    if out.exists():
+        parser.error(f"out {str(out)!r} already exists; give a new file name (nothing is overwritten)")
+    try:
+        text = standalone(src.read_text(encoding="utf-8"))
+    except ValueError as err:
+        parser.error(f"page {str(src)!r}: {err}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "x", encoding="utf-8") as f:
+        f.write(text)
+    print(f"wrote {out} ({len(text.encode('utf-8')):,} bytes, the chart library inlined)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import numbers
 
-__all__ = ["KiB", "MiB", "GiB", "TiB", "fmt_bytes"]
+__all__ = ["KiB", "MiB", "GiB", "TiB", "fmt_bytes", "sig"]
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 
@@ -21,3 +21,15 @@ def fmt_bytes(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.4g} {unit}"
     return f"{n:.4g} B"
+
+
+def sig(x: float, digits: int) -> str:
+    """``x`` rounded to ``digits`` significant digits, with thousands separators and never in exponent form (what a
+    reader of a page sees): sig(1167.3, 4) → "1,167", sig(12346, 4) → "12,350", sig(0.15757, 4) → "0.1576",
+    sig(5.70, 3) → "5.7". Non-finite values are written as Python writes them."""
+    x = float(x)
+    if x == 0 or not math.isfinite(x):
+        return f"{x:g}"
+    places = digits - 1 - math.floor(math.log10(abs(x)))
+    text = f"{round(x, places):,.{max(places, 0)}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text

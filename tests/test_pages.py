@@ -3,13 +3,15 @@ also after publishing), its size limit, the one-file copy, and that pages are sa
 
 from __future__ import annotations
 
+import html
 import json
 import re
+from pathlib import Path
 
 import altair as alt
 import pytest
 
-from kvlab import pages, plots, results
+from kvlab import calculator, pages, plots, report, results, studies
 from kvlab.paths import read_json
 from kvlab.studies.calculator import page as calc_page
 
@@ -47,6 +49,53 @@ def test_a_copy_links_the_library_from_where_it_lies_and_a_standalone_copy_needs
         pages.relinked("<html></html>", moved)
 
 
+def test_a_standalone_copy_escapes_every_spelling_of_a_closing_script_tag(tmp_path, monkeypatch):
+    vendor = tmp_path / "vendor"
+    vendor.mkdir()
+    for i, f in enumerate(pages.LIBRARY):  # a library whose code holds the tag in three cases
+        (vendor / f).write_text(f'var s{i} = "</script>", t = "</SCRIPT >", u = "</ScRiPt";', encoding="utf-8")
+    monkeypatch.setattr(pages, "vendor_dir", lambda: vendor)
+    one = pages.standalone(pages.write(_toy_page(), tmp_path / "run", "footer").read_text(encoding="utf-8"))
+    scripts = len(re.findall(r"<script\b", one))
+    assert len(re.findall(r"</script", one, re.I)) == scripts, "only each script's own end tag remains"
+    assert one.count("<\\/SCRIPT >") == len(pages.LIBRARY)
+
+
+def test_destinations_and_links_are_named_in_a_readers_words():
+    assert pages.where("peer-cuda:1", "cuda") == "GPU 0 → GPU 1 over NVLink"
+    assert pages.where("peer-cuda:0", "cuda:1") == "GPU 1 → GPU 0 over NVLink"
+    assert pages.where("pinned-host", "cuda:1") == "GPU 1 → pinned host memory"
+    assert pages.where("somewhere") == "somewhere"
+    for name, lk in calculator.LINKS.items():  # the rates come from the calculator, not typed again
+        label = calc_page.link_label(name)
+        assert f"({lk.gbyte_per_s:g} GB/s" in label and ("µs a copy" in label) == bool(lk.fixed_us), label
+
+
+def _published_pages():
+    return sorted((Path(__file__).resolve().parent.parent / "figures").glob("*/*.html"))
+
+
+@pytest.mark.parametrize("path", _published_pages(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_each_published_page_is_what_its_run_gives_today_and_links_the_vendored_library(path):
+    # the page as this checkout's study draws it from the run its sidecar names, written where it lies, with the
+    # published footer: byte for byte the published file (so a change to a page's code is published, or fails here)
+    side = json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))
+    text = path.read_text(encoding="utf-8")
+    assert all((path.parent / p).resolve().is_file() for p in _links(text)), _links(text)
+    assert [p.rsplit("/", 1)[-1] for p in _links(text)] == list(pages.LIBRARY)
+    footer = re.search(r"<footer>(.*?)</footer>", text, re.S).group(1)
+    assert side["run_id"] in footer
+    a = report.analysis(side["run"])
+    drawn = studies.get(side["study"]).figures(a)
+    page = drawn[side["drawn_as"]]
+    for fig in drawn.values():
+        if hasattr(fig, "savefig"):
+            import matplotlib.pyplot as plt
+
+            plt.close(fig)
+    assert pages.render(page, path.parent, html.unescape(footer)) == text
+
+
 def test_bad_pages_are_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="page name 'Bad Name'"):
         pages.Page("Bad Name", "t", "i", alt.Chart())
@@ -66,7 +115,7 @@ def test_the_calculator_page_covers_every_registry_model_and_is_small():
     assert [r["model"] for r in rows] == models.names()
     assert all(len(r["layer"]) == len(r["sliding"]) == models.get(r["model"]).layers for r in rows)
     bound = {p["name"]: p.get("bind", {}) for p in spec["params"]}
-    assert bound["model"]["options"] == models.names() and bound["link"]["options"] == list(calc_page.LINK_LABELS)
+    assert bound["model"]["options"] == models.names() and bound["link"]["options"] == list(calculator.LINKS)
     assert bound["log2_tokens"]["min"] == 7 and bound["log2_tokens"]["max"] == 17  # 128 to 128k tokens
     assert "peer-cuda" not in json.dumps(spec) and "seed 004" not in json.dumps(spec).lower()
 

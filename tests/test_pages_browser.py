@@ -5,6 +5,7 @@ under $KVLAB_TEST_ARTIFACTS (default: pytest's tmp folder). Skipped, with the re
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import re
@@ -14,9 +15,13 @@ from pathlib import Path
 import pytest
 
 import browser
-from kvlab import calculator, models, pages
+from kvlab import calculator, intervals, models, pages, units
 from kvlab.studies.calculator import page as calc_page
 
+# where a browser is required (CI sets KVLAB_REQUIRE_BROWSER=1, after installing one), its absence fails the tests
+# instead of skipping them, so a failed install cannot pass unnoticed
+if browser.missing() is not None and os.environ.get("KVLAB_REQUIRE_BROWSER") == "1":
+    raise RuntimeError(f"KVLAB_REQUIRE_BROWSER=1 but the browser tests cannot run: {browser.missing()}")
 pytestmark = pytest.mark.skipif(browser.missing() is not None, reason=f"browser tests: {browser.missing()}")
 
 # set one control as a reader would (a range's input event, a select's or a radio's change), then wait until the
@@ -126,16 +131,13 @@ def test_calculator_page_shows_kvlabs_numbers_for_every_input_it_is_given(tmp_pa
         d.execute_async_script("window.kvlabView.runAsync().then(() => arguments[0]())")
         _check(_readout(d), "llama-3.1-8b", 16384, "bf16", "100G", 1, 400.0)
         d.save_screenshot(str(_artifacts(tmp_path) / "calculator_page.png"))
-        times = []
+        # how fast the page answers is a benchmark (tools/page_latency.py records it with its goals), not a test
         for model, log2, dtype, link, tp, tflops in combos:
             for name, value in (("model", model), ("log2_tokens", log2), ("kv_dtype", dtype), ("link", link),
                                 ("tp", tp), ("tflops", tflops)):
-                times.append(d.execute_async_script(SET, name, value))
+                d.execute_async_script(SET, name, value)
             _check(_readout(d), model, round(2 ** log2), dtype, link, tp, tflops)
         assert browser.errors(d) == []
-    times.sort()
-    # goal: a control answers within 100 ms (median and 95th percentile of every change above, this host)
-    assert times[len(times) // 2] < 100 and times[int(len(times) * 0.95)] < 100, times[-10:]
 
 
 def test_calculator_page_weighs_little_and_reaches_nothing_outside_the_disk(tmp_path):
@@ -151,7 +153,16 @@ def test_calculator_page_weighs_little_and_reaches_nothing_outside_the_disk(tmp_
         assert browser.errors(d) == []
 
 
-def test_seed004_page_shows_the_runs_numbers_at_every_context_the_slider_reaches(tmp_path):
+def _sig_close(shown: float, raw: float, digits: int) -> bool:
+    # the page rounds to `digits` significant digits: within half a unit of the last one kept
+    return raw == shown or abs(shown - raw) <= 0.5001 * 10 ** (math.floor(math.log10(abs(raw))) - digits + 1)
+
+
+def _shown(texts: list[str]) -> list[float]:
+    return sorted(_number(t.split(" ms (")[0]) for t in texts if " ms (" in t)
+
+
+def test_seed004_page_shows_the_runs_raw_medians_at_every_context_the_slider_reaches(tmp_path):
     from selenium.webdriver.common.keys import Keys
 
     from kvlab import report
@@ -159,26 +170,54 @@ def test_seed004_page_shows_the_runs_numbers_at_every_context_the_slider_reaches
 
     a = report.analysis("handoff/20261201-092005-h200")  # the published 2×H200 NVLink run
     path = pages.write(handoff_page.page(a), tmp_path, "kvlab · test page")
-    s = a.tables["summary"].sort_values("context")
-    preds = a.tables["predictions"]
+    raw = a.raw["results"]  # the run's own rows: every median below is taken here, not read from the analysis
+    dest = "peer-cuda:1"
+
+    def rows(context, method, measure):
+        g = raw[(raw.context == context) & (raw.destination == dest) & (raw.method == method) & (raw.measure == measure)]
+        return g.set_index("repeat").ms
+
+    contexts = sorted(raw.context.unique())
     with browser.chromium() as d:
         _open(d, path)
         slider = d.find_element("css selector", "input[name=ctx]")
         slider.send_keys(Keys.HOME)  # the shortest context, then one step right at a time, as a reader drags it
-        for k, r in enumerate(s.itertuples()):
+        for k, context in enumerate(contexts):
             if k:
                 slider.send_keys(Keys.ARROW_RIGHT)
             d.execute_async_script("window.kvlabView.runAsync().then(() => arguments[0]())")
             texts = [t for t in d.execute_script(TEXTS) if t]
-            assert f"Context: {int(r.context):,} tokens; prefill {float(r.prefill_ms):,.4g} ms" in texts, texts
-            shown = {t.split(" ms ")[0] for t in texts if " ms (" in t}
-            expect = {f"{float(r.prefill_ms):,.4g}", f"{float(r.copy_ms):,.4g}", f"{float(r.layerwise_extra_ms):,.4g}"}
-            net = preds[(preds.destination == "network") & (preds.context == r.context)]
-            expect |= {f"{float(x):,.4g}" for x in net.ms}
-            assert shown == expect, (int(r.context), shown, expect)
-            lo, hi = float(r.extra_ci_lo_ms), float(r.extra_ci_hi_ms)
-            assert any(f"95 %: {lo:,.3g}–{hi:,.3g}" in t for t in texts), texts
+            prefill = float(rows(context, "colocated", "prefill").median())
+            copy = float(rows(context, "bulk", "copy").median())
+            paired = (rows(context, "layerwise", "wall") - rows(context, "colocated", "prefill")).dropna()
+            extra = float(paired.median())
+            lo, hi = intervals.median_ci(paired)
+            nbytes = float(raw[raw.context == context].kv_bytes.iloc[0])
+            nets = [1e3 * nbytes / calculator.LINKS[n].bytes_per_s for n in ("100G", "400G")]
+            head = [t for t in texts if t.startswith(f"Context: {int(context):,} tokens; prefill ")]
+            assert len(head) == 1, texts
+            assert _sig_close(_number(head[0].rsplit(" ", 2)[1]), prefill, 4), (head, prefill)
+            shown, expected = _shown(texts), sorted([prefill, copy, extra, *nets])
+            assert len(shown) == len(expected) and all(_sig_close(s, e, 4) for s, e in zip(shown, expected)), (
+                int(context), shown, expected)
+            assert any(f"; 95 %: {units.sig(lo, 3)}–{units.sig(hi, 3)}" in t for t in texts), (texts, lo, hi)
         d.save_screenshot(str(_artifacts(tmp_path) / "seed004_table.png"))
+        assert browser.errors(d) == []
+
+
+def test_a_standalone_copy_draws_in_the_browser_with_nothing_beside_it(tmp_path):
+    from kvlab.studies.handoff import page as handoff_page
+    from kvlab import report
+
+    written = pages.write(handoff_page.page(report.analysis("handoff/20261201-092005-h200")), tmp_path / "run",
+                          "kvlab · test page")
+    alone = tmp_path / "elsewhere" / "post.html"
+    assert pages.main([str(written), str(alone)]) == 0
+    with browser.chromium() as d:
+        _open(d, alone)
+        urls = d.execute_script("return Array.from(document.querySelectorAll('[src], [href]')).map(e => e.src || e.href)")
+        assert urls == [], urls
+        assert any(t.startswith("Context: 32,768 tokens") for t in d.execute_script(TEXTS)), "the longest context first"
         assert browser.errors(d) == []
 
 
@@ -205,11 +244,13 @@ def test_paged_page_shows_the_runs_medians_for_every_destination_and_block_size(
                 for method in ("torch-index", "triton", "chunked-gather-d2h", "mapped-pinned", "cuda-memcpy-batch"):
                     if method not in row.index or row[method] != row[method]:
                         continue
-                    shown = [t for t in texts if t.startswith(tuple("0123456789")) and f"({row[method]:,.3g} % " in t]
+                    pct_text = f"({units.sig(row[method], 3)} % "
+                    shown = [t for t in texts if t.startswith(tuple("0123456789")) and pct_text in t]
                     assert shown, (dest, bs, method, row[method], texts)
                     checked += 1
                     if bs == 16 and (dest, method) in headline.index:
-                        assert any(t.startswith(f"{headline.loc[(dest, method), 'gbps']:,.4g} GB/s") for t in shown)
+                        gbps = units.sig(headline.loc[(dest, method), "gbps"], 4)
+                        assert any(t.startswith(f"{gbps} GB/s") for t in shown)
         d.save_screenshot(str(_artifacts(tmp_path) / "paged_gbps.png"))
         assert browser.errors(d) == []
     assert checked >= 20

@@ -19,20 +19,22 @@ import math
 from ... import calculator, models
 from ...pages import Page
 
-__all__ = ["NAME", "TP_CHOICES", "LINK_LABELS", "model_rows", "link_expr", "page"]
+__all__ = ["NAME", "TP_CHOICES", "LINK_KINDS", "link_label", "model_rows", "link_expr", "page"]
 
 NAME = "calculator_page"
 TP_CHOICES = (1, 2, 4, 8, 16, 32, 64)
-# what each preset is, in words a reader of a post shares
-LINK_LABELS = {
-    "100G": "100 Gb/s network card (12.5 GB/s)",
-    "200G": "200 Gb/s network card (25 GB/s)",
-    "400G": "400 Gb/s network card (50 GB/s)",
-    "800G": "800 Gb/s network card (100 GB/s)",
-    "nvlink-h100": "GPU to GPU over NVLink, H100 nominal (450 GB/s)",
-    "nvlink-h100-measured": "GPU to GPU over NVLink, as measured on 2×H100 (395 GB/s, 18 µs a copy)",
-    "pcie5-x16": "PCIe 5.0 x16 (64 GB/s)",
-}
+# what each preset is, in words a reader of a post shares (its rate comes from calculator.LINKS)
+LINK_KINDS = {"nvlink-h100": "GPU to GPU over NVLink, H100 nominal",
+              "nvlink-h100-measured": "GPU to GPU over NVLink, as measured on 2×H100", "pcie5-x16": "PCIe 5.0 x16"}
+
+
+def link_label(name: str) -> str:
+    """A preset in words, its rates from calculator.LINKS: "100G" → "100 Gb/s network card (12.5 GB/s)"."""
+    lk = calculator.LINKS[name]
+    fixed = f", {lk.fixed_us:g} µs a copy" if lk.fixed_us else ""
+    if name not in LINK_KINDS:  # the NIC presets, quoted in bits as NICs are
+        return f"{lk.gbit_per_s:g} Gb/s network card ({lk.gbyte_per_s:g} GB/s{fixed})"
+    return f"{LINK_KINDS[name]} ({lk.gbyte_per_s:g} GB/s{fixed})"
 
 
 def model_rows() -> list[dict]:
@@ -72,7 +74,7 @@ def page(model: str = "llama-2-7b", tokens: int = 8192, kv_dtype: str = "bf16", 
     p_dtype = alt.param(name="kv_dtype", value=kv_dtype, bind=alt.binding_radio(
         options=["bf16", "fp8"], labels=["bf16 (2 bytes)", "fp8 (1 byte)"], name="KV element type"))
     p_link = alt.param(name="link", value=link, bind=alt.binding_select(
-        options=list(calculator.LINKS), labels=[LINK_LABELS.get(k, k) for k in calculator.LINKS],
+        options=list(calculator.LINKS), labels=[link_label(k) for k in calculator.LINKS],
         name="Link from prefill to decode"))
     p_tp = alt.param(name="tp", value=tp, bind=alt.binding_select(
         options=list(TP_CHOICES), name="Tensor parallelism (GPUs, each with its own link)"))
@@ -131,7 +133,7 @@ def page(model: str = "llama-2-7b", tokens: int = 8192, kv_dtype: str = "bf16", 
         "g_exposed": "'Layer by layer, exposed after prefill: ' + format(datum.exposed_s * 1e3, ',.5~r') + ' ms'",
         "h_bound": "datum.link_bound ? 'The link falls behind compute: a backlog grows layer by layer' : "
                    "'The link keeps up: only the last layer\\'s send is exposed'",
-        "i_heads": "datum.mla || datum.heads % tp === 0 ? '' : datum.heads + ' query heads do not split over ' + tp + "
+        "i_heads": "datum.heads % tp === 0 ? '' : datum.heads + ' query heads do not split over ' + tp + "
                    "' GPUs: engines refuse this TP'",
     }
     readout = base.transform_filter("datum.layer === datum.layers - 1").transform_calculate(**lines).transform_fold(

@@ -200,7 +200,8 @@ def predictions(summary: pd.DataFrame, layers: int | None, ceilings=None, links=
     ceilings: a kvlab.ceilings_fit.Ceilings of the same run; the fitted fixed + bytes model predicts one copy
     and 2 × layers copies (seed 004's 56 tensors) for each destination's path (one copy only when `layers` is
     None: a run that did not record its model's layers).
-    Columns: context, destination, model, ms, pct_prefill.
+    Columns: context, destination, model, ms, pct_prefill, link (the calculator's preset for a network row, else
+    empty).
     """
     rows = []
     for context, g in summary.groupby("context", sort=True):
@@ -209,7 +210,7 @@ def predictions(summary: pd.DataFrame, layers: int | None, ceilings=None, links=
         for name in links:
             ms = 1e3 * calculator.transfer_time_s(nbytes, calculator.link(name))
             rows.append(dict(context=context, destination="network", model=f"{name} NIC (calculator)",
-                             ms=ms, pct_prefill=100 * ms / prefill_ms))
+                             ms=ms, pct_prefill=100 * ms / prefill_ms, link=name))
         if ceilings is None:
             continue
         for r in g.itertuples():
@@ -220,7 +221,7 @@ def predictions(summary: pd.DataFrame, layers: int | None, ceilings=None, links=
             for copies, what in fits:
                 ms = ceilings.predict_ms(path, nbytes, copies=copies)
                 rows.append(dict(context=context, destination=r.destination, model=what, ms=ms,
-                                 pct_prefill=100 * ms / r.prefill_ms))
+                                 pct_prefill=100 * ms / r.prefill_ms, link=""))
     return pd.DataFrame(rows)
 
 

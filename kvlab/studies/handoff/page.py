@@ -2,28 +2,21 @@
 slider), the colocated prefill, the one copy of the whole cache after prefill, and what layer-by-layer sending added
 (with its 95 % interval), each as a bar scaled to prefill; beside them, dashed and marked as such, what the same
 cache would take over a 400 Gb/s and a 100 Gb/s network card at their nominal rates (the calculator's prediction,
-not a measurement). One page per destination the run measured; the run and its commit are in the page."""
+not a measurement). The page shows one destination the run measured (its peer GPU when it measured one); the run
+and its commit are in the page."""
 
 from __future__ import annotations
 
 import pandas as pd
 
-from ...pages import Page, run_facts
+from ... import calculator, units
+from ...pages import Page, gpu_name, run_facts, source_device, where
 from ...study import Analysis, ctx_label
 
-__all__ = ["NAME", "where", "rows", "page"]
+__all__ = ["NAME", "rows", "page"]
 
 NAME = "seed004_table"
-ROWS = ("prefill on GPU 0", "one copy after prefill", "layer by layer: extra")
-
-
-def where(destination: str) -> str:
-    """A destination in words a reader of a post shares: "peer-cuda:1" → "GPU 0 → GPU 1 over NVLink"."""
-    d = str(destination)
-    if d.startswith("peer-cuda:"):
-        return f"GPU 0 → GPU {d.split(':', 1)[1]} over NVLink"
-    return {"same-gpu": "within GPU 0 (device memory to device memory)", "pinned-host": "GPU 0 → pinned host memory",
-            "pageable-host": "GPU 0 → pageable host memory", "same-device": "within one device"}.get(d, d)
+ROWS = ("prefill on {gpu}", "one copy after prefill", "layer by layer: extra")
 
 
 def _bar(ctx_i: int, context: int, order: int, label: str, kind: str, ms: float, prefill: float,
@@ -31,7 +24,8 @@ def _bar(ctx_i: int, context: int, order: int, label: str, kind: str, ms: float,
     pct = 100.0 * ms / prefill
     return {"i": ctx_i, "context": context, "order": order, "row": label, "kind": kind, "ms": ms, "pct": pct,
             "pct_lo": None if lo is None else 100.0 * lo / prefill, "pct_hi": None if hi is None else 100.0 * hi / prefill,
-            "text": f"{ms:,.4g} ms ({pct:,.3g} %)" + ("" if lo is None else f"; 95 %: {lo:,.3g}–{hi:,.3g}")}
+            "text": f"{units.sig(ms, 4)} ms ({units.sig(pct, 3)} %)"
+                    + ("" if lo is None else f"; 95 %: {units.sig(lo, 3)}–{units.sig(hi, 3)}")}
 
 
 def rows(a: Analysis, destination: str) -> list[dict]:
@@ -46,8 +40,9 @@ def rows(a: Analysis, destination: str) -> list[dict]:
         lo = getattr(r, "copy_ci_lo_ms", None)
         hi = getattr(r, "copy_ci_hi_ms", None)
         has_ci = lo is not None and pd.notna(lo)
-        out.append(_bar(i, c, 0, ROWS[0], "measured", pf, pf))
-        out[-1]["text"] += f"; spread {float(r.prefill_spread_ms):,.3g} ms"
+        out.append(_bar(i, c, 0, ROWS[0].format(gpu=gpu_name(source_device(a.record))), "measured", pf, pf))
+        out[-1]["text"] += f"; spread {units.sig(float(r.prefill_spread_ms), 3)} ms"
+        out[-1]["heading"] = f"Context: {c:,d} tokens; prefill {units.sig(pf, 4)} ms"
         out.append(_bar(i, c, 1, ROWS[1], "measured", float(r.copy_ms), pf,
                         float(lo) if has_ci else None, float(hi) if has_ci else None))
         out.append(_bar(i, c, 2, ROWS[2], "measured", float(r.layerwise_extra_ms), pf,
@@ -55,8 +50,9 @@ def rows(a: Analysis, destination: str) -> list[dict]:
         if preds is not None:
             net = preds[(preds.destination == "network") & (preds.context == c)]
             for k, p in enumerate(net.sort_values("ms").itertuples()):
-                nic = str(p.model).split(" ")[0].replace("G", " Gb/s")
-                out.append(_bar(i, c, 3 + k, f"predicted: {nic} network card", "predicted", float(p.ms), pf))
+                nic = calculator.LINKS[str(p.link)]
+                out.append(_bar(i, c, 3 + k, f"predicted: {nic.gbit_per_s:g} Gb/s network card", "predicted",
+                                float(p.ms), pf))
     return out
 
 
@@ -90,13 +86,11 @@ def page(a: Analysis, destination: str | None = None) -> Page:
         x="pct_lo:Q", x2="pct_hi:Q", y=y)
     text = base.mark_text(align="left", fontSize=11).encode(x=alt.value(250), y=y, text="text:N")
     heading = base.transform_filter("datum.order === 0").mark_text(align="left", fontSize=14, fontWeight="bold").encode(
-        x=alt.value(0), y=alt.value(-12),
-        text=alt.Text("label:N")).transform_calculate(
-        label="'Context: ' + format(datum.context, ',d') + ' tokens; prefill ' + format(datum.ms, ',.4~r') + ' ms'")
+        x=alt.value(0), y=alt.value(-12), text=alt.Text("heading:N"))
     chart = alt.layer(bars, whiskers, text, heading).add_params(p_ctx).properties(
         width=240, height=alt.Step(30)).configure_view(stroke=None).configure_axis(labelFontSize=12, titleFontSize=12)
     intro = (f"{model} on {device}: what moving the KV cache to the decode side costs against the prefill that "
-             f"built it, {where(dest)}. Drag the slider to change the context length. Bars are scaled to prefill; "
+             f"built it, {where(dest, source_device(a.record))}. Drag the slider to change the context length. Bars are scaled to prefill; "
              "the black line on a bar is its 95 % interval. The dashed rows are predictions for the same cache over "
              f"a network card (its bytes at the card's nominal rate), not measurements. Run {a.run_id}, code {commit}.")
     return Page(NAME, f"Cost of moving the cache to the decode GPU, against prefill ({model}, median ms)", intro,

@@ -9,19 +9,13 @@ import math
 
 import pandas as pd
 
-from ...pages import Page, run_facts
+from ... import units
+from ...pages import Page, run_facts, source_device, where
 from ...study import Analysis, ctx_label
 
-__all__ = ["NAME", "WHERE", "rows", "page"]
+__all__ = ["NAME", "rows", "page"]
 
 NAME = "paged_gbps"
-# each destination in words a reader of a post shares
-WHERE = {"same-gpu": "within the GPU (device memory to device memory)", "pinned-host": "GPU → pinned host memory",
-         "peer": "GPU 0 → GPU 1 over NVLink", "same-device": "within one device (a CPU run)"}
-
-
-def _where(dest: str) -> str:
-    return WHERE.get("peer" if str(dest).startswith("peer") else str(dest), str(dest))
 
 
 def rows(results: pd.DataFrame) -> list[dict]:
@@ -40,8 +34,8 @@ def rows(results: pd.DataFrame) -> list[dict]:
             pct = 100.0 * r.gbps / ceil if ceil == ceil else None
             out.append({"destination": str(dest), "block_size": int(bs), "method": str(r.method),
                         "kind": "ceiling" if r.method == "contiguous" else "paged", "gbps": float(r.gbps),
-                        "text": f"{r.gbps:,.4g} GB/s" + ("" if pct is None or r.method == "contiguous"
-                                                         else f" ({pct:,.3g} % of the contiguous copy)")
+                        "text": f"{units.sig(r.gbps, 4)} GB/s" + ("" if pct is None or r.method == "contiguous"
+                                                            else f" ({units.sig(pct, 3)} % of the contiguous copy)")
                         + (f", timed {int(r.n)}×" if r.n < 9 else "")})
     return out
 
@@ -56,7 +50,7 @@ def page(a: Analysis) -> Page:
     sizes = sorted({r["block_size"] for r in data})
     context = int(results.context.max())
     p_dest = alt.param(name="destination", value=dests[0], bind=alt.binding_select(
-        options=dests, labels=[_where(d) for d in dests], name="Where the cache goes"))
+        options=dests, labels=[where(d, source_device(a.record)) for d in dests], name="Where the cache goes"))
     p_block = alt.param(name="block", value=sizes.index(16) if 16 in sizes else 0, bind=alt.binding_range(
         min=0, max=len(sizes) - 1, step=1,
         name="Block size (" + ", ".join(f"{i} = {b}" for i, b in enumerate(sizes)) + " tokens a block)"))
