@@ -125,7 +125,7 @@ def analyse(run_dir, out: str | Path | None = None, publish: bool = False, suffi
     o.meta.update({k: v for k, v in a.fields.items() if k not in o.meta})
     plots.style()
     for name, fig in face.figures(a).items():
-        if only and name not in only:  # publishing some figures: the others are not drawn again either
+        if only and name not in only:  # publishing some figures: every one is built, only these are written
             if hasattr(fig, "savefig"):
                 import matplotlib.pyplot as plt
 
@@ -144,7 +144,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--publish", action="store_true",
                         help="also put the figures in figures/<study>/ as this run's published figures")
     parser.add_argument("--suffix", default="", help="with --publish: append this to each published name, e.g. _nvlink")
-    parser.add_argument("--only", default="", help="with --publish: draw and publish only these figures (comma-separated names)")
+    parser.add_argument("--only", default="", help="with --publish: write and publish only these figures (comma-separated names; all are built)")
 
 
 def run_args(args) -> int:

@@ -61,7 +61,7 @@ def campaigns(prefix: str, manifest: dict, goals_of) -> str:
             verdict = lambda gid: g.loc[gid, "verdict"] if gid in g.index else "—"  # noqa: E731
             rows.append({"run": run_link(path, prefix), "block": name, "backend": s.get("backend", "?"),
                          "host": host_label(rec) + (f", {busy[rec['run_id']]} busy processes beside it"
-                                                    if rec.get("run_id") in busy else ", no load added"),
+                                                    if rec.get("run_id") in busy else ", load not recorded"),
                          "policy": s.get("policy", "?"),
                          "faults": s.get("faults_injected", 0), "kinds": ", ".join(sorted(s.get("outcomes_by_kind") or {})),
                          "partial decodes": s.get("decoded_from_partial"),

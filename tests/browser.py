@@ -55,3 +55,9 @@ def chromium():
 def errors(driver) -> list[str]:
     """The console's errors since the last call."""
     return [e["message"] for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
+
+
+if __name__ == "__main__":  # `python tests/browser.py`: one line, where the browser tests will be skipped, saying why
+    why = missing()
+    if why:
+        print(f"note: the pages' browser tests are skipped: {why}")

@@ -11,7 +11,7 @@ from pathlib import Path
 import altair as alt
 import pytest
 
-from kvlab import calculator, pages, plots, report, results, studies
+from kvlab import calculator, pages, plots, report, results, studies, units
 from kvlab.paths import read_json
 from kvlab.studies.calculator import page as calc_page
 
@@ -135,3 +135,10 @@ def test_a_page_is_saved_beside_the_figures_and_published_like_them(kvlab_dirs, 
     assert f"published {published} from run {run.run_id}" in capsys.readouterr().out
     with pytest.raises(ValueError, match="saved under its own name"):
         plots.save(page, "other", run)
+
+
+@pytest.mark.parametrize("x, digits, text", [
+    (1167.3, 4, "1,167"), (12346, 4, "12,350"), (0.15757, 4, "0.1576"), (5.70, 3, "5.7"), (-2.345, 2, "-2.3"),
+    (1234567.0, 3, "1,230,000"), (0.000123456, 3, "0.000123"), (0.0, 3, "0"), (100.0, 3, "100")])
+def test_sig_rounds_to_significant_digits_without_exponent_form(x, digits, text):
+    assert units.sig(x, digits) == text
