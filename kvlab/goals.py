@@ -425,8 +425,22 @@ _CONTENTION = [
          "simulated ÷ measured − 1", declared="2026-12-02, after run 20261202-005739-h200 (judged beside sim_each)"),
 ]
 
+# issue 27: how fast a published page answers a control, in headless Chromium on the host that ran the benchmark
+# (tools/page_latency.py; a host-bound number: its meta.json names the host); fixed before any latency run
+_PAGES_DECLARED = "issue 27, 2026-12-02 (before any latency run)"
+_PAGES = [
+    Goal("pages.answer_median", "pages", "a page answers a moved control within 100 ms (median)", "median_ms", "<=",
+         100.0, lo="median_lo", hi="median_hi", interval="95 % bootstrap interval of the median", unit=" ms",
+         digits=1, declared=_PAGES_DECLARED,
+         note="from the control's event to the next frame after the view has run (performance.now in the page)"),
+    Goal("pages.answer_p95", "pages", "a page answers a moved control within 100 ms (95th percentile)", "p95_ms",
+         "<=", 100.0, lo="p95_lo", hi="p95_hi", interval="95 % bootstrap interval of the 95th percentile",
+         unit=" ms", digits=1, declared=_PAGES_DECLARED,
+         note="from the control's event to the next frame after the view has run (performance.now in the page)"),
+]
+
 GOALS: dict[str, Goal] = {g.id: g for g in (*_HANDOFF, *_PAGED, *_OVERLAP, *_DISAGG, *_FAULTS, *_PROVENANCE,
-                                            *_RESHARD, *_WIRE, *_CONTENTION)}
+                                            *_RESHARD, *_WIRE, *_CONTENTION, *_PAGES)}
 
 
 def for_study(study: str) -> list[Goal]:

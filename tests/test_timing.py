@@ -343,3 +343,16 @@ def test_median_ci_rejects_bad_samples(bad):
         intervals.median_ci(bad)
     with pytest.raises(ValueError, match="level"):
         intervals.median_ci([1.0, 2.0], level=1.5)
+
+
+def test_quantile_ci_is_the_median_ci_at_one_half_and_covers_a_tail_quantile():
+    x = np.random.default_rng(3).exponential(size=400)
+    assert intervals.quantile_ci(x, 0.5) == intervals.median_ci(x)
+    lo, hi = intervals.quantile_ci(x, 0.95)
+    assert lo < np.quantile(x, 0.95) < hi and hi < x.max()
+    assert lo > intervals.median_ci(x)[1]  # the tail's interval lies above the median's
+    assert all(math.isnan(v) for v in intervals.quantile_ci([1.0, 2.0], 0.95))
+    with pytest.raises(ValueError, match="q=1.5"):
+        intervals.quantile_ci(x, 1.5)
+    with pytest.raises(ValueError, match="non-finite"):
+        intervals.quantile_ci([1.0, float("inf"), 2.0], 0.95)
