@@ -11,6 +11,7 @@
     kvlab disagg --backend gloo|ipc|nccl|nixl ...             prefill and decode as two processes
     kvlab swapin --context 4k,32k                             paged host → GPU scatter (swap-in) beside the gather
     kvlab reshard --pairs 1-2,2-1 | kvlab wire --context 32k  a paged cache between different TP | sent as FP8
+    kvlab wire-accuracy --prompts 32                          what the FP8 wire does to decoding (a trained model)
     kvlab simulate --gpus 16 --requests 200 --out DIR         KV handoffs on a cluster fabric, simulated (no GPU)
 
 Adding a subcommand is one function and its registration, with its options given either as
@@ -572,6 +573,7 @@ _study_command("reshard", "a paged cache re-sharded from P prefill ranks to D de
             "same-TP copy", "tp_reshard")
 _study_command("wire", "a paged cache sent as FP8 with its scales (quantize in the gather, dequantize on arrival), "
             "beside bf16", "wire_dtype")
+_study_command("wire-accuracy", "what an FP8 wire does to greedy decoding and perplexity, on a trained model", "wire_accuracy")
 _study_command("contention", "N transfers sharing one path at once, and the fabric simulator validated on them", "contention")
 
 

@@ -425,6 +425,36 @@ _CONTENTION = [
          "simulated ÷ measured − 1", declared="2026-12-02, after run 20261202-005739-h200 (judged beside sim_each)"),
 ]
 
+# issue 29: what an FP8 wire does to decoding, on weights trained for it (data/models/kvlab-bytes-py) with per-token-
+# head scales; how agreement is counted is fixed here, before any accuracy run (the issue says "greedy token agreement
+# over 256 tokens" and leaves it open): free-running is the literal reading and the goal, teacher-forced stands beside
+_ACCURACY_DECLARED = "issue 29, 2026-12-02; counting fixed 2026-12-03 (before any accuracy run)"
+
+
+def _trained_per_token_head(r, t) -> bool:
+    return getattr(r, "weights", None) == "trained" and getattr(r, "scales", None) == "per-token-head"
+
+
+_ACCURACY = [
+    Goal("wire_accuracy.agreement", "wire_accuracy", "greedy decoding from the FP8 wire's cache (trained weights, "
+         "per-token-head scales) gives bf16's token at ≥ 99 % of 256 positions", "free_agreement_pct", ">=", 99.0,
+         lo="free_lo", hi="free_hi", interval="95 % bootstrap interval over prompts of the pooled share",
+         unit=" %", digits=2, applies=_trained_per_token_head, declared=_ACCURACY_DECLARED,
+         note="free-running: each decodes greedily from its own cache and a position counts when the two tokens are "
+              "equal, so a first difference can cost every position after it"),
+    Goal("wire_accuracy.agreement_forced", "wire_accuracy", "the FP8 wire's cache (trained weights, per-token-head "
+         "scales) predicts bf16's greedy token at ≥ 99 % of 256 positions, fed bf16's tokens", "forced_agreement_pct",
+         ">=", 99.0, lo="forced_lo", hi="forced_hi", interval="95 % bootstrap interval over prompts of the pooled share",
+         unit=" %", digits=2, applies=_trained_per_token_head, declared=_ACCURACY_DECLARED,
+         note="teacher-forced: both read the same tokens (bf16's greedy continuation), so a difference costs one "
+              "position"),
+    Goal("wire_accuracy.ppl", "wire_accuracy", "perplexity on held-out text after the FP8 wire's cache (trained "
+         "weights, per-token-head scales) within 1 % of bf16's", "ppl_excess_pct", "<=", 1.0, lo="ppl_lo",
+         hi="ppl_hi", interval="95 % bootstrap interval over prompts of |ppl_wire ÷ ppl_bf16 − 1|", unit=" %",
+         digits=3, applies=_trained_per_token_head, declared=_ACCURACY_DECLARED,
+         note="the held-out bytes that follow each prompt, scored with the prompt's cache as it arrived"),
+]
+
 # issue 27: how fast a published page answers a control, in headless Chromium on the host that ran the benchmark
 # (tools/page_latency.py; a host-bound number: its meta.json names the host); fixed before any latency run
 _PAGES_DECLARED = "issue 27, 2026-12-02 (before any latency run)"
@@ -440,7 +470,7 @@ _PAGES = [
 ]
 
 GOALS: dict[str, Goal] = {g.id: g for g in (*_HANDOFF, *_PAGED, *_OVERLAP, *_DISAGG, *_FAULTS, *_PROVENANCE,
-                                            *_RESHARD, *_WIRE, *_CONTENTION, *_PAGES)}
+                                            *_RESHARD, *_WIRE, *_ACCURACY, *_CONTENTION, *_PAGES)}
 
 
 def for_study(study: str) -> list[Goal]:

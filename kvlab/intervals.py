@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-__all__ = ["Stats", "stats", "median_ci", "quantile_ci", "ratio_ci", "MIN_CI_SAMPLES", "fmt_ms"]
+__all__ = ["Stats", "stats", "median_ci", "quantile_ci", "mean_ci", "ratio_ci", "MIN_CI_SAMPLES", "fmt_ms"]
 
 
 # --------------------------------------------------------------------------- #
@@ -137,6 +137,12 @@ def quantile_ci(samples, q: float, level: float = 0.95, n_boot: int = 4000, seed
     if not 0 <= q <= 1:
         raise ValueError(f"q={q!r}: expected a quantile in [0, 1], e.g. 0.95")
     return _bootstrap(samples, lambda resamples: np.quantile(resamples, q, axis=1), level, n_boot, seed, "quantile_ci")
+
+
+def mean_ci(samples, level: float = 0.95, n_boot: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """A bootstrap interval (percentile method) for the mean of `samples`: for a pooled share over units of equal
+    weight (the tokens of prompts of one length: the mean of the per-prompt shares). As median_ci otherwise."""
+    return _bootstrap(samples, lambda resamples: np.mean(resamples, axis=1), level, n_boot, seed, "mean_ci")
 
 
 def ratio_ci(numerator, denominator, level: float = 0.95, n_boot: int = 4000, seed: int = 0) -> tuple[float, float]:

@@ -53,6 +53,8 @@ _CANDIDATES += [dict(context=32768, model="qwen2.5-7b", kernel=k, direction=d, s
                 for k, d in (("quantize-gather", "d2h"), ("dequantize-scatter", "h2d"), ("quantize-gather", "d2d"))]
 # the contention study's validation rows (kvlab.studies.contention.validation)
 _CANDIDATES += [dict(path="d2h", flows=4, role="validate", first_row=True)]
+# the wire accuracy study's rows (kvlab.studies.wire_accuracy.summarise) and a published page's latency summary
+_CANDIDATES += [dict(weights="trained", wire_dtype="fp8", scales="per-token-head"), dict(page="calculator/x.html")]
 
 
 def _row(goal: G.Goal, case: str) -> pd.DataFrame:

@@ -49,7 +49,7 @@ from .pools import BlockPool, BlockTable, PoolSpec, positive_int
 
 __all__ = ["E4M3_MAX", "SCALE_MODES", "E4M3_NAN", "BF16_NAN", "check_mode", "wire_bytes", "raw_bytes",
            "scale_shape", "WirePacket", "empty_packet", "check_static_scales", "calibrate_scales", "layer_range",
-           "quantize_gather_reference", "dequantize_scatter_reference", "kv_rel_err", "attn_out_rel_err",
+           "quantize_gather_reference", "dequantize_scatter_reference", "kv_rel_err", "causal_attention", "attn_out_rel_err",
            "breakeven_gbps"]
 
 E4M3_MAX = 448.0
@@ -457,7 +457,9 @@ def _heads_first(t: torch.Tensor, role: str) -> torch.Tensor:
     return t.float()
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal scaled-dot-product attention of q [Hq, Tq, D] at the last Tq of the keys k, v [Hkv, Tk, D] (GQA: query
+    head h reads KV head h // (Hq / Hkv)), softmax scale 1/√D: [Hq, Tq, D] in q's dtype."""
     hq, tq, _ = q.shape
     hkv, tk, _ = k.shape
     rep = hq // hkv
@@ -486,8 +488,8 @@ def attn_out_rel_err(q, k_ref, v_ref, k_deq, v_deq, eps: float = 1e-6) -> dict:
         raise ValueError(f"q {tuple(q.shape)} does not fit keys {tuple(kr.shape)}: need the same head_dim, query "
                          "heads a multiple of KV heads, and no more queries than keys")
     dev = q.device
-    o = _causal_attention(q, kr.to(dev), vr.to(dev))
-    od = _causal_attention(q, kd.to(dev), vd.to(dev))
+    o = causal_attention(q, kr.to(dev), vr.to(dev))
+    od = causal_attention(q, kd.to(dev), vd.to(dev))
     diff = (od - o).norm(dim=-1)
     e = diff / o.norm(dim=-1).clamp_min(eps)
     num, den = float((od - o).double().norm()), float(o.double().norm())

@@ -9,6 +9,7 @@
     swapin            (kvlab swapin)       a paged cache from pinned host memory back into a GPU pool
     tp_reshard        (kvlab reshard)      a paged cache from P prefill ranks to D decode ranks (different TP)
     wire_dtype        (kvlab wire)         a paged cache sent as FP8 with its scales, beside bf16
+    wire_accuracy     (kvlab wire-accuracy) what the FP8 wire does to greedy decoding and perplexity (trained weights)
     contention        (kvlab contention)   N transfers sharing one path, and the fabric simulator validated on them
 
 `get(name)` imports a study when it is asked for: each pulls in torch and more, and `kvlab --help` must not wait.
@@ -28,7 +29,7 @@ from ..study import Analysis
 
 __all__ = ["NAMES", "get", "of_notebook", "has_face", "analyse_run"]
 
-NAMES = ("calculator", "link_ceilings", "handoff", "overlap_timeline", "paged_transfer", "disagg", "swapin", "tp_reshard", "wire_dtype", "contention")
+NAMES = ("calculator", "link_ceilings", "handoff", "overlap_timeline", "paged_transfer", "disagg", "swapin", "tp_reshard", "wire_dtype", "wire_accuracy", "contention")
 
 
 def get(name: str) -> ModuleType:

@@ -1,0 +1,113 @@
+"""The FP8 wire's accuracy study (kvlab.studies.wire_accuracy, `kvlab wire-accuracy`): bad input refused in one line
+before a folder is made; a CPU run on the committed trained model writes the issue's tables, its bf16 control
+equals the colocated decode exactly, an incomplete send is caught, and `kvlab analyse` gives the same analysis; the
+trained model loads through kvlab's loading path and is a real model of its text."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from kvlab import analyse, goals, models, studies
+from kvlab.cli import main
+from kvlab.paths import repo_root
+from kvlab.studies import wire_accuracy as study
+
+SMALL = ["--context", "48", "--tokens", "12", "--prompts", "3"]
+
+
+@pytest.mark.parametrize("params,match", [
+    ({"scales": "per-block"}, "give distinct scale modes"),
+    ({"weights": "trained,trained"}, "give distinct weights"),
+    ({"weights": "pretrained"}, "give distinct weights"),
+    ({"layout": "thd"}, "is not a pool layout"),
+    ({"model": "data/nowhere"}, "has no config.json"),
+    ({"device": "cuda:7"}, "does not exist"),
+    ({"context": 1}, "give an int ≥ 2"),
+    ({"context": 4000, "tokens": 200}, "past the model's 4096 positions"),
+    ({"prompts": 2}, "give an int ≥ 3"),
+    ({"prompts": 400, "context": 1024}, "more than the held-out text's"),
+])
+def test_bad_input_is_one_line_and_names_the_value(params, match):
+    with pytest.raises(ValueError, match=match) as e:
+        study.check(params)
+    assert "\n" not in str(e.value)
+
+
+def test_the_trained_model_loads_through_kvlabs_path_and_knows_its_text():
+    folder = repo_root() / study.TRAINED
+    model = models.build(str(folder), weights=str(folder))
+    held = np.frombuffer(gzip.decompress((folder / "heldout.txt.gz").read_bytes()), dtype=np.uint8)
+    ids = torch.from_numpy(held[:257].astype(np.int64))[None]
+    with torch.inference_mode():
+        nll = torch.nn.functional.cross_entropy(model(input_ids=ids[:, :-1]).logits[0].float(), ids[0, 1:])
+    record = json.loads((folder / "run.json").read_text())
+    # far below a uniform byte's ln 256 = 5.55 nats: the weights are trained, not random
+    assert float(nll) < 2.5 and record["heldout_loss_nats_per_byte"] < 2.5
+    random = models.build(str(folder / "config.json"), weights="random")
+    with torch.inference_mode():
+        flat = torch.nn.functional.cross_entropy(random(input_ids=ids[:, :-1]).logits[0].float(), ids[0, 1:])
+    assert float(flat) > 5.0
+
+
+def test_a_cpu_run_writes_the_tables_its_control_is_exact_and_it_is_analysed_again_the_same(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["wire-accuracy", *SMALL, "--out", str(out)]) == 0
+    assert f"run: {out}" in capsys.readouterr().out
+    record = json.loads((out / "run.json").read_text())
+    assert record["status"] == "finished" and [g["id"] for g in record["goals"]] == [
+        g.id for g in goals.for_study("wire_accuracy")]
+    acc = pd.read_csv(out / "wire_accuracy.csv")
+    issue = ["weights", "wire_dtype", "scales", "tokens", "token_agreement", "ppl_bf16", "ppl_wire", "kv_max_rel_err"]
+    assert set(issue) <= set(acc.columns) and len(acc) == 2 * 4
+    control = acc[acc.wire_dtype == "bf16"]
+    assert (control.free_agreement_pct == 100).all() and (control.ppl_excess_pct == 0).all()
+    assert (control.kv_max_rel_err == 0).all() and (control.bytes_ratio == 1).all()
+    fp8 = acc[acc.wire_dtype == "fp8"].set_index(["weights", "scales"])
+    # bytes: e4m3 elements plus float32 scales, one per token and head (head_dim 64: 68 / 128) or a few per layer
+    assert fp8.loc[("trained", "per-token-head"), "bytes_ratio"] == pytest.approx((64 + 4) / 128)
+    assert 0.5 < fp8.loc[("trained", "per-head"), "bytes_ratio"] < 0.51
+    assert ((fp8.kv_max_rel_err > 0) & (fp8.kv_max_rel_err < 0.3)).all()
+    assert (fp8.ppl_lo <= fp8.ppl_excess_pct).all() and (fp8.ppl_excess_pct <= fp8.ppl_hi).all()
+    layers = pd.read_csv(out / "wire_layers.csv")
+    assert {"kv_rel_err", "attn_out_rel_err"} <= set(layers.columns) and len(layers) == 2 * 3 * 4
+    assert ((layers.attn_out_rel_err > 0) & (layers.attn_out_rel_err < 0.2)).all()
+    assert max(record["query_check_rel_err"].values()) < 0.02  # the captured queries are the model's own
+    g = pd.read_csv(out / "goals.csv")
+    assert set(g.id) == {g.id for g in goals.for_study("wire_accuracy")} and (g.weights == "trained").all()
+    again = analyse.analyse(out, tmp_path / "again")
+    pd.testing.assert_frame_equal(pd.read_csv(again / "wire_accuracy.csv"), acc)
+    assert studies.has_face(study) and "wire_accuracy" in studies.NAMES
+
+
+def test_a_send_that_leaves_poison_is_an_error_not_a_result(tmp_path, monkeypatch):
+    real = study.dequantize_scatter_reference
+
+    def half(packet, dst, table):  # the last layer never lands: its blocks keep their poison
+        real(packet, dst, table)
+        dst.data[-1].fill_(float("nan"))
+
+    monkeypatch.setattr(study, "dequantize_scatter_reference", half)
+    with pytest.raises(RuntimeError, match="still poison"):
+        main(["wire-accuracy", *SMALL, "--weights", "random", "--scales", "per-head", "--out", str(tmp_path / "r")])
+    assert json.loads((tmp_path / "r" / "run.json").read_text())["status"] != "finished"
+
+
+def test_the_perplexity_interval_is_of_the_distance_from_bf16_and_touches_zero_when_it_spans_it():
+    rows = []
+    for p, d in enumerate([0.01, -0.02, 0.015, -0.005, 0.0]):  # per prompt, the mean log-likelihood lost a token
+        rows.append(dict(weights="trained", wire_dtype="fp8", scales="per-head", prompt=p, tokens=10, free_matches=10,
+                         first_divergence=10, forced_matches=9, nll_bf16=10.0, nll_wire=10.0 + 10 * d, bytes=1,
+                         bf16_bytes=2))
+    s = study.summarise(pd.DataFrame(rows), pd.DataFrame(columns=["weights", "scales", "what", "max_rel_err",
+                                                                   "norm_rel_err"]))
+    r = s.iloc[0]
+    assert r.ppl_lo == 0.0 and r.ppl_hi > r.ppl_excess_pct
+    assert r.ppl_excess_pct == pytest.approx(100 * abs(math.exp(np.mean([0.01, -0.02, 0.015, -0.005, 0.0])) - 1))
+    assert r.forced_agreement_pct == 90.0 and r.free_agreement_pct == 100.0
