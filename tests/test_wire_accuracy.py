@@ -29,10 +29,11 @@ SMALL = ["--context", "48", "--tokens", "12", "--prompts", "3"]
     ({"layout": "thd"}, "is not a pool layout"),
     ({"model": "data/nowhere"}, "has no config.json"),
     ({"device": "cuda:7"}, "does not exist"),
-    ({"context": 1}, "give an int ≥ 2"),
-    ({"context": 4000, "tokens": 200}, "past the model's 4096 positions"),
+    ({"context": -1}, "give an int ≥ 0"),
+    ({"context": 400, "tokens": 200}, "past the 512 positions the model was trained on"),
+    ({"tokens": 511}, "leaves 1 for a prompt"),
     ({"prompts": 2}, "give an int ≥ 3"),
-    ({"prompts": 400, "context": 1024}, "more than the held-out text's"),
+    ({"prompts": 1000}, "more than the held-out text's"),
 ])
 def test_bad_input_is_one_line_and_names_the_value(params, match):
     with pytest.raises(ValueError, match=match) as e:

@@ -20,6 +20,7 @@ Static scales (per-head, per-tensor) are calibrated on a window of the training 
 from __future__ import annotations
 
 import gzip
+import json
 import math
 import sys
 from dataclasses import dataclass
@@ -90,7 +91,8 @@ PARAMS = (
           "seeded), comma-separated", _weights),
     Param("scales", "str", ",".join(SCALE_MODES), "scale modes, comma-separated: per-token-head (dynamic), per-head "
           "and per-tensor (static, calibrated on a window of the training text)", _modes),
-    Param("context", "int", 1024, "prompt length in tokens (bytes), each prompt's cache the wire carries", at_least(2)),
+    Param("context", "int", 0, "prompt length in tokens (bytes), each prompt's cache the wire carries; 0: the "
+          "window the model was trained on less the decoded tokens (prompt and decode stay inside it)", at_least(0)),
     Param("tokens", "int", 256, "positions decoded after each prompt, greedy agreement and perplexity counted over "
           "them", at_least(1)),
     Param("prompts", "int", 32, "prompts of held-out text, evenly spaced through it; the intervals are over prompts",
@@ -136,6 +138,17 @@ def _text(folder: Path, name: str) -> np.ndarray:
     return np.frombuffer(gzip.decompress((folder / name).read_bytes()), dtype=np.uint8)
 
 
+def trained_window(folder: Path, positions: int) -> int:
+    """The positions a trained model saw: its training run.json's `seq` (the windows it was trained on), else its
+    config's `positions`. Past them a model extrapolates (a first run at 1,024 + 256 on a 512-byte window: bf16's own
+    held-out perplexity 83, against 2.8 inside it)."""
+    try:
+        seq = int(json.loads((folder / "run.json").read_text(encoding="utf-8"))["seq"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return positions
+    return min(seq, positions)
+
+
 def check(params) -> Config:
     """The run's Config: every value checked, the device held against this machine, the model's config read and the
     held-out text long enough for the prompts — before anything is loaded or written."""
@@ -149,14 +162,21 @@ def check(params) -> Config:
     if spec.vocab_size != 256:
         raise ValueError(f"model = {p['model']!r} has a vocabulary of {spec.vocab_size}; this study feeds bytes, "
                          "so it needs a byte-level model (vocab_size 256)")
-    span = p["context"] + p["tokens"] + 1
-    if span > spec.max_positions:
-        raise ValueError(f"context + tokens = {span - 1} is past the model's {spec.max_positions} positions")
+    window = trained_window(folder, spec.max_positions)
+    context = p["context"] or window - p["tokens"]
+    if context < 2:
+        raise ValueError(f"tokens = {p['tokens']}: the model was trained on windows of {window} bytes, which leaves "
+                         f"{context} for a prompt; give fewer tokens (at most {window - 2})")
+    if context + p["tokens"] > window:
+        raise ValueError(f"context = {context}: context + tokens = {context + p['tokens']} is past the {window} "
+                         f"positions the model was trained on (its run.json's seq); give at most "
+                         f"{window - p['tokens']}, or 0 for that")
+    span = context + p["tokens"] + 1
     held = len(gzip.decompress((folder / "heldout.txt.gz").read_bytes()))
     if p["prompts"] * span > held:
         raise ValueError(f"prompts = {p['prompts']}: {p['prompts']} × {span} bytes is more than the held-out text's "
                          f"{held:,}; give fewer prompts or a shorter context")
-    return Config(folder=folder, weights=_split(p["weights"]), scales=_split(p["scales"]), context=p["context"],
+    return Config(folder=folder, weights=_split(p["weights"]), scales=_split(p["scales"]), context=context,
                   tokens=p["tokens"], prompts=p["prompts"], layout=p["layout"], block_size=p["block_size"],
                   device=dev, seed=p["seed"])
 
@@ -252,14 +272,16 @@ def _forced(model, bufs: list[KVBuffer], inputs: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def _greedy(model, bufs: list[KVBuffer], first: torch.Tensor, steps: int) -> torch.Tensor:
-    """Free-running greedy decode: from first [P] (prefill's token) on top of the caches, `steps` tokens [P, steps]."""
+def _greedy(model, bufs: list[KVBuffer], first: torch.Tensor, steps: int, bar) -> torch.Tensor:
+    """Free-running greedy decode: from first [P] (prefill's token) on top of the caches, `steps` tokens [P, steps]
+    (`bar` counts them)."""
     cache = _batched(bufs)
     token, out = first[:, None], []
     for _ in range(steps):
         logits = model(input_ids=token, **{cache_kw(model): cache}, use_cache=True).logits[:, -1]
         token = logits.argmax(-1, keepdim=True)
         out.append(token)
+        bar.update(1)
     return torch.cat(out, 1)
 
 
@@ -271,7 +293,7 @@ def _model(cfg: Config, weights: str):
 
 
 def measure(cfg: Config, run: Run) -> None:
-    """Per weights (a progress bar over weights × prompts, then over scale modes): each prompt prefilled in bf16, its
+    """Per weights (a progress bar over the prefills and greedy decode steps): each prompt prefilled in bf16, its
     cache through the pools in bf16 and as FP8 with each scale mode, then decoded from each. Raw tables:
     prompts.csv (one row per weights, wire, scales and prompt: matches, first divergence, log-likelihoods, bytes)
     and layers.csv (one row per weights, scales, prompt, layer and side: the cache's and the attention output's
@@ -284,7 +306,9 @@ def measure(cfg: Config, run: Run) -> None:
     calib = torch.from_numpy(train[:cfg.context].astype(np.int64))[None].to(cfg.device)
     queries = min(QUERIES, cfg.context)
     rows, layer_rows, checks = [], [], {}
-    bar = tqdm(total=len(cfg.weights) * cfg.prompts * (1 + len(cfg.scales)), desc="wire accuracy", unit="prompt")
+    # what takes the time: the prefills, then per weights the greedy decodes (the reference, the bf16 control, each mode)
+    bar = tqdm(total=len(cfg.weights) * (cfg.prompts + (2 + len(cfg.scales)) * cfg.tokens), desc="wire accuracy",
+               unit="step")
     for weights in cfg.weights:
         model = _model(cfg, weights)
         cal_buf = _prefill(model, calib, queries)[0]
@@ -299,7 +323,7 @@ def measure(cfg: Config, run: Run) -> None:
         first_t = torch.tensor(first, device=cfg.device)
         truth = windows[:, cfg.context:]                     # c_0 … c_N: the held-out bytes after each prompt
         # the reference: decode from the prefill's own cache (colocated); bf16 through the pools must equal it
-        ref_greedy = _greedy(model, bufs, first_t, cfg.tokens)
+        ref_greedy = _greedy(model, bufs, first_t, cfg.tokens, bar)
         forced_in = torch.cat([first_t[:, None], ref_greedy[:, :-1]], 1)
         ref_forced = _forced(model, bufs, forced_in).argmax(-1)
         ref_lp = _forced(model, bufs, truth[:, :-1])
@@ -307,7 +331,7 @@ def measure(cfg: Config, run: Run) -> None:
         for mode in (None, *cfg.scales):
             arrived = [_through_pools(b, cfg, mode, statics.get(mode), cfg.seed + p) for p, b in enumerate(bufs)]
             got = [a for a, _ in arrived]
-            greedy = _greedy(model, got, first_t, cfg.tokens)
+            greedy = _greedy(model, got, first_t, cfg.tokens, bar)
             forced = _forced(model, got, forced_in).argmax(-1)
             lp = _forced(model, got, truth[:, :-1])
             nll = -lp.gather(-1, truth[:, 1:, None])[..., 0].double().sum(1)
@@ -333,7 +357,6 @@ def measure(cfg: Config, run: Run) -> None:
                     layer_rows.append({"weights": weights, "scales": mode, "prompt": p, "layer": i,
                                        "what": "attention output", "max_rel_err": e["max_rel_err"],
                                        "norm_rel_err": e["norm_rel_err"]})
-            bar.update(cfg.prompts if mode is not None else 0)
             if mode is None and not (greedy.equal(ref_greedy) and forced.equal(ref_forced) and nll.equal(ref_nll)):
                 raise RuntimeError(f"{weights} weights: decode from the bf16 cache that crossed the pools differs from "
                                    "decode from the prefill's own cache; the pools are not lossless")

@@ -42,7 +42,7 @@ def run_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``kvlab wire-accuracy [--context 1024] [--tokens 256] [--prompts 32] [--out DIR]``: measure and write a
+    """``kvlab wire-accuracy [--context 256] [--tokens 256] [--prompts 32] [--out DIR]``: measure and write a
     wire_accuracy run; returns the exit status."""
     parser = add_arguments(argparse.ArgumentParser(prog="kvlab wire-accuracy", description=main.__doc__.splitlines()[0]))
     return run_args(parser.parse_args(argv))
