@@ -460,7 +460,7 @@ def figures(a: Analysis) -> dict:
     if fp8.empty:
         raise ValueError("the run sent nothing as FP8, so there is nothing to draw")
     lt = a.tables["wire_layers"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10.5, 4.4), layout="constrained")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9.4, 4.6), layout="constrained")
     modes = list(dict.fromkeys(fp8["scales"]))
     colors = plots.palette(modes)
     bars = [(w, how) for w in dict.fromkeys(fp8["weights"]) for how in ("free", "forced")]
@@ -479,8 +479,8 @@ def figures(a: Analysis) -> dict:
     left.set_xticks(range(len(bars)), [f"{w} weights\n{'free-running' if how == 'free' else 'teacher-forced'}"
                                        for w, how in bars], fontsize=9)
     left.axhline(99, color="0.3", ls="--", lw=1)
-    left.annotate("goal: 99 %", (-0.45, 99), xytext=(0, 3), textcoords="offset points", fontsize=8.5, ha="left",
-                  va="bottom", color="0.3")
+    left.annotate("goal: 99 %", (-0.45, 99), xytext=(0, -3), textcoords="offset points", fontsize=8.5, ha="left",
+                  va="top", color="0.3")
     left.set_ylabel("tokens equal to bf16's greedy tokens (%)")
     left.set_ylim(max(0.0, min(v for v in fp8[["free_lo", "forced_lo"]].min()) - 5), 101)
     left.set_xlim(-0.5, len(bars) - 0.5)  # the scale modes' colours: the right panel's legend
@@ -493,7 +493,8 @@ def figures(a: Analysis) -> dict:
     right.set_xlabel("layer")
     right.set_ylabel("relative error (%)")
     right.set_xticks(sorted(trained["layer"].unique()))
-    right.set_title(f"{trained['weights'].iloc[0]} weights: attention output (solid) and K, V (dotted)")
+    right.set_title(f"Error per layer, {trained['weights'].iloc[0]} weights:\nattention output (solid), K and V (dotted)",
+                    fontsize=11)
     right.legend(fontsize=8.5, frameon=False)
     res = a.record.get("resolved") or {}
     fig.suptitle(f"What an FP8 wire does to decoding: {res.get('prompts', '?')} prompts of "
