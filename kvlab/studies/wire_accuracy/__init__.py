@@ -476,8 +476,9 @@ def figures(a: Analysis) -> dict:
             xs.append(i + (k - (len(modes) - 1) / 2) * width)
             v.append(m), lo.append(m - a_lo), hi.append(a_hi - m)
         left.bar(xs, v, width * 0.9, yerr=[lo, hi], capsize=2.5, color=colors[mode], label=f"{mode} scales")
-    left.set_xticks(range(len(bars)), [f"{w} weights\n{'free-running' if how == 'free' else 'teacher-forced'}"
+    left.set_xticks(range(len(bars)), [f"{w}\n{'free-running' if how == 'free' else 'forced'}"
                                        for w, how in bars], fontsize=9)
+    left.set_xlabel("weights, and how agreement is counted (forced: fed bf16's tokens)", fontsize=9)
     left.axhline(99, color="0.3", ls="--", lw=1)
     left.annotate("goal: 99 %", (-0.45, 99), xytext=(0, -3), textcoords="offset points", fontsize=8.5, ha="left",
                   va="top", color="0.3")
