@@ -23,7 +23,7 @@ from pathlib import Path
 
 from . import paths
 
-__all__ = ["Page", "PAGE_BYTES", "LIBRARY", "is_page", "vendor_dir", "render", "write", "relinked", "standalone",
+__all__ = ["Page", "PAGE_BYTES", "LIBRARY", "is_page", "vendor_dir", "render", "check_size", "write", "relinked", "standalone",
            "run_facts", "source_device", "gpu_name", "WHERE", "where"]
 
 # what a page may weigh without the chart library (its spec, data and text): small enough for a post
@@ -127,16 +127,22 @@ def render(page: Page, folder: Path, footer: str) -> str:
             f"<script>{_BOOT}</script>\n</body>\n</html>\n")
 
 
+def check_size(page: Page, text: str) -> str:
+    """`text` (the page's HTML as render gives it), or ValueError when it exceeds PAGE_BYTES (the chart library is
+    not counted: it is linked, not inlined)."""
+    size = len(text.encode("utf-8"))
+    if size > PAGE_BYTES:
+        raise ValueError(f"page {page.name!r} would be {size:,} bytes without its chart library; a page is kept "
+                         f"under {PAGE_BYTES:,} (fewer data rows, or a coarser grid)")
+    return text
+
+
 def write(page: Page, folder: Path, footer: str) -> Path:
     """Write ``<folder>/<name>.html``; ValueError when the page's own HTML exceeds PAGE_BYTES (the chart library is
     not counted: it is linked, not inlined)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    text = render(page, folder, footer)
-    size = len(text.encode("utf-8"))
-    if size > PAGE_BYTES:
-        raise ValueError(f"page {page.name!r} would be {size:,} bytes without its chart library; a page is kept "
-                         f"under {PAGE_BYTES:,} (fewer data rows, or a coarser grid)")
+    text = check_size(page, render(page, folder, footer))
     out = folder / f"{page.name}.html"
     out.write_text(text, encoding="utf-8")
     return out

@@ -22,12 +22,12 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from . import docgen, goals, provenance, reliability, studies
+from . import docgen, goals, pages, provenance, reliability, studies
 from .paths import read_json, repo_root
 from .study import ctx_label, host_label, md_table, run_link
 
-__all__ = ["MANIFEST", "manifest", "block_names", "render", "update", "check", "evidence_runs", "add_arguments",
-           "run_args"]
+__all__ = ["MANIFEST", "manifest", "block_names", "render", "update", "check", "evidence_runs", "page_files",
+           "add_arguments", "run_args"]
 
 BLOCK_RE = re.compile(r"(<!-- kvlab-report:([a-z0-9_]+) -->\n)(.*?)(<!-- /kvlab-report -->)", re.S)
 MANIFEST = "data/PUBLISHED.yaml"
@@ -266,6 +266,41 @@ def check(readme: str | Path | None = None) -> list[str]:
     return [c for c in changed if c not in NEEDS_HISTORY] if shallow() else changed
 
 
+def page_files() -> dict[Path, str]:
+    """The interactive pages made from several committed runs (manifest `pages`: a name, the study whose PAGES[kind]
+    draws it, the runs): each page's path under figures/<study>/ and its HTML. The footer names the runs and no
+    date or commit, so the same runs give the same bytes and `--check` can compare them."""
+    out = {}
+    for name, entry in (manifest().get("pages") or {}).items():
+        study = studies.get(entry["study"])
+        fn = (getattr(study, "PAGES", None) or {}).get(entry["kind"])
+        if fn is None:
+            raise ValueError(f"{MANIFEST}: page {name}: study {entry['study']} has no page {entry['kind']!r}")
+        runs = _runs(entry)
+        page = fn([analysis(r) for r in runs])
+        if page.name != name:
+            raise ValueError(f"{MANIFEST}: page {name}: {entry['study']}'s {entry['kind']} page is named {page.name!r}")
+        folder = repo_root() / "figures" / entry["study"]
+        footer = f"kvlab · made by kvlab report from the committed runs {', '.join(r.split('/')[-1] for r in runs)}"
+        out[folder / f"{name}.html"] = pages.check_size(page, pages.render(page, folder, footer))
+    return out
+
+
+def _pages(check_only: bool) -> int:
+    bad = 0
+    for path, text in page_files().items():
+        where = path.relative_to(repo_root())
+        same = path.is_file() and path.read_text(encoding="utf-8") == text
+        if check_only:
+            print(f"{where}: {'matches the committed runs' if same else 'differs from what the committed runs give'}")
+            bad |= not same
+        elif not same:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+            print(f"{where}: rewritten")
+    return int(bad)
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("--check", action="store_true", help="only say which blocks differ; exit 1 if any")
     parser.add_argument("--readme", default=None, help="one document to read (default: the README and every page "
@@ -300,4 +335,5 @@ def _one(path: Path, check_only: bool) -> int:
 
 def run_args(args) -> int:
     docs = [Path(args.readme)] if args.readme else documents()
-    return max(_one(p, args.check) for p in docs)
+    status = max(_one(p, args.check) for p in docs)
+    return status if args.readme else max(status, _pages(args.check))

@@ -71,8 +71,20 @@ def test_destinations_and_links_are_named_in_a_readers_words():
         assert f"({lk.gbyte_per_s:g} GB/s" in label and ("µs a copy" in label) == bool(lk.fixed_us), label
 
 
-def _published_pages():
-    return sorted((Path(__file__).resolve().parent.parent / "figures").glob("*/*.html"))
+def _published_pages(sidecar: bool = True):
+    """The pages under figures/: those published from one run (with a sidecar), or those kvlab report makes."""
+    return sorted(p for p in (Path(__file__).resolve().parent.parent / "figures").glob("*/*.html")
+                  if p.with_suffix(".json").is_file() == sidecar)
+
+
+def test_every_page_kvlab_report_makes_is_the_published_one_and_nothing_else_is_there():
+    made = report.page_files()
+    assert sorted(made) == _published_pages(sidecar=False)  # a page without a sidecar is a report page
+    for path, text in made.items():
+        assert path.read_text(encoding="utf-8") == text, f"{path}: run kvlab report"
+        assert [p.rsplit("/", 1)[-1] for p in _links(text)] == list(pages.LIBRARY)
+        assert all((path.parent / p).resolve().is_file() for p in _links(text)), _links(text)
+        assert "peer-cuda" not in text and "seed 004" not in text.lower()
 
 
 @pytest.mark.parametrize("path", _published_pages(), ids=lambda p: f"{p.parent.name}/{p.name}")

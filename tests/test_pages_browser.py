@@ -39,6 +39,9 @@ else {
 window.kvlabView.runAsync().then(() => requestAnimationFrame(() => done(performance.now() - t0)));
 """
 TEXTS = "return Array.from(document.querySelectorAll('#chart svg text')).map(t => t.textContent)"
+# the same, a text's lines (tspans) joined by a line break
+LINES = ("return Array.from(document.querySelectorAll('#chart svg text')).map(t => t.querySelector('tspan') ? "
+         "Array.from(t.querySelectorAll('tspan')).map(s => s.textContent).join('\\n') : t.textContent)")
 
 
 def _artifacts(tmp_path) -> Path:
@@ -254,3 +257,87 @@ def test_paged_page_shows_the_runs_medians_for_every_destination_and_block_size(
         d.save_screenshot(str(_artifacts(tmp_path) / "paged_gbps.png"))
         assert browser.errors(d) == []
     assert checked >= 20
+
+
+def _report_page(name: str) -> Path:
+    from kvlab import report
+
+    made = {p.name: p for p in report.page_files()}
+    return made[f"{name}.html"]  # the published file itself (test_pages holds it equal to what report makes)
+
+
+def test_ttft_page_shows_each_runs_paired_medians_at_every_context_and_mode(tmp_path):
+    from kvlab import report
+
+    entry = report.manifest()["pages"]["ttft_by_backend"]
+    expected: dict[tuple, list] = {}
+    for run in entry["runs"]:  # the runs' own requests: each median below is taken here, not read from the analysis
+        req = report.analysis(run).raw["requests"]
+        timed = req[~req.warmup.astype(bool)]
+        for (layout, context), g in timed.groupby(["layout", "context"]):
+            co = g[g["mode"] == "colocated"].set_index("round").ttft_ms
+            for mode, m in g[g["mode"] != "colocated"].groupby("mode"):
+                diff = (m.set_index("round").ttft_ms - co).dropna()
+                expected.setdefault((mode, int(context)), []).append((float(diff.median()), float(co.median())))
+    contexts = sorted({c for _, c in expected})
+    with browser.chromium() as d:
+        _open(d, _report_page("ttft_by_backend"))
+        for mode in ("bulk", "layerwise"):
+            d.execute_async_script(SET, "mode", mode)
+            for i, context in enumerate(contexts):
+                d.execute_async_script(SET, "ctx", i)
+                texts = [t for t in d.execute_script(TEXTS) if " over colocated's " in t]
+                shown = sorted((float(t.split(" ms [")[0]), _number(t.rsplit("'s ", 1)[1].removesuffix(" ms")))
+                               for t in texts)
+                want = sorted(expected.get((mode, context), []))
+                assert len(shown) == len(want), (mode, context, texts)
+                for (s_extra, s_co), (extra, co) in zip(shown, want):
+                    assert abs(s_extra - extra) <= 0.0051 and _sig_close(s_co, co, 4), (mode, context, texts, want)
+            d.save_screenshot(str(_artifacts(tmp_path) / f"ttft_by_backend_{mode}.png"))
+        assert browser.errors(d) == []
+
+
+def test_faults_page_shows_each_campaigns_decision_times_from_its_runs(tmp_path):
+    from kvlab import report
+    from kvlab.studies.disagg import page as disagg_page
+
+    entry = report.manifest()["pages"]["faults_by_kind"]
+    analyses = [report.analysis(r) for r in entry["runs"]]
+    campaigns: dict[str, list] = {}
+    for a in analyses:
+        campaigns.setdefault(disagg_page.fault_rows([a])[0]["campaign"], []).append(a)
+    with browser.chromium() as d:
+        _open(d, _report_page("faults_by_kind"))
+        for campaign, members in campaigns.items():
+            d.execute_async_script(SET, "campaign", campaign)
+            # a line broken in two is drawn as one text element with a tspan per line
+            lines = [t for t in d.execute_script(LINES) if " · " in t and ": median " in t]
+            expected = sum(len(a.raw["faults"].groupby(["policy", "kind"])) for a in members)
+            assert len(lines) == expected, (campaign, lines)
+            for line in lines:
+                label, text = line.split(": ", 1)
+                kind, policy = label.split(" · ", 1)
+                run = re.search(r"\(run (\S+)\)", policy)
+                pol = policy.split(" (run ")[0]
+                (a,) = [a for a in members if (run is None or a.run_id == run.group(1))
+                        and pol in set(a.raw["faults"].policy)]
+                f = a.raw["faults"]
+                g = f[(f.policy == pol) & (f.kind == kind)].recover_ms  # the run's own faults, raw
+                m = re.search(r"median ([\d,.]+) ms, slowest ([\d,.]+) ms", text)
+                assert _sig_close(_number(m.group(1)), float(g.median()), 3), (line, g.median())
+                assert _sig_close(_number(m.group(2)), float(g.max()), 3), (line, g.max())
+                assert re.search(rf"\b{len(g)}\b", text.split("\n")[1].split(";")[0]), line
+        d.save_screenshot(str(_artifacts(tmp_path) / "faults_by_kind.png"))
+        assert browser.errors(d) == []
+
+
+@pytest.mark.parametrize("path", sorted(p for p in (Path(__file__).resolve().parent.parent / "figures").glob("*/*.html")),
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_published_page_reads_at_700_px_without_scrolling_sideways(path):
+    with browser.chromium() as d:
+        d.set_window_size(700, 1400)
+        _open(d, path)
+        width = d.execute_script("return document.documentElement.scrollWidth")
+        view = d.execute_script("return document.documentElement.clientWidth")
+        assert width <= view, f"{path.name}: {width} px wide in a {view} px window"
+        assert browser.errors(d) == []

@@ -23,9 +23,10 @@ from ...study import Analysis, Param, at_least, check_params, ctx_label
 from .analysis import (bench_table, checksum_table, fault_goal_rows, fault_table, goal_rows, nixl_table, plot,
                        plot_faults)
 from .blocks import BLOCKS, goal_table
+from .page import PAGES
 
 __all__ = ["NAME", "NOTEBOOK", "TITLE", "QUESTION", "FIGURES", "PARAMS", "Config", "check", "measure", "analyse",
-           "figures", "BLOCKS", "goal_table"]
+           "figures", "BLOCKS", "PAGES", "goal_table"]
 
 NAME = "disagg"
 NOTEBOOK = "05_disagg"

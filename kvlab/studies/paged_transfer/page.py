@@ -70,12 +70,12 @@ def page(a: Analysis) -> Page:
                                                labelExpr="datum.label === 'ceiling' ? 'one contiguous copy (the "
                                                          "ceiling)' : 'a method moving the blocks'")),
         tooltip=["method:N", "text:N"])
-    text = base.mark_text(align="left", fontSize=11).encode(x=alt.value(268), y=y, text="text:N")
+    text = base.mark_text(align="left", fontSize=11).encode(x=alt.value(228), y=y, text="text:N")
     heading = base.transform_filter("datum.method === 'contiguous'").transform_calculate(
         label=f"'{ctx_label(context)} tokens in ' + datum.block_size + '-token blocks'").mark_text(
         align="left", fontSize=14, fontWeight="bold").encode(x=alt.value(0), y=alt.value(-12), text="label:N")
     chart = alt.layer(bars, text, heading).add_params(p_dest, p_block).properties(
-        width=260, height=alt.Step(26)).configure_view(stroke=None)
+        width=220, height=alt.Step(26)).configure_view(stroke=None)
     device, commit = run_facts(a.record, a.device_tag)
     intro = (f"A paged KV cache ({ctx_label(context)} tokens of the run's model) sits in small blocks scattered over a "
              "pool; each method below moves the same blocks to the destination you pick, on "
