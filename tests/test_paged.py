@@ -498,16 +498,36 @@ def test_run_nixl_only_writes_results(tmp_path):
     assert list(back.columns) == paged_bench.COLUMNS
 
 
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+@pytest.mark.parametrize("method,dest", [(m, d) for m in STREAM_METHODS for d in CPU_DESTS if _applicable(m, d)])
+def test_an_fp8_pool_moves_by_every_transport_byte_exact(method, dest, layout):
+    # torch has no float8 index_copy_: the transports move an FP8 pool's rows as their bytes (issue 29)
+    spec = _spec(layout, dtype=torch.float8_e4m3fn)
+    src, table = _source(spec, 23, seed=4)
+    n = table.num_blocks
+    host = dest != "same-gpu"
+    dst_table = None if host else BlockAllocator(2 * n + 3, 4, seed=9).allocate(23)
+    opts = {"chunk_mib": 2.5 * spec.block_bytes / 2**20} if method == "chunked-gather-d2h" else {}
+    t = make_transport(method, spec, dest, n + 2 if host else 2 * n + 3, "cpu", **opts)
+    t.prepare(src, table, dst_table)
+    t.poison()
+    assert t.send(src, table, dst_table).wait().all_landed()
+    check = verify_transfer(src, table, t.pool, dst_table)
+    assert check["ok"] and check["blocks"] == 2 * 2 * n, check
+    assert t.pool.data.dtype == torch.float8_e4m3fn
+
+
 # ---------------------------------------------------------------------------------------------------
 # GPU (skipped without CUDA): run these first on a GPU machine, before the notebook
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("method", [m for m in paged_bench.METHODS if m != "contiguous"])
-def test_gpu_transports_land_byte_exact(method, monkeypatch):
+def test_gpu_transports_land_byte_exact(method, dtype, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")  # compiled kernels on the GPU
     dev = torch.device("cuda", torch.cuda.current_device())
-    spec = PoolSpec(4, 16, 4, 128, torch.bfloat16)  # 16 KiB rows, like Qwen2.5-7B
+    spec = PoolSpec(4, 16, 4, 128, dtype)  # 16 KiB rows in bf16, like Qwen2.5-7B; an FP8 pool's are 8 KiB
     tokens = 1000
     n = spec.blocks_for(tokens)
     src = BlockPool(spec, 2 * n, device=dev).fill_random(1)

@@ -41,6 +41,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .pools import indexable
+
 __all__ = [
     "KernelConfig",
     "DEFAULT_CONFIG",
@@ -259,8 +261,8 @@ def copy_rows_reference(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Ten
         rows = rows.to(dst.device, non_blocking=dst.device.type == "cuda" or dst.is_pinned())
     if dst_idx is None:
         dst[: rows.shape[0]].copy_(rows)
-    else:
-        dst.index_copy_(0, dst_idx.to(dst.device), rows)
+    else:  # float8 rows move as their bytes: torch has no float8 index_copy_
+        indexable(dst).index_copy_(0, dst_idx.to(dst.device), indexable(rows))
 
 
 # ---------------------------------------------------------------------------------------------------

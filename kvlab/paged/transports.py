@@ -37,7 +37,7 @@ import torch
 
 from ..landing import Landing
 from ..transfer import Destination, check_capacity
-from .pools import BlockPool, BlockTable, PoolSpec, positive_int
+from .pools import BlockPool, BlockTable, PoolSpec, indexable, positive_int
 
 __all__ = ["Plan", "PagedTransport", "PagedLayerwiseSend", "PerBlockCopy", "TorchIndex", "CudaMemcpyBatch",
            "enable_peer", "row_runs", "same_device", "cuda_runtime"]
@@ -392,15 +392,15 @@ class TorchIndex(PagedTransport):
         tmp = plan.extra["tmp"][lo:hi]
         torch.index_select(src, 0, sidx[lo:hi], out=tmp)
         kind = self.dest.kind
-        if kind == "device":
-            dst.index_copy_(0, didx[lo:hi], tmp)
+        if kind == "device":  # float8 rows move as their bytes: torch has no float8 index_copy_
+            indexable(dst).index_copy_(0, didx[lo:hi], indexable(tmp))
         elif kind == "peer":
             ds = self.dst_stream
             ds.wait_stream(self.stream)
             with torch.cuda.stream(ds):
                 tmp_dst = plan.extra["tmp_dst"][lo:hi]
                 tmp_dst.copy_(tmp, non_blocking=True)
-                dst.index_copy_(0, plan.extra["didx_dst"][lo:hi], tmp_dst)
+                indexable(dst).index_copy_(0, plan.extra["didx_dst"][lo:hi], indexable(tmp_dst))
             self.stream.wait_stream(ds)
         else:
             runs = plan.extra["runs"].get((lo, hi))
