@@ -18,10 +18,13 @@ import os
 import platform
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
+from kvlab import goals, provenance  # noqa: E402
 from kvlab.fabric.sim import simulate  # noqa: E402
 from kvlab.fabric.topology import TopologyConfig  # noqa: E402
 from kvlab.fabric.workload import SENDS, SimConfig  # noqa: E402
@@ -36,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--oversubscription", type=float, default=1.0)
     p.add_argument("--nic-gbit-s", type=float, default=400.0, help="NIC Gb/s per direction (default 400)")
     p.add_argument("--json", default=None, help="also write the rows to this file")
+    p.add_argument("--out", default=None, help="a result folder to make: speed.csv, goals.csv (kvlab.goals' fabric "
+                   "goals) and meta.json (host, commit, load); default data/probes/fabric_speed/<UTC>-<commit>/ for "
+                   "the default cluster, none otherwise")
     args = p.parse_args(argv)
     sends = [s.strip() for s in args.sends.split(",") if s.strip()]
     bad = [s for s in sends if s not in SENDS]
@@ -45,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                           oversubscription=args.oversubscription)
     half = args.gpus // 2
     rows = []
+    out = _result_folder(args)
     for send in sends:
         cfg = SimConfig(topology=topo, prefill_workers=half, decode_workers=args.gpus - half, requests=args.requests,
                         load=args.load, send=send)
@@ -61,7 +68,44 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    if out is not None:
+        _finish(out, rows)
     return 0
+
+
+def _result_folder(args) -> Path | None:
+    """The result folder, made now with meta.json (before anything is timed: the goals as recorded, the load)."""
+    default = args.gpus == 1000 and args.requests == 100_000
+    if args.out is None and not default:
+        return None
+    state = provenance.git_state(ROOT)
+    out = Path(args.out) if args.out else (ROOT / "data" / "probes" / "fabric_speed" /
+                                           f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{str(state.get('commit'))[:7]}")
+    out.mkdir(parents=True, exist_ok=False)
+    meta = {"tool": "tools/fabric_speed.py", "argv": sys.argv[1:],
+            "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "host": {"machine": platform.machine(), "cpus": len(os.sched_getaffinity(0)),
+                     "python": platform.python_version(), "loadavg_start": list(os.getloadavg())},
+            "git": {"commit": state.get("commit"), "dirty": state.get("dirty")},
+            "goals": goals.recorded("fabric"), "status": "running"}
+    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+    return out
+
+
+def _finish(out: Path, rows: list[dict]) -> None:
+    import pandas as pd
+
+    table = pd.DataFrame(rows)
+    table.to_csv(out / "speed.csv", index=False)
+    judged = goals.evaluate(goals.for_study("fabric"), table, keys=("send",))
+    judged.to_csv(out / "goals.csv", index=False)
+    meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
+    meta.update(status="done", finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                loadavg_end=list(os.getloadavg()))
+    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+    for r in judged.itertuples():
+        print(f"goal {r.id} ({r.send}): {r.value} — {r.verdict}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
