@@ -31,6 +31,7 @@ __all__ = ["MANIFEST", "manifest", "block_names", "render", "update", "check", "
 
 BLOCK_RE = re.compile(r"(<!-- kvlab-report:([a-z0-9_]+) -->\n)(.*?)(<!-- /kvlab-report -->)", re.S)
 MANIFEST = "data/PUBLISHED.yaml"
+MODELS = "models"  # data/models/<name>/: trained weights with their training run.json, not a study's runs
 
 
 def _data() -> Path:
@@ -143,17 +144,17 @@ def verdict_counts(prefix: str = "") -> str:
 
 def _committed_runs() -> list[Path]:
     """run.json of every run git tracks under data/ (a checkout's own, ignored CPU runs are not published);
-    every run.json under data/ where git cannot say."""
+    every run.json under data/ where git cannot say. A trained model's folder (data/models/) is not a run."""
     root = repo_root()
     try:
         done = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--", "data/*/*/run.json"],
                               capture_output=True, text=True, timeout=60, check=True)
-        tracked = [root / p for p in done.stdout.split("\0") if p]
+        tracked = [root / p for p in done.stdout.split("\0") if p and not p.startswith(f"data/{MODELS}/")]
         if tracked:
             return sorted(tracked)
     except (OSError, subprocess.SubprocessError):
         pass
-    return sorted(_data().glob("*/*/run.json"))
+    return sorted(p for p in _data().glob("*/*/run.json") if p.parent.parent.name != MODELS)
 
 
 def evidence_runs() -> list[str]:

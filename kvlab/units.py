@@ -28,7 +28,9 @@ def sig(x: float, digits: int) -> str:
     reader of a page sees): sig(1167.3, 4) → "1,167", sig(12346, 4) → "12,350", sig(0.15757, 4) → "0.1576",
     sig(5.70, 3) → "5.7". Non-finite values are written as Python writes them."""
     x = float(x)
-    if x == 0 or not math.isfinite(x):
+    if x == 0:
+        return "0"  # -0.0 too
+    if not math.isfinite(x):
         return f"{x:g}"
     places = digits - 1 - math.floor(math.log10(abs(x)))
     text = f"{round(x, places):,.{max(places, 0)}f}"

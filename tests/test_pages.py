@@ -151,6 +151,6 @@ def test_a_page_is_saved_beside_the_figures_and_published_like_them(kvlab_dirs, 
 
 @pytest.mark.parametrize("x, digits, text", [
     (1167.3, 4, "1,167"), (12346, 4, "12,350"), (0.15757, 4, "0.1576"), (5.70, 3, "5.7"), (-2.345, 2, "-2.3"),
-    (1234567.0, 3, "1,230,000"), (0.000123456, 3, "0.000123"), (0.0, 3, "0"), (100.0, 3, "100")])
+    (1234567.0, 3, "1,230,000"), (0.000123456, 3, "0.000123"), (0.0, 3, "0"), (-0.0, 3, "0"), (100.0, 3, "100")])
 def test_sig_rounds_to_significant_digits_without_exponent_form(x, digits, text):
     assert units.sig(x, digits) == text

@@ -366,3 +366,17 @@ def test_table_rows_are_layer_major():
     n = pool.num_blocks
     want = np.concatenate([(ls * n) + table.ids for ls in range(4)])
     assert np.array_equal(rows, want)
+
+
+def test_an_fp8_pool_is_resharded_by_the_torch_reference_byte_exact():
+    # torch has no float8 index_copy_: the reference moves FP8 heads as their bytes (issue 29)
+    from kvlab.paged.reshard_kernels import Geometry, copy_heads_reference
+
+    src_g, dst_g = Geometry(4, 4, 8, "nhd"), Geometry(2, 4, 8, "hnd")
+    src = torch.randn(6, src_g.heads * 4 * 8).to(torch.float8_e4m3fn)
+    dst = torch.full((5, dst_g.heads * 4 * 8), float("nan")).to(torch.float8_e4m3fn)
+    copy_heads_reference(src, src_g, torch.tensor([4, 1]), 2, dst, dst_g, torch.tensor([0, 3]), 0, 2)
+    got = dst_g.canonical(dst).view(torch.uint8)
+    want = src_g.canonical(src).view(torch.uint8)
+    assert torch.equal(got[[0, 3]], want[[4, 1], 2:4])
+    assert torch.isnan(dst_g.canonical(dst)[[1, 2, 4]].float()).all()  # rows outside keep their poison

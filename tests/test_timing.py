@@ -356,3 +356,14 @@ def test_quantile_ci_is_the_median_ci_at_one_half_and_covers_a_tail_quantile():
         intervals.quantile_ci(x, 1.5)
     with pytest.raises(ValueError, match="non-finite"):
         intervals.quantile_ci([1.0, float("inf"), 2.0], 0.95)
+
+
+def test_mean_ci_covers_the_mean_and_narrows_with_more_samples():
+    rng = np.random.default_rng(5)
+    few, many = rng.normal(10, 2, size=20), rng.normal(10, 2, size=2000)
+    lo, hi = intervals.mean_ci(few)
+    assert lo < few.mean() < hi
+    lo2, hi2 = intervals.mean_ci(many)
+    assert lo2 < 10 < hi2 and (hi2 - lo2) < (hi - lo) / 4
+    with pytest.raises(ValueError, match="mean_ci"):
+        intervals.mean_ci([])

@@ -30,6 +30,7 @@ SMALL = ["--context", "48", "--tokens", "12", "--prompts", "3"]
     ({"model": "data/nowhere"}, "has no config.json"),
     ({"device": "cuda:7"}, "does not exist"),
     ({"context": -1}, "give an int ≥ 0"),
+    ({"context": 1}, "context = 1: a prompt needs at least 2 tokens"),
     ({"context": 400, "tokens": 200}, "past the 512 positions the model was trained on"),
     ({"tokens": 511}, "leaves 1 for a prompt"),
     ({"prompts": 2}, "give an int ≥ 3"),
@@ -66,10 +67,13 @@ def test_a_cpu_run_writes_the_tables_its_control_is_exact_and_it_is_analysed_aga
         g.id for g in goals.for_study("wire_accuracy")]
     acc = pd.read_csv(out / "wire_accuracy.csv")
     issue = ["weights", "wire_dtype", "scales", "tokens", "token_agreement", "ppl_bf16", "ppl_wire", "kv_max_rel_err"]
-    assert set(issue) <= set(acc.columns) and len(acc) == 2 * 4
+    assert set(issue) <= set(acc.columns) and len(acc) == 2 * 5
     control = acc[acc.wire_dtype == "bf16"]
     assert (control.free_agreement_pct == 100).all() and (control.ppl_excess_pct == 0).all()
     assert (control.kv_max_rel_err == 0).all() and (control.bytes_ratio == 1).all()
+    floor = acc[acc.wire_dtype == study.ULP]  # one ulp on a tenth of the elements: a tiny error, and not zero
+    assert ((floor.kv_max_rel_err > 0) & (floor.kv_max_rel_err < 0.01)).all() and (floor.bytes_ratio == 1).all()
+    assert set(record["bf16_forced_vs_greedy_pct"]) == {"trained", "random"}
     fp8 = acc[acc.wire_dtype == "fp8"].set_index(["weights", "scales"])
     # bytes: e4m3 elements plus float32 scales, one per token and head (head_dim 64: 68 / 128) or a few per layer
     assert fp8.loc[("trained", "per-token-head"), "bytes_ratio"] == pytest.approx((64 + 4) / 128)
@@ -77,7 +81,7 @@ def test_a_cpu_run_writes_the_tables_its_control_is_exact_and_it_is_analysed_aga
     assert ((fp8.kv_max_rel_err > 0) & (fp8.kv_max_rel_err < 0.3)).all()
     assert (fp8.ppl_lo <= fp8.ppl_excess_pct).all() and (fp8.ppl_excess_pct <= fp8.ppl_hi).all()
     layers = pd.read_csv(out / "wire_layers.csv")
-    assert {"kv_rel_err", "attn_out_rel_err"} <= set(layers.columns) and len(layers) == 2 * 3 * 4
+    assert {"kv_rel_err", "attn_out_rel_err"} <= set(layers.columns) and len(layers) == 2 * 4 * 4
     assert ((layers.attn_out_rel_err > 0) & (layers.attn_out_rel_err < 0.2)).all()
     assert max(record["query_check_rel_err"].values()) < 0.02  # the captured queries are the model's own
     g = pd.read_csv(out / "goals.csv")
@@ -98,6 +102,35 @@ def test_a_send_that_leaves_poison_is_an_error_not_a_result(tmp_path, monkeypatc
     with pytest.raises(RuntimeError, match="still poison"):
         main(["wire-accuracy", *SMALL, "--weights", "random", "--scales", "per-head", "--out", str(tmp_path / "r")])
     assert json.loads((tmp_path / "r" / "run.json").read_text())["status"] != "finished"
+
+
+def test_a_bf16_copy_that_is_not_the_cache_stops_the_run(tmp_path, monkeypatch):
+    real = study.BlockPool.read
+
+    def swapped(self, table, device=None):  # what lands has its first two blocks' contents swapped
+        out = real(self, table, device)
+        b = self.spec.block_size
+        out.data[..., :b, :], out.data[..., b:2 * b, :] = out.data[..., b:2 * b, :].clone(), out.data[..., :b, :].clone()
+        return out
+
+    # attention reads its keys as a set, so swapping whole tokens decodes the same: the bytes are checked, not only
+    # the decode
+    monkeypatch.setattr(study.BlockPool, "read", swapped)
+    with pytest.raises(RuntimeError, match="the pools are not lossless"):
+        main(["wire-accuracy", *SMALL, "--weights", "trained", "--scales", "per-head", "--out", str(tmp_path / "r")])
+
+
+def test_queries_that_are_not_the_models_stop_the_run_before_any_table(tmp_path, monkeypatch):
+    real = study._rope
+
+    def off(model):  # RoPE at the wrong positions: recomputed attention is not the model's own
+        apply, rotary = real(model)
+        return apply, lambda x, pos: rotary(x, pos + 7)
+
+    monkeypatch.setattr(study, "_rope", off)
+    with pytest.raises(RuntimeError, match="not the plain RoPE attention"):
+        main(["wire-accuracy", *SMALL, "--weights", "trained", "--out", str(tmp_path / "r")])
+    assert not (tmp_path / "r" / "prompts.csv").exists()
 
 
 def test_the_perplexity_interval_is_of_the_distance_from_bf16_and_touches_zero_when_it_spans_it():

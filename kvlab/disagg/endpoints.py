@@ -12,6 +12,7 @@ import torch
 
 from ..kvcache import KVBuffer
 from ..paged import BlockPool, kernels
+from ..paged.pools import indexable
 
 __all__ = ["layer_rows", "Rows", "Source", "Sink", "span", "units", "flip_first_byte"]
 
@@ -133,7 +134,7 @@ class Sink:
         if self.paged:
             staged, rows = staged.to(self.device, non_blocking=True), self.rows.of(unit)
             if self.device.type != "cuda":
-                self.pool.rows.index_copy_(0, rows, staged)
+                indexable(self.pool.rows).index_copy_(0, rows, indexable(staged))  # float8 as its bytes
                 return
             if self._arange is None or len(self._arange) < len(rows):
                 self._arange = torch.arange(self.layers * self.rows.per_layer, device=self.device)

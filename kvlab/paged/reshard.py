@@ -34,7 +34,7 @@ import torch
 
 from .. import calculator, models
 from ..kvcache import KVBuffer, KVLayout, as_dtype
-from .pools import LAYOUTS, BlockAllocator, BlockPool, BlockTable, PoolSpec, positive_int
+from .pools import LAYOUTS, BlockAllocator, BlockPool, BlockTable, PoolSpec, indexable, positive_int
 from .reshard_kernels import Geometry, HeadsConfig, copy_heads
 
 __all__ = ["METHODS", "Piece", "Plan", "plan", "Accounting", "account", "shard_pools", "make_pools",
@@ -467,7 +467,7 @@ class TorchIndex(Mover):
         x = _canon(sp.data.index_select(2, st.tensor(sp.device)), sp.spec.layout)
         x = x[:, :, :, pc.src_head:pc.src_head + pc.heads]
         view = _canon(dp.data, dp.spec.layout)[:, :, :, pc.dst_head:pc.dst_head + pc.heads]
-        view.index_copy_(2, dt.tensor(dp.device), x.to(dp.device))
+        indexable(view).index_copy_(2, dt.tensor(dp.device), indexable(x.to(dp.device)))  # float8 as its bytes
         return 1
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernels import triton_status, word_dtype
-from .pools import LAYOUTS, positive_int
+from .pools import LAYOUTS, indexable, positive_int
 
 __all__ = ["Geometry", "HeadsConfig", "copy_heads", "copy_heads_reference", "launch_heads"]
 
@@ -135,7 +135,7 @@ def copy_heads_reference(src, src_geom, src_rows, src_head, dst, dst_geom, dst_r
     view, which also converts the layout), index_copy_ into the destination's head-sliced view (in place)."""
     x = src_geom.canonical(src.index_select(0, src_rows.to(src.device)))[:, src_head:src_head + heads]
     view = dst_geom.canonical(dst)[:, dst_head:dst_head + heads]
-    view.index_copy_(0, dst_rows.to(dst.device), x.to(dst.device))
+    indexable(view).index_copy_(0, dst_rows.to(dst.device), indexable(x.to(dst.device)))  # float8 as its bytes
 
 
 # ---------------------------------------------------------------------------------------------------

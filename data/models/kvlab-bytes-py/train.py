@@ -8,7 +8,7 @@ loss curve: training loss every 10 steps, held-out loss every 250) and OUT/run.j
 the corpus's sha256). OUT must not exist. Seeded: the same device and versions give the same windows and initial
 weights (GPU kernels need not be bitwise repeatable, so the committed weights are the result, not this script).
 
-Recipe: 4 layers, hidden 256, 4 query heads and 2 KV heads of 64 (grouped-query attention, as Qwen2.5-7B's 28 / 4),
+Recipe: 4 layers, hidden 256, 4 query heads and 2 KV heads of 64 (grouped-query attention, two query heads a KV head),
 MLP 512, tied embeddings; AdamW (lr 3e-3, betas 0.9 / 0.95, weight decay 0.1), 100 warm-up steps then cosine to
 10 %, batches of 32 random windows of 512 bytes, bfloat16 autocast on a GPU, gradient norm clipped at 1."""
 

@@ -55,6 +55,10 @@ FIGURES = ("wire_accuracy",)
 TRAINED = "data/models/kvlab-bytes-py"  # the trained model's folder, from the repository's root
 WEIGHTS = ("trained", "random")
 QUERIES = 64  # the prompt's last queries the attention-output error is measured for
+QUERY_CHECK = 0.02  # recomputed attention from the captured queries must be this close to the model's own
+# the noise floor beside the FP8 rows: the bf16 cache with one bf16 ulp added to or taken from a share of its elements
+# (seeded), an error far smaller than FP8's, so what the metrics make of a tiny change is measured, not guessed
+ULP, ULP_SHARE = "bf16-1ulp", 0.10
 
 
 def _modes(value, name):
@@ -163,6 +167,9 @@ def check(params) -> Config:
         raise ValueError(f"model = {p['model']!r} has a vocabulary of {spec.vocab_size}; this study feeds bytes, "
                          "so it needs a byte-level model (vocab_size 256)")
     window = trained_window(folder, spec.max_positions)
+    if 0 < p["context"] < 2:
+        raise ValueError(f"context = {p['context']}: a prompt needs at least 2 tokens; give 0 for the trained window "
+                         "less the decoded tokens")
     context = p["context"] or window - p["tokens"]
     if context < 2:
         raise ValueError(f"tokens = {p['tokens']}: the model was trained on windows of {window} bytes, which leaves "
@@ -229,14 +236,30 @@ def _prefill(model, ids: torch.Tensor, queries: int):
     return buf, qs, logits, worst
 
 
+def _nudged(buf: KVBuffer, seed: int) -> KVBuffer:
+    """`buf` with one bf16 ulp added to or taken from ULP_SHARE of its elements (seeded): the noise floor's cache."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    bits = buf.data.view(torch.int16)
+    pick = (torch.rand(bits.shape, generator=gen) < ULP_SHARE).to(bits.device)
+    step = (torch.randint(0, 2, bits.shape, generator=gen, dtype=torch.int32) * 2 - 1).to(bits.device)
+    # the magnitude moves one step, the sign stays: a zero stays zero or becomes the smallest subnormal, the largest
+    # finite value never becomes infinite, nothing becomes NaN
+    b = bits.to(torch.int32) & 0xFFFF
+    mag = ((b & 0x7FFF) + torch.where(pick, step, torch.zeros_like(step))).clamp(0, 0x7F7F)
+    new = (b & 0x8000) | mag
+    bits.copy_(torch.where(new >= 0x8000, new - 0x10000, new).to(torch.int16))
+    return buf
+
+
 def _through_pools(buf: KVBuffer, cfg: Config, mode: str | None, static, seed: int) -> tuple[KVBuffer, int]:
     """`buf`'s cache as decode reads it after the wire: written into a paged bf16 pool (blocks drawn at random), sent
-    as FP8 with `mode`'s scales (None: bf16, a copy of the blocks) into a poisoned pool, read back. Returns (the
-    cache that arrived, the bytes that crossed). A poisoned element left is an error: the send did not complete."""
+    as FP8 with `mode`'s scales (None: bf16, a copy of the blocks; ULP: that copy nudged by one ulp, the noise floor)
+    into a poisoned pool, read back. Returns (the cache that arrived, the bytes that crossed). A poisoned element
+    left is an error: the send did not complete."""
     pool, table = BlockPool.from_kv_buffer(buf, cfg.block_size, layout=cfg.layout, seed=seed)
     dst = BlockPool(pool.spec, table.num_blocks, device=pool.device).poison()
     dst_table = BlockTable.packed(table.tokens, cfg.block_size)
-    if mode is None:
+    if mode in (None, ULP):
         blocks = pool.data.index_select(2, table.tensor(pool.device))
         dst.data.index_copy_(2, dst_table.tensor(dst.device), blocks)
         sent = blocks.numel() * blocks.element_size()
@@ -245,6 +268,11 @@ def _through_pools(buf: KVBuffer, cfg: Config, mode: str | None, static, seed: i
         dequantize_scatter_reference(packet, dst, dst_table)
         sent = packet.nbytes
     got = dst.read(dst_table)
+    if mode is None and not torch.equal(got.data.view(torch.int16), buf.data.view(torch.int16)):
+        raise RuntimeError("the bf16 cache that crossed the pools is not the prefill's byte for byte; the pools are "
+                           "not lossless")
+    if mode == ULP:
+        got = _nudged(got, seed)
     left = got.count_poison()
     if left:
         raise RuntimeError(f"{left} elements of the arrived cache are still poison: the {mode or 'bf16'} send did not "
@@ -305,9 +333,9 @@ def measure(cfg: Config, run: Run) -> None:
     windows = torch.from_numpy(np.stack([held[s:s + span] for s in starts]).astype(np.int64)).to(cfg.device)
     calib = torch.from_numpy(train[:cfg.context].astype(np.int64))[None].to(cfg.device)
     queries = min(QUERIES, cfg.context)
-    rows, layer_rows, checks = [], [], {}
+    rows, layer_rows, checks, self_agree = [], [], {}, {}
     # what takes the time: the prefills, then per weights the greedy decodes (the reference, the bf16 control, each mode)
-    bar = tqdm(total=len(cfg.weights) * (cfg.prompts + (2 + len(cfg.scales)) * cfg.tokens), desc="wire accuracy",
+    bar = tqdm(total=len(cfg.weights) * (cfg.prompts + (3 + len(cfg.scales)) * cfg.tokens), desc="wire accuracy",
                unit="step")
     for weights in cfg.weights:
         model = _model(cfg, weights)
@@ -320,6 +348,10 @@ def measure(cfg: Config, run: Run) -> None:
             worst = max(worst, err)
             bar.update(1)
         checks[weights] = worst
+        if worst > QUERY_CHECK:  # the attention-output error would be of some other attention than the model's
+            raise RuntimeError(f"{weights} weights: attention recomputed from the captured queries is {worst:.3g} "
+                               f"off the model's own (more than {QUERY_CHECK}); this model's attention is not the "
+                               "plain RoPE attention the metric assumes")
         first_t = torch.tensor(first, device=cfg.device)
         truth = windows[:, cfg.context:]                     # c_0 … c_N: the held-out bytes after each prompt
         # the reference: decode from the prefill's own cache (colocated); bf16 through the pools must equal it
@@ -328,7 +360,9 @@ def measure(cfg: Config, run: Run) -> None:
         ref_forced = _forced(model, bufs, forced_in).argmax(-1)
         ref_lp = _forced(model, bufs, truth[:, :-1])
         ref_nll = -ref_lp.gather(-1, truth[:, 1:, None])[..., 0].double().sum(1)
-        for mode in (None, *cfg.scales):
+        # bf16 against itself: its teacher-forced argmax over its own greedy tokens (the two ways of decoding)
+        self_agree[weights] = 100 * float((ref_forced == ref_greedy).double().mean())
+        for mode in (None, ULP, *cfg.scales):
             arrived = [_through_pools(b, cfg, mode, statics.get(mode), cfg.seed + p) for p, b in enumerate(bufs)]
             got = [a for a, _ in arrived]
             greedy = _greedy(model, got, first_t, cfg.tokens, bar)
@@ -337,8 +371,8 @@ def measure(cfg: Config, run: Run) -> None:
             nll = -lp.gather(-1, truth[:, 1:, None])[..., 0].double().sum(1)
             for p in range(cfg.prompts):
                 same = (greedy[p] == ref_greedy[p]).cpu().numpy()
-                rows.append({"weights": weights, "wire_dtype": "bf16" if mode is None else "fp8",
-                             "scales": mode or "none", "prompt": p, "start": int(starts[p]), "tokens": cfg.tokens,
+                rows.append({"weights": weights, "wire_dtype": {None: "bf16", ULP: ULP}.get(mode, "fp8"),
+                             "scales": "none" if mode in (None, ULP) else mode, "prompt": p, "start": int(starts[p]), "tokens": cfg.tokens,
                              "free_matches": int(same.sum()),
                              "first_divergence": int(np.argmin(same)) if not same.all() else cfg.tokens,
                              "forced_matches": int((forced[p] == ref_forced[p]).sum()),
@@ -346,15 +380,15 @@ def measure(cfg: Config, run: Run) -> None:
                              "bytes": int(arrived[p][1]), "bf16_bytes": int(bufs[p].nbytes)})
                 if mode is None:
                     continue
-                ref, deq = bufs[p], got[p]
+                ref, deq, mode_label = bufs[p], got[p], mode
                 for e in kv_rel_err(ref, deq):
-                    layer_rows.append({"weights": weights, "scales": mode, "prompt": p, "layer": e["layer"],
+                    layer_rows.append({"weights": weights, "scales": mode_label, "prompt": p, "layer": e["layer"],
                                        "what": e["side"], "max_rel_err": e["max_rel_err"],
                                        "norm_rel_err": e["norm_rel_err"]})
                 for i in range(ref.layout.layers):
                     (kr, vr), (kd, vd) = ref.layer(i), deq.layer(i)
                     e = attn_out_rel_err(qs[p][i], kr[0], vr[0], kd[0], vd[0])
-                    layer_rows.append({"weights": weights, "scales": mode, "prompt": p, "layer": i,
+                    layer_rows.append({"weights": weights, "scales": mode_label, "prompt": p, "layer": i,
                                        "what": "attention output", "max_rel_err": e["max_rel_err"],
                                        "norm_rel_err": e["norm_rel_err"]})
             if mode is None and not (greedy.equal(ref_greedy) and forced.equal(ref_forced) and nll.equal(ref_nll)):
@@ -362,7 +396,7 @@ def measure(cfg: Config, run: Run) -> None:
                                    "decode from the prefill's own cache; the pools are not lossless")
         del model
     bar.close()
-    run.update(query_check_rel_err=checks)
+    run.update(query_check_rel_err=checks, bf16_forced_vs_greedy_pct=self_agree)
     run.save_table(pd.DataFrame(rows), "prompts")
     run.save_table(pd.DataFrame(layer_rows), "layers")
 
@@ -391,7 +425,8 @@ def summarise(prompts: pd.DataFrame, layers: pd.DataFrame) -> pd.DataFrame:
         excess_lo = 0.0 if lo_x <= 0 <= hi_x else min(abs(lo_x), abs(hi_x))
         ppl_b = math.exp(g["nll_bf16"].sum() / (n * len(g)))
         ppl_w = math.exp(g["nll_wire"].sum() / (n * len(g)))
-        kv = layers[(layers["weights"] == w) & (layers["scales"] == sc) & layers["what"].isin(["K", "V"])]
+        key = dt if dt == ULP else sc  # the noise floor's layer rows go by its name
+        kv = layers[(layers["weights"] == w) & (layers["scales"] == key) & layers["what"].isin(["K", "V"])]
         out.append({"weights": w, "wire_dtype": dt, "scales": sc, "tokens": n, "prompts": len(g),
                     "token_agreement": float(free.mean()),
                     "free_agreement_pct": 100 * float(free.mean()), **dict(zip(("free_lo", "free_hi"), _pct_ci(free))),
@@ -418,6 +453,14 @@ def layer_table(layers: pd.DataFrame) -> pd.DataFrame:
     return t.reset_index()
 
 
+def _wire_label(wire_dtype: str, scales: str) -> str:
+    if wire_dtype == "bf16":
+        return "bf16 through the same pools (the control)"
+    if wire_dtype == ULP:
+        return f"bf16 with one ulp on {100 * ULP_SHARE:.0f} % of its elements (the noise floor)"
+    return f"FP8, {scales} scales"
+
+
 def analyse(record: dict, tables: dict) -> Analysis:
     """The accuracy table per weights and scale mode, the per-layer errors, the goals (by those in force when the run
     started) and a finding per row."""
@@ -428,7 +471,7 @@ def analyse(record: dict, tables: dict) -> Analysis:
     findings, values = [], {}
     for r in s.itertuples():
         label = "random weights (weak evidence: flat distributions)" if r.weights == "random" else "trained weights"
-        what = "bf16 through the same pools (the control)" if r.wire_dtype == "bf16" else f"FP8, {r.scales} scales"
+        what = _wire_label(r.wire_dtype, r.scales)
         findings.append(
             f"- {label}, {what}: greedy agreement {r.free_agreement_pct:.2f} % [{r.free_lo:.2f}, {r.free_hi:.2f}] "
             f"free-running (median first difference at position {r.first_divergence_median:.0f} of {r.tokens}), "
@@ -438,6 +481,10 @@ def analyse(record: dict, tables: dict) -> Analysis:
         values[f"{r.weights}.{r.scales}.agreement"] = f"{r.free_agreement_pct:.2f} %"
     findings.append(f"- {res.get('prompts', '?')} prompts of {res.get('context', '?')} held-out bytes each, "
                     f"{res.get('tokens', '?')} positions decoded after each, on {res.get('device', '?')}.")
+    for w, pct in (record.get("bf16_forced_vs_greedy_pct") or {}).items():
+        findings.append(f"- {w} weights, bf16 against itself: its one-pass (teacher-forced) argmax equals its own "
+                        f"step-by-step greedy token at {pct:.2f} % of positions — the two ways of decoding differ in "
+                        "rounding alone.")
     return Analysis(NAME, record, raw=dict(tables), tables={"wire_accuracy": s, "wire_layers": lt}, goals=g,
                     findings=findings, values=values)
 
@@ -456,13 +503,16 @@ def figures(a: Analysis) -> dict:
     import matplotlib.pyplot as plt  # matplotlib only when a figure is drawn
 
     s = a.tables["wire_accuracy"]
-    fp8 = s[s["wire_dtype"] == "fp8"]
-    if fp8.empty:
+    if (s["wire_dtype"] == "fp8").sum() == 0:
         raise ValueError("the run sent nothing as FP8, so there is nothing to draw")
+    # the FP8 modes and, where the run has it, the noise floor (drawn grey, under its own name)
+    fp8 = s[s["wire_dtype"].isin(["fp8", ULP])].assign(
+        scales=lambda t: t["scales"].where(t["wire_dtype"] == "fp8", ULP))
     lt = a.tables["wire_layers"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(9.4, 4.6), layout="constrained")
     modes = list(dict.fromkeys(fp8["scales"]))
-    colors = plots.palette(modes)
+    colors = {**plots.palette([m for m in modes if m != ULP]), ULP: "#8C8C8C"}
+    label = lambda m: "bf16 ± 1 ulp (noise floor)" if m == ULP else f"{m} scales"  # noqa: E731
     bars = [(w, how) for w in dict.fromkeys(fp8["weights"]) for how in ("free", "forced")]
     width = 0.8 / len(modes)
     for k, mode in enumerate(modes):
@@ -475,11 +525,12 @@ def figures(a: Analysis) -> dict:
             m, a_lo, a_hi = r[f"{how}_agreement_pct"], r[f"{how}_lo"], r[f"{how}_hi"]
             xs.append(i + (k - (len(modes) - 1) / 2) * width)
             v.append(m), lo.append(m - a_lo), hi.append(a_hi - m)
-        left.bar(xs, v, width * 0.9, yerr=[lo, hi], capsize=2.5, color=colors[mode], label=f"{mode} scales")
+        left.bar(xs, v, width * 0.9, yerr=[lo, hi], capsize=2.5, color=colors[mode], label=label(mode))
     left.set_xticks(range(len(bars)), [f"{w}\n{'free-running' if how == 'free' else 'forced'}"
                                        for w, how in bars], fontsize=9)
     left.set_xlabel("weights, and how agreement is counted (forced: fed bf16's tokens)", fontsize=9)
-    left.axhline(99, color="0.3", ls="--", lw=1)
+    trained_bars = [i for i, (w, _) in enumerate(bars) if w == "trained"] or [0]
+    left.hlines(99, min(trained_bars) - 0.45, max(trained_bars) + 0.45, color="0.3", ls="--", lw=1)  # the goal
     left.annotate("goal: 99 %", (-0.45, 99), xytext=(0, -3), textcoords="offset points", fontsize=8.5, ha="left",
                   va="top", color="0.3")
     left.set_ylabel("tokens equal to bf16's greedy tokens (%)")
@@ -489,7 +540,7 @@ def figures(a: Analysis) -> dict:
     trained = lt[lt["weights"] == "trained"] if (lt["weights"] == "trained").any() else lt
     for mode in modes:
         t = trained[trained["scales"] == mode]
-        right.plot(t["layer"], 100 * t["attn_out_rel_err"], marker="o", color=colors[mode], label=f"{mode} scales")
+        right.plot(t["layer"], 100 * t["attn_out_rel_err"], marker="o", color=colors[mode], label=label(mode))
         right.plot(t["layer"], 100 * t["kv_rel_err"], marker="s", ls=":", color=colors[mode])
     right.set_xlabel("layer")
     right.set_ylabel("relative error (%)")
@@ -510,7 +561,8 @@ def _table(analyses: list[Analysis], link, **_) -> str:
     for a in analyses:
         for r in a.tables["wire_accuracy"].itertuples():
             rows.append({"run": link(a.where), "weights": r.weights if r.weights == "trained" else "random (weak evidence)",
-                         "wire": "bf16 (control)" if r.wire_dtype == "bf16" else f"FP8, {r.scales}",
+                         "wire": {"bf16": "bf16 (control)", ULP: "bf16 ± 1 ulp (noise floor)"}.get(
+                             r.wire_dtype, f"FP8, {r.scales}"),
                          "greedy agreement, free-running % [95 %]": f"{r.free_agreement_pct:.2f} [{r.free_lo:.2f}, {r.free_hi:.2f}]",
                          "first difference (median position)": f"{r.first_divergence_median:.0f} of {r.tokens}",
                          "teacher-forced % [95 %]": f"{r.forced_agreement_pct:.2f} [{r.forced_lo:.2f}, {r.forced_hi:.2f}]",

@@ -31,7 +31,7 @@ def run_args(args: argparse.Namespace) -> int:
     """Run ``kvlab wire-accuracy`` from parsed arguments; returns the exit status (bad input: ValueError, one line)."""
     path, analysis = run_from_args(face, args, "kvlab wire-accuracy")
     for r in analysis.tables["wire_accuracy"].itertuples():
-        wire = "bf16 (control)" if r.wire_dtype == "bf16" else f"fp8 {r.scales}"
+        wire = {"bf16": "bf16 (control)", face.ULP: "bf16 ± 1 ulp"}.get(r.wire_dtype, f"fp8 {r.scales}")
         print(f"{r.weights:8} {wire:19} agreement {r.free_agreement_pct:6.2f} % free [{r.free_lo:.2f}, {r.free_hi:.2f}]"
               f"  {r.forced_agreement_pct:6.2f} % forced  ppl {r.ppl_bf16:.4f} → {r.ppl_wire:.4f} "
               f"({r.ppl_excess_pct:.3f} %)  cache max err {r.kv_max_rel_err:.3g}  {r.bytes_ratio:.3f}× bytes")
