@@ -547,7 +547,7 @@ def figures(a: Analysis) -> dict:
     right.set_xticks(sorted(trained["layer"].unique()))
     right.set_title(f"Error per layer, {trained['weights'].iloc[0]} weights:\nattention output (solid), K and V (dotted)",
                     fontsize=11)
-    right.legend(fontsize=8.5, frameon=False)
+    right.legend(fontsize=8.5, frameon=False, loc="lower right", bbox_to_anchor=(1.0, 0.12))  # between the lines
     res = a.record.get("resolved") or {}
     fig.suptitle(f"What an FP8 wire does to decoding: {res.get('prompts', '?')} prompts of "
                  f"{res.get('context', '?')} held-out bytes, {res.get('tokens', '?')} positions each", fontsize=12)
