@@ -470,7 +470,8 @@ def analyse(record: dict, tables: dict) -> Analysis:
     res = record.get("resolved") or {}
     findings, values = [], {}
     for r in s.itertuples():
-        label = "random weights (weak evidence: flat distributions)" if r.weights == "random" else "trained weights"
+        label = "random weights (weak evidence: their output barely depends on the cache)" if r.weights == "random" \
+            else "trained weights"
         what = _wire_label(r.wire_dtype, r.scales)
         findings.append(
             f"- {label}, {what}: greedy agreement {r.free_agreement_pct:.2f} % [{r.free_lo:.2f}, {r.free_hi:.2f}] "
