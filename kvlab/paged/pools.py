@@ -33,7 +33,7 @@ from ..kvcache import KVBuffer, KVLayout, as_dtype
 from ..landing import TransferError
 
 __all__ = ["LAYOUTS", "PoolSpec", "BlockTable", "BlockAllocator", "BlockPool", "paged_prefill_cache",
-           "prefill_into_pages", "verify_transfer", "positive_int", "indexable"]
+           "prefill_into_pages", "verify_transfer", "positive_int", "indexable", "check_layout"]
 
 LAYOUTS = ("nhd", "hnd")
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -45,6 +45,12 @@ def indexable(t: torch.Tensor) -> torch.Tensor:
     """`t`, or for a float8 tensor a uint8 view of the same bytes: torch has no index_copy_ (nor normal_) kernel
     for the float8 dtypes, and moving bytes needs none of their arithmetic."""
     return t.view(torch.uint8) if t.dtype in _FLOAT8 else t
+
+
+def check_layout(value, name: str = "layout") -> None:
+    """ValueError (one line, naming `name`) unless `value` is a pool layout of LAYOUTS."""
+    if value not in LAYOUTS:
+        raise ValueError(f"{name} = {value!r} is not a pool layout; give one of {', '.join(LAYOUTS)}")
 
 
 def positive_int(name: str, value) -> int:

@@ -47,7 +47,7 @@ import torch
 from ..kvcache import KVBuffer
 from .pools import BlockPool, BlockTable, PoolSpec, positive_int
 
-__all__ = ["E4M3_MAX", "SCALE_MODES", "E4M3_NAN", "BF16_NAN", "check_mode", "wire_bytes", "raw_bytes",
+__all__ = ["E4M3_MAX", "SCALE_MODES", "E4M3_NAN", "BF16_NAN", "check_mode", "check_modes", "wire_bytes", "raw_bytes",
            "scale_shape", "WirePacket", "empty_packet", "check_static_scales", "calibrate_scales", "layer_range",
            "quantize_gather_reference", "dequantize_scatter_reference", "kv_rel_err", "causal_attention", "attn_out_rel_err",
            "breakeven_gbps"]
@@ -57,6 +57,14 @@ SCALE_MODES = ("per-token-head", "per-head", "per-tensor")
 STATIC_MODES = ("per-head", "per-tensor")
 E4M3_NAN = 0x7F     # the canonical e4m3fn NaN on the wire
 BF16_NAN = 0x7FC0   # the canonical bf16 NaN a dequantize writes
+
+
+def check_modes(value, name: str = "scales") -> None:
+    """ValueError (one line, naming `name`) unless `value` is distinct scale modes of SCALE_MODES, comma-separated."""
+    got = [v.strip() for v in str(value).split(",") if v.strip()]
+    bad = [v for v in got if v not in SCALE_MODES]
+    if not got or bad or len(set(got)) != len(got):
+        raise ValueError(f"{name} = {value!r}: give distinct scale modes of {', '.join(SCALE_MODES)}, comma-separated")
 
 
 def check_mode(mode) -> str:

@@ -35,8 +35,8 @@ from ... import devices, goals, models, plots
 from ...intervals import mean_ci
 from ...kvcache import KVBuffer
 from ...paged import BlockPool, BlockTable
-from ...paged.pools import LAYOUTS
-from ...paged.wire import (SCALE_MODES, attn_out_rel_err, calibrate_scales, causal_attention,
+from ...paged.pools import check_layout
+from ...paged.wire import (SCALE_MODES, attn_out_rel_err, calibrate_scales, causal_attention, check_modes,
                            dequantize_scatter_reference, kv_rel_err, quantize_gather_reference)
 from ...paths import repo_root
 from ...results import Run
@@ -61,22 +61,10 @@ QUERY_CHECK = 0.02  # recomputed attention from the captured queries must be thi
 ULP, ULP_SHARE = "bf16-1ulp", 0.10
 
 
-def _modes(value, name):
-    got = [v.strip() for v in str(value).split(",") if v.strip()]
-    bad = [v for v in got if v not in SCALE_MODES]
-    if not got or bad or len(set(got)) != len(got):
-        raise ValueError(f"{name} = {value!r}: give distinct scale modes of {', '.join(SCALE_MODES)}, comma-separated")
-
-
 def _weights(value, name):
     got = [v.strip() for v in str(value).split(",") if v.strip()]
     if not got or any(v not in WEIGHTS for v in got) or len(set(got)) != len(got):
         raise ValueError(f"{name} = {value!r}: give distinct weights of {', '.join(WEIGHTS)}, comma-separated")
-
-
-def _layout(value, name):
-    if value not in LAYOUTS:
-        raise ValueError(f"{name} = {value!r} is not a pool layout; give one of {', '.join(LAYOUTS)}")
 
 
 def _folder(value, name):
@@ -94,14 +82,14 @@ PARAMS = (
     Param("weights", "str", ",".join(WEIGHTS), "which weights: trained (the folder's) and random (the same shape, "
           "seeded), comma-separated", _weights),
     Param("scales", "str", ",".join(SCALE_MODES), "scale modes, comma-separated: per-token-head (dynamic), per-head "
-          "and per-tensor (static, calibrated on a window of the training text)", _modes),
+          "and per-tensor (static, calibrated on a window of the training text)", check_modes),
     Param("context", "int", 0, "prompt length in tokens (bytes), each prompt's cache the wire carries; 0: the "
           "window the model was trained on less the decoded tokens (prompt and decode stay inside it)", at_least(0)),
     Param("tokens", "int", 256, "positions decoded after each prompt, greedy agreement and perplexity counted over "
           "them", at_least(1)),
     Param("prompts", "int", 32, "prompts of held-out text, evenly spaced through it; the intervals are over prompts",
           at_least(3)),
-    Param("layout", "str", "hnd", "both pools' layout: hnd or nhd", _layout),
+    Param("layout", "str", "hnd", "both pools' layout: hnd or nhd", check_layout),
     Param("block_size", "int", 16, "tokens per block", at_least(1)),
     Param("device", "str", "cpu", "where the model runs: cpu, or cuda:N; \"auto\": cuda:0 where there is a GPU",
           devices.check_device_name),

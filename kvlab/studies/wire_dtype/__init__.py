@@ -25,8 +25,8 @@ from tqdm.auto import tqdm
 from ... import devices, goals, models, plots
 from ...intervals import median_ci
 from ...paged import BlockAllocator, BlockPool, PoolSpec
-from ...paged.pools import LAYOUTS
-from ...paged.wire import SCALE_MODES, breakeven_gbps
+from ...paged.pools import check_layout
+from ...paged.wire import SCALE_MODES, breakeven_gbps, check_modes
 from ...paged.wire_kernels import bench_wire
 from ...parse import token_list
 from ...results import Run
@@ -47,26 +47,14 @@ CPU_MODEL, CPU_CONTEXTS, CPU_REPEATS = "kvlab-tiny", "256", 3
 PATHS = {"d2d": "same GPU", "d2h": "pinned host", "h2d": "pinned host"}
 
 
-def _modes(value, name):
-    got = [v.strip() for v in str(value).split(",") if v.strip()]
-    bad = [v for v in got if v not in SCALE_MODES]
-    if not got or bad or len(set(got)) != len(got):
-        raise ValueError(f"{name} = {value!r}: give distinct scale modes of {', '.join(SCALE_MODES)}, comma-separated")
-
-
-def _layout(value, name):
-    if value not in LAYOUTS:
-        raise ValueError(f"{name} = {value!r} is not a pool layout; give one of {', '.join(LAYOUTS)}")
-
-
 PARAMS = (
     Param("model", "str", "auto", "registry name or a config.json / model folder: the cache's shape; \"auto\": "
           f"{GPU_MODEL} on a GPU, {CPU_MODEL} on a CPU", lambda v, n: models.model_ref(v, n)),
     Param("contexts", "str", "auto", f"tokens in the cache, comma-separated; \"auto\": {GPU_CONTEXTS} on a GPU, "
           f"{CPU_CONTEXTS} on a CPU", lambda v, n: token_list(v, n, 1)),
     Param("scales", "str", ",".join(SCALE_MODES), "scale modes, comma-separated: per-token-head (dynamic), per-head "
-          "and per-tensor (static, calibrated on the cache)", _modes),
-    Param("layout", "str", "hnd", "both pools' layout: hnd or nhd", _layout),
+          "and per-tensor (static, calibrated on the cache)", check_modes),
+    Param("layout", "str", "hnd", "both pools' layout: hnd or nhd", check_layout),
     Param("block_size", "int", 16, "tokens per block", at_least(1)),
     Param("device", "str", "auto", "the GPU: cuda:N, or cpu (checks the logic); \"auto\": cuda:0, cpu where there "
           "is no GPU (or KVLAB_PRESET set to cpu)", devices.check_device_name),
