@@ -274,31 +274,42 @@ def _report_page(name: str) -> Path:
 
 def test_ttft_page_shows_each_runs_paired_medians_at_every_context_and_mode(tmp_path):
     from kvlab import report
+    from kvlab.studies.disagg import page as disagg_page
 
     entry = report.manifest()["pages"]["ttft_by_backend"]
-    expected: dict[tuple, list] = {}
+    expected: dict[tuple, dict] = {}
     for run in entry["runs"]:  # the runs' own requests: each median below is taken here, not read from the analysis
-        req = report.analysis(run).raw["requests"]
+        a = report.analysis(run)
+        labels = {(r["mode"], r["context"], r["layout"]): r["row"] for r in disagg_page.ttft_rows([a])}
+        req = a.raw["requests"]
         timed = req[~req.warmup.astype(bool)]
         for (layout, context), g in timed.groupby(["layout", "context"]):
             co = g[g["mode"] == "colocated"].set_index("round").ttft_ms
             for mode, m in g[g["mode"] != "colocated"].groupby("mode"):
                 diff = (m.set_index("round").ttft_ms - co).dropna()
-                expected.setdefault((mode, int(context)), []).append((float(diff.median()), float(co.median())))
+                row = labels[(mode, int(context), layout)]
+                expected.setdefault((mode, int(context)), {})[row] = (float(diff.median()), float(co.median()))
     contexts = sorted({c for _, c in expected})
+    # each text with where it sits: a bar's value line sits just under its row's label
+    placed = "return Array.from(document.querySelectorAll('#chart svg text')).map(t => [t.textContent, " \
+             "t.getBoundingClientRect().top])"
     with browser.chromium() as d:
         _open(d, _report_page("ttft_by_backend"))
         for mode in ("bulk", "layerwise"):
             d.execute_async_script(SET, "mode", mode)
             for i, context in enumerate(contexts):
                 d.execute_async_script(SET, "ctx", i)
-                texts = [t for t in d.execute_script(TEXTS) if " over colocated's " in t]
-                shown = sorted((float(t.split(" ms [")[0]), _number(t.rsplit("'s ", 1)[1].removesuffix(" ms")))
-                               for t in texts)
-                want = sorted(expected.get((mode, context), []))
-                assert len(shown) == len(want), (mode, context, texts)
-                for (s_extra, s_co), (extra, co) in zip(shown, want):
-                    assert abs(s_extra - extra) <= 0.0051 and _sig_close(s_co, co, 4), (mode, context, texts, want)
+                items = d.execute_script(placed)
+                want = expected.get((mode, context), {})
+                rows = [(top, t) for t, top in items if t in want]
+                values = [(top, t) for t, top in items if " over colocated's " in t]
+                assert len(rows) == len(values) == len(want), (mode, context, items)
+                for top, text in values:
+                    row = max((r for r in rows if r[0] < top), key=lambda r: r[0])[1]  # the label just above
+                    extra, co = want[row]
+                    s_extra = float(text.split(" ms [")[0])
+                    s_co = _number(text.rsplit("'s ", 1)[1].removesuffix(" ms"))
+                    assert abs(s_extra - extra) <= 0.0051 and _sig_close(s_co, co, 4), (mode, context, row, text)
             d.save_screenshot(str(_artifacts(tmp_path) / f"ttft_by_backend_{mode}.png"))
         assert browser.errors(d) == []
 

@@ -34,7 +34,8 @@ def ttft_rows(analyses: list[Analysis]) -> list[dict]:
     out = []
     for a in analyses:
         for r in a.tables["summary"].itertuples():
-            out.append({"row": _backend(a, r.layout), "run": a.run_id, "mode": r.mode, "context": int(r.context),
+            out.append({"row": _backend(a, r.layout), "run": a.run_id, "layout": r.layout, "mode": r.mode,
+                        "context": int(r.context),
                         "extra_ms": float(r.ttft_extra_ms), "lo": float(r.ttft_extra_ms_lo),
                         "hi": float(r.ttft_extra_ms_hi),
                         "text": f"{r.ttft_extra_ms:+.2f} ms [{r.ttft_extra_ms_lo:+.2f}, {r.ttft_extra_ms_hi:+.2f}] over "
