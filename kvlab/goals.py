@@ -461,7 +461,8 @@ _FABRIC = [
     Goal("fabric.speed_bulk", "fabric", "1,000 GPUs × 100,000 requests with bulk sends simulated in < 5 minutes on a "
          "2-core machine", "wall_s", "<=", 300.0, unit=" s", digits=1,
          applies=lambda r, t: getattr(r, "send", None) == "bulk" and getattr(r, "gpus", 0) == 1000
-         and getattr(r, "requests", 0) == 100_000 and getattr(r, "cores", 0) == 2,
+         and getattr(r, "requests", 0) == 100_000 and getattr(r, "cores", 0) == 2 and getattr(r, "load", 0) == 0.8
+         and getattr(r, "oversubscription", 0) == 1.0 and getattr(r, "nic_gbit_s", 0) == 400.0,
          declared="issue 30, 2026-12-02 (recorded 2026-12-03, before any recorded timing run)",
          note="one simulation's wall time (a point value: each takes minutes); the layer-wise time is reported beside"),
 ]

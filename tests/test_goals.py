@@ -56,7 +56,7 @@ _CANDIDATES += [dict(path="d2h", flows=4, role="validate", first_row=True)]
 # the wire accuracy study's rows (kvlab.studies.wire_accuracy.summarise) and a published page's latency summary
 _CANDIDATES += [dict(weights="trained", wire_dtype="fp8", scales="per-token-head"), dict(page="calculator/x.html")]
 # tools/fabric_speed.py's rows
-_CANDIDATES += [dict(send="bulk", gpus=1000, requests=100_000, cores=2)]
+_CANDIDATES += [dict(send="bulk", gpus=1000, requests=100_000, cores=2, load=0.8, oversubscription=1.0, nic_gbit_s=400.0)]
 
 
 def _row(goal: G.Goal, case: str) -> pd.DataFrame:

@@ -116,7 +116,7 @@ def test_a_bf16_copy_that_is_not_the_cache_stops_the_run(tmp_path, monkeypatch):
     # attention reads its keys as a set, so swapping whole tokens decodes the same: the bytes are checked, not only
     # the decode
     monkeypatch.setattr(study.BlockPool, "read", swapped)
-    with pytest.raises(RuntimeError, match="the pools are not lossless"):
+    with pytest.raises(RuntimeError, match="byte for byte"):
         main(["wire-accuracy", *SMALL, "--weights", "trained", "--scales", "per-head", "--out", str(tmp_path / "r")])
 
 
@@ -145,3 +145,19 @@ def test_the_perplexity_interval_is_of_the_distance_from_bf16_and_touches_zero_w
     assert r.ppl_lo == 0.0 and r.ppl_hi > r.ppl_excess_pct
     assert r.ppl_excess_pct == pytest.approx(100 * abs(math.exp(np.mean([0.01, -0.02, 0.015, -0.005, 0.0])) - 1))
     assert r.forced_agreement_pct == 90.0 and r.free_agreement_pct == 100.0
+
+
+def test_the_noise_floor_moves_a_tenth_of_the_finite_elements_by_one_ulp_and_nothing_else():
+    from kvlab.kvcache import KVBuffer, KVLayout
+
+    buf = KVBuffer(KVLayout(2, 1, 2, 64, 16, torch.bfloat16))
+    buf.data.copy_(torch.randn(buf.data.shape))
+    buf.data.view(-1)[:50] = 0.0
+    buf.data.view(-1)[50:60] = float("nan")  # poison is never nudged into a number
+    before = buf.data.clone()
+    study._nudged(buf, 3)
+    moved = before.view(torch.int16) != buf.data.view(torch.int16)
+    assert 0.07 < float(moved.float().mean()) < 0.13
+    assert torch.isnan(buf.data.view(-1)[50:60]).all() and torch.isfinite(buf.data.view(-1)[60:]).all()
+    a, b = before.view(torch.int16).int() & 0x7FFF, buf.data.view(torch.int16).int() & 0x7FFF
+    assert ((a - b).abs() <= 1).all() and torch.equal(torch.signbit(before[moved]), torch.signbit(buf.data[moved]))

@@ -228,12 +228,12 @@ def _nudged(buf: KVBuffer, seed: int) -> KVBuffer:
     """`buf` with one bf16 ulp added to or taken from ULP_SHARE of its elements (seeded): the noise floor's cache."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     bits = buf.data.view(torch.int16)
-    pick = (torch.rand(bits.shape, generator=gen) < ULP_SHARE).to(bits.device)
+    pick = (torch.rand(bits.shape, generator=gen) < ULP_SHARE).to(bits.device) & torch.isfinite(buf.data)
     step = (torch.randint(0, 2, bits.shape, generator=gen, dtype=torch.int32) * 2 - 1).to(bits.device)
     # the magnitude moves one step, the sign stays: a zero stays zero or becomes the smallest subnormal, the largest
     # finite value never becomes infinite, nothing becomes NaN
     b = bits.to(torch.int32) & 0xFFFF
-    mag = ((b & 0x7FFF) + torch.where(pick, step, torch.zeros_like(step))).clamp(0, 0x7F7F)
+    mag = torch.where(pick, ((b & 0x7FFF) + step).clamp(0, 0x7F7F), b & 0x7FFF)  # only the picked ones move
     new = (b & 0x8000) | mag
     bits.copy_(torch.where(new >= 0x8000, new - 0x10000, new).to(torch.int16))
     return buf
@@ -259,12 +259,12 @@ def _through_pools(buf: KVBuffer, cfg: Config, mode: str | None, static, seed: i
     if mode is None and not torch.equal(got.data.view(torch.int16), buf.data.view(torch.int16)):
         raise RuntimeError("the bf16 cache that crossed the pools is not the prefill's byte for byte; the pools are "
                            "not lossless")
-    if mode == ULP:
-        got = _nudged(got, seed)
-    left = got.count_poison()
+    left = got.count_poison()  # before the noise floor's nudge, which must not hide a send that did not complete
     if left:
         raise RuntimeError(f"{left} elements of the arrived cache are still poison: the {mode or 'bf16'} send did not "
                            "complete")
+    if mode == ULP:
+        got = _nudged(got, seed)
     return got, sent
 
 
@@ -467,7 +467,8 @@ def analyse(record: dict, tables: dict) -> Analysis:
             f"{r.forced_agreement_pct:.2f} % teacher-forced; perplexity {sig(r.ppl_wire, 4)} against bf16's "
             f"{sig(r.ppl_bf16, 4)} ({r.ppl_excess_pct:.3f} % apart, [{r.ppl_lo:.3f}, {r.ppl_hi:.3f}]); worst element "
             f"of the cache {sig(r.kv_max_rel_err)} off; {r.bytes_ratio:.3f}× the bf16 bytes.")
-        values[f"{r.weights}.{r.scales}.agreement"] = f"{r.free_agreement_pct:.2f} %"
+        values[f"{r.weights}.{r.scales if r.wire_dtype == 'fp8' else r.wire_dtype}.agreement"] = \
+            f"{r.free_agreement_pct:.2f} %"
     findings.append(f"- {res.get('prompts', '?')} prompts of {res.get('context', '?')} held-out bytes each, "
                     f"{res.get('tokens', '?')} positions decoded after each, on {res.get('device', '?')}.")
     for w, pct in (record.get("bf16_forced_vs_greedy_pct") or {}).items():
