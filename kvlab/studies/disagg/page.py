@@ -100,20 +100,17 @@ def _campaign(a: Analysis) -> str:
 def fault_rows(analyses: list[Analysis]) -> list[dict]:
     """One row per (campaign, policy, kind): faults, the median and slowest time to a decision, what came of them."""
     out = []
-    for a in analyses:
+    for a in analyses:  # each run's fault table, as its analysis made it (kvlab.studies.disagg.analysis.fault_table)
         f = a.raw["faults"]
         deadline = float(f["fault_timeout_s"].iloc[0]) * 1e3 if "fault_timeout_s" in f else float("nan")
-        for (policy, kind), g in f.groupby(["policy", "kind"], sort=False):
-            dec = g[g["decoded"].astype(bool)]
-            wrong = int((~(dec["tokens_match"].astype(bool) & dec["logits_equal"].astype(bool)
-                           & dec["bytes_equal"].astype(bool))).sum())
-            outcomes = "; ".join(f"{k} {v}" for k, v in g["outcome"].value_counts().items())
-            out.append({"campaign": _campaign(a), "run": a.run_id, "policy": str(policy), "base": str(policy),
-                        "kind": str(kind),
-                        "faults": len(g), "median_ms": float(g["recover_ms"].median()),
-                        "max_ms": float(g["recover_ms"].max()), "deadline_ms": deadline,
-                        "text": f"median {units.sig(g['recover_ms'].median(), 3)} ms, slowest "
-                                f"{units.sig(g['recover_ms'].max(), 3)} ms\n{outcomes}; {wrong} decodes ≠ colocated"})
+        for r in a.tables["fault_summary"].to_dict("records"):
+            median, slowest, wrong = r["decision median ms"], r["decision max ms"], r["decodes ≠ colocated"]
+            outcomes = r["outcome"].replace(", ", "; ")  # no outcome's name holds a comma
+            out.append({"campaign": _campaign(a), "run": a.run_id, "policy": str(r["policy"]),
+                        "base": str(r["policy"]), "kind": str(r["kind"]), "faults": int(r["faults"]),
+                        "median_ms": float(median), "max_ms": float(slowest), "deadline_ms": deadline,
+                        "text": f"median {units.sig(median, 3)} ms, slowest {units.sig(slowest, 3)} ms\n{outcomes}; "
+                                f"{wrong} decodes ≠ colocated"})
     # a campaign may hold two runs of one policy (a rerun after a change): their bars are told apart by run
     seen: dict[tuple, set] = {}
     for r in out:

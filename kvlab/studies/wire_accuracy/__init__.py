@@ -302,10 +302,10 @@ def _greedy(model, bufs: list[KVBuffer], first: torch.Tensor, steps: int, bar) -
 
 
 def _model(cfg: Config, weights: str):
-    spec = models.from_hf_config(str(cfg.folder / "config.json"))
     if weights == "trained":
         return models.build(str(cfg.folder), weights=str(cfg.folder), device=cfg.device, dtype="bfloat16")
-    return models.build(spec, weights="random", device=cfg.device, dtype="bfloat16", seed=cfg.seed)
+    return models.build(str(cfg.folder / "config.json"), weights="random", device=cfg.device, dtype="bfloat16",
+                        seed=cfg.seed)
 
 
 def measure(cfg: Config, run: Run) -> None:
