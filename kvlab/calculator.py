@@ -31,6 +31,9 @@ __all__ = [
     "kv_bytes_per_token",
     "kv_layer_bytes",
     "kv_cache_bytes",
+    "recurrent_state_bytes",
+    "state_layer_bytes",
+    "cache_bytes",
     "attended_pairs",
     "PrefillFlops",
     "prefill_flops",
@@ -103,25 +106,30 @@ def _positive_float(name: str, value: Any) -> float:
 
 
 def kv_bytes_per_token(model: Any, kv_dtype: Any = "bf16") -> int:
-    """KV bytes one token adds to the cache, summed over all layers (no sliding-window cap).
+    """KV bytes one token adds to the cache, summed over the attention layers (no sliding-window cap).
 
     Standard attention: ``layers · 2 (K and V) · kv_heads · head_dim · bytes``.
     MLA: ``layers · (kv_lora_rank + qk_rope_head_dim) · bytes`` — one compressed latent and the
     shared RoPE key, not separate K and V. ``llama-2-7b`` in bf16: 32·2·32·128·2 = 524288.
+    A hybrid's state layers add nothing per token (:func:`recurrent_state_bytes` is their fixed state), and a
+    sliding layer stops adding once its window is full: at a prompt's length the bytes per token are
+    ``kv_cache_bytes(model, tokens) / tokens``, which can be much less.
     """
     spec = _spec(model)
-    return spec.layers * spec.kv_elements_per_token_layer * dtype_bytes(kv_dtype)
+    return len(spec.attention_layers) * spec.kv_elements_per_token_layer * dtype_bytes(kv_dtype)
 
 
 def kv_layer_bytes(model: Any, tokens: int, kv_dtype: Any = "bf16") -> list[int]:
     """KV bytes held by each layer after ``tokens`` tokens, as a list of ``layers`` ints.
 
-    A sliding-window layer holds ``min(tokens, sliding_window)`` tokens; the others hold all.
+    A sliding-window layer holds ``min(tokens, sliding_window)`` tokens; a hybrid's state layers hold none (0);
+    the others hold all.
     """
     spec = _spec(model)
     tokens = _positive_int("tokens", tokens)
     per_token = spec.kv_elements_per_token_layer * dtype_bytes(kv_dtype)
-    held = [min(tokens, spec.sliding_window) if spec.is_sliding(i) else tokens
+    state = set(spec.state_layers)
+    held = [0 if i in state else min(tokens, spec.sliding_window) if spec.is_sliding(i) else tokens
             for i in range(spec.layers)]
     return [per_token * t for t in held]
 
@@ -129,6 +137,32 @@ def kv_layer_bytes(model: Any, tokens: int, kv_dtype: Any = "bf16") -> list[int]
 def kv_cache_bytes(model: Any, tokens: int, kv_dtype: Any = "bf16") -> int:
     """Total KV bytes of one ``tokens``-long sequence: the sum of :func:`kv_layer_bytes`."""
     return sum(kv_layer_bytes(model, tokens, kv_dtype))
+
+
+def recurrent_state_bytes(model: Any, conv_dtype: Any = "bf16", state_dtype: Any = "fp32") -> int:
+    """Bytes of the fixed state one sequence keeps in a hybrid's linear-attention or state-space layers, whatever
+    its length (0 for a transformer): per state layer a convolution window (``spec.conv_state``) and a recurrent
+    state (``spec.recurrent_state``). Defaults as transformers keeps them: the window in the model's dtype
+    (bf16), the recurrent state in fp32. Serving engines may keep both in bf16 (vLLM's ``mamba_ssm_cache_dtype``
+    auto): pass ``state_dtype="bf16"``. This state crosses the wire with the KV, once per sequence.
+    """
+    return sum(state_layer_bytes(model, conv_dtype, state_dtype))
+
+
+def state_layer_bytes(model: Any, conv_dtype: Any = "bf16", state_dtype: Any = "fp32") -> list[int]:
+    """Each layer's share of :func:`recurrent_state_bytes`, as a list of ``layers`` ints (0 on attention layers)."""
+    spec = _spec(model)
+    per = (math.prod(spec.conv_state) * dtype_bytes(conv_dtype) if spec.conv_state else 0) + \
+        (math.prod(spec.recurrent_state) * dtype_bytes(state_dtype) if spec.recurrent_state else 0)
+    state = set(spec.state_layers)
+    return [per if i in state else 0 for i in range(spec.layers)]
+
+
+def cache_bytes(model: Any, tokens: int, kv_dtype: Any = "bf16", conv_dtype: Any = "bf16",
+                state_dtype: Any = "fp32") -> int:
+    """Everything one ``tokens``-long sequence's decode needs from prefill: its KV (:func:`kv_cache_bytes`) plus a
+    hybrid's per-sequence state (:func:`recurrent_state_bytes`)."""
+    return kv_cache_bytes(model, tokens, kv_dtype) + recurrent_state_bytes(model, conv_dtype, state_dtype)
 
 
 # ---- FLOPs ------------------------------------------------------------------------------------
@@ -190,7 +224,9 @@ def prefill_flops(model: Any, tokens: int) -> PrefillFlops:
     runs in the expanded form (the latent is up-projected to per-head keys and values, as
     DeepSeek's inference code does for prefill), so ``d_qk = qk_nope + qk_rope`` (192 for
     DeepSeek-V3) and ``d_v = v_head_dim`` (128); the up-projections are weights and so already
-    in the dense term. Softmax, norms and RoPE are ignored (a few FLOPs per element).
+    in the dense term. Softmax, norms and RoPE are ignored (a few FLOPs per element). A hybrid's state layers
+    have no quadratic term (0 here): their scan costs a few FLOPs per state element per token, linear in the
+    prompt and small beside their projections, which the dense term counts.
     """
     spec = _spec(model)
     tokens = _positive_int("tokens", tokens)
@@ -198,7 +234,8 @@ def prefill_flops(model: Any, tokens: int) -> PrefillFlops:
     width = spec.head_dim + spec.v_head_dim
     full = attended_pairs(tokens)
     windowed = attended_pairs(tokens, spec.sliding_window) if spec.sliding_window else full
-    per_layer = tuple(2.0 * spec.heads * width * (windowed if spec.is_sliding(i) else full)
+    state = set(spec.state_layers)
+    per_layer = tuple(0.0 if i in state else 2.0 * spec.heads * width * (windowed if spec.is_sliding(i) else full)
                       for i in range(spec.layers))
     attention = sum(per_layer)
     return PrefillFlops(tokens=tokens, dense=dense, attention=attention,
@@ -449,7 +486,10 @@ class HandoffEstimate:
         model, tokens, kv_dtype, link, tp, tflops: the inputs (``link`` by name; ``tflops`` is
             achieved TFLOP/s per GPU).
         kv_bytes: the sequence's KV bytes (unique, no replicas).
-        kv_bytes_per_gpu: what each TP rank sends over its own link.
+        kv_bytes_per_gpu: what each TP rank sends over its own link (of the KV).
+        state_bytes: a hybrid's per-sequence state (:func:`recurrent_state_bytes`, 0 for a transformer); each TP
+            rank holds and sends ``1/tp`` of it (the state is split by heads or channels, as engines shard it) beside
+            its KV, so the transfer times below include it.
         prefill_flops: total prefill FLOPs (dense + attention).
         prefill_s: ``prefill_flops / (tp · tflops · 1e12)`` — compute split evenly over the TP
             group (communication inside the group ignored).
@@ -470,6 +510,7 @@ class HandoffEstimate:
     tflops: float
     kv_bytes: int
     kv_bytes_per_gpu: int
+    state_bytes: int
     prefill_flops: float
     prefill_s: float
     transfer_s: float
@@ -490,7 +531,7 @@ class HandoffEstimate:
         return {
             "model": self.model, "tokens": self.tokens, "kv_dtype": self.kv_dtype,
             "link": self.link, "tp": self.tp, "tflops": self.tflops,
-            "kv_bytes": self.kv_bytes, "kv_bytes_per_gpu": self.kv_bytes_per_gpu,
+            "kv_bytes": self.kv_bytes, "kv_bytes_per_gpu": self.kv_bytes_per_gpu, "state_bytes": self.state_bytes,
             "prefill_flops": self.prefill_flops, "prefill_ms": self.prefill_s * 1e3,
             "transfer_ms": self.transfer_s * 1e3, "ratio": self.ratio,
             "exposed_ms": self.exposed_s * 1e3, "bulk_exposed_ms": self.bulk_exposed_s * 1e3,
@@ -513,7 +554,9 @@ def handoff_estimate(model: Any, tokens: int, link_: Any, kv_dtype: Any = "bf16"
     Per-layer compute time is the prefill time split by each layer's share of FLOPs
     (:meth:`PrefillFlops.per_layer`: equal dense shares plus that layer's attention); per-layer
     transfer time is that layer's share of the GPU's KV bytes over the link, one copy per layer
-    (K and V of a layer are contiguous in kvlab's buffer layout), paying the link's fixed cost.
+    (K and V of a layer are contiguous in kvlab's buffer layout), paying the link's fixed cost. A hybrid's state
+    layers send their state (``1/tp`` of it per rank) in place of KV, in transformers' dtypes
+    (:func:`recurrent_state_bytes`).
     """
     spec = _spec(model)
     lk = link(link_)
@@ -523,14 +566,15 @@ def handoff_estimate(model: Any, tokens: int, link_: Any, kv_dtype: Any = "bf16"
     rate = tp * tflops * 1e12
     compute = [f / rate for f in fl.per_layer()]
     frac = shard.bytes_per_gpu / shard.unique_bytes
-    layer_bytes = [b * frac for b in kv_layer_bytes(spec, tokens, kv_dtype)]
+    state = state_layer_bytes(spec)
+    layer_bytes = [b * frac + st / shard.tp for b, st in zip(kv_layer_bytes(spec, tokens, kv_dtype), state)]
     transfer = [transfer_time_s(b, lk) for b in layer_bytes]
     timeline = pipeline_exposure(compute, transfer)
     prefill_s = fl.total / rate
-    bulk = transfer_time_s(shard.bytes_per_gpu, lk)
+    bulk = transfer_time_s(shard.bytes_per_gpu + sum(state) / shard.tp, lk)
     return HandoffEstimate(
         model=spec.name, tokens=shard.tokens, kv_dtype=str(kv_dtype), link=lk.name, tp=shard.tp,
-        tflops=tflops, kv_bytes=shard.unique_bytes, kv_bytes_per_gpu=shard.bytes_per_gpu,
+        tflops=tflops, kv_bytes=shard.unique_bytes, kv_bytes_per_gpu=shard.bytes_per_gpu, state_bytes=sum(state),
         prefill_flops=fl.total, prefill_s=prefill_s, transfer_s=bulk, ratio=bulk / prefill_s,
         exposed_s=timeline.exposed_s, bulk_exposed_s=bulk, link_bound=timeline.link_bound,
         timeline=timeline, shard=shard)

@@ -422,9 +422,10 @@ Example: kvlab calc qwen2.5-7b --tokens 32k --link nvlink-h100
     rows = []
     for key, value in row.items():
         rows.append((key, _show(key, value)))
-        if key == "kv_dtype":
-            per_token = calculator.kv_bytes_per_token(spec, args.kv_dtype)
-            rows.append(("kv_bytes_per_token", _show("bytes", per_token)))
+        if key == "kv_dtype":  # per token at this prompt (windows full, state layers none), the uncapped beside
+            rows.append(("kv_bytes_per_token", _show("bytes", row["kv_bytes"] / args.tokens) + " at this prompt"))
+            rows.append(("kv_bytes_per_token_uncapped",
+                         _show("bytes", calculator.kv_bytes_per_token(spec, args.kv_dtype))))
         elif key == "link":
             rows.append(("link_gbit_per_s", _show("gbps", link.gbit_per_s)))
     rows.append(("note", estimate.shard.note))

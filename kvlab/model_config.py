@@ -1,17 +1,20 @@
 """Reading a Hugging Face config.json for the KV-cache bill: which layers attend and which slide (layer_types,
-transformers' own derivation where config.json leaves them implicit), whether a config is a hybrid kvlab refuses,
-whether lm_head is tied, and the parameter count as transformers builds the model. Pure functions of a config dict;
-kvlab.models turns their answers into a ModelSpec."""
+transformers' own derivation where config.json leaves them implicit), which layers of a hybrid keep a fixed state
+instead and its shape, whether lm_head is tied, and the parameter count as transformers builds the model. Pure
+functions of a config dict; kvlab.models turns their answers into a ModelSpec."""
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import reprlib
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["FIELD_NAMES", "first", "refuse_hybrid", "PATTERN_KEYS", "NATIVE_LAYER_KINDS", "with_layer_types",
-           "transformers_layer_types", "sliding", "gated_mlp", "TIED_BY_DEFAULT", "tied", "param_count"]
+__all__ = ["FIELD_NAMES", "first", "STATE_KINDS", "STATE_MODEL_TYPES", "state_layout", "PATTERN_KEYS", "NATIVE_LAYER_KINDS", "with_layer_types",
+           "transformers_layer_types", "sliding", "gated_mlp", "TIED_BY_DEFAULT", "tied", "param_count", "COUNTED_BY_TRANSFORMERS",
+           "transformers_param_count"]
 
 
 # the names config.json families give the fields every spec needs
@@ -30,12 +33,65 @@ def first(cfg: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
     return None
 
 
-def refuse_hybrid(cfg: Mapping[str, Any]) -> None:
-    """Jamba-style configs name their attention layers by period and offset; the others are Mamba layers."""
-    if cfg.get("attn_layer_period") is not None or cfg.get("attn_layer_offset") is not None:
-        raise ValueError(f"{cfg.get('model_type', 'this')} config has attn_layer_period/attn_layer_offset: a hybrid "
-                         "model whose other layers keep no KV cache; kvlab would count them all and overstate the "
-                         "cache, so hybrid models are refused until they are modelled")
+# The layer kinds (transformers' layer_types names) that keep a fixed state per sequence instead of a KV cache,
+# and the hybrids whose state kvlab can shape (state_layout): Gated DeltaNet (Qwen3-Next), Mamba (Jamba), Mamba-2
+# (Bamba). transformers 5 names all three "linear_attention".
+STATE_KINDS = ("linear_attention", "mamba", "mamba2")
+STATE_MODEL_TYPES = ("qwen3_next", "jamba", "bamba")
+
+
+def _with_defaults(cfg: Mapping[str, Any]) -> dict:
+    """`cfg` over the defaults of transformers' config class for its model type (the values the model is built
+    with when config.json leaves a field out)."""
+    given = {k: v for k, v in cfg.items() if k != "layer_types"}  # derived already; some classes reject it
+    conf = _transformers_config(json.dumps(given, sort_keys=True, default=str))
+    return {**(conf.to_dict() if conf is not None else {}), **cfg}
+
+
+def state_layout(cfg: Mapping[str, Any], layers: int, where: str) -> tuple[tuple[int, ...], tuple[int, ...],
+                                                                              tuple[int, ...]]:
+    """(state layers, conv-state shape, recurrent-state shape) of a hybrid whose ``layer_types`` (as
+    ``with_layer_types`` gives them) mark linear-attention or state-space layers; three empty tuples otherwise.
+
+    Shapes are per layer and sequence, as transformers' cache holds them (``LinearAttentionLayer``):
+      * qwen3_next (Gated DeltaNet): conv ``(2·key_heads·key_dim + value_heads·value_dim, conv_kernel)``,
+        recurrent ``(value_heads, key_dim, value_dim)``;
+      * jamba (Mamba): with ``inner = mamba_expand · hidden_size``, conv ``(inner, mamba_d_conv)``, recurrent
+        ``(inner, mamba_d_state)``;
+      * bamba (Mamba-2): conv ``(inner + 2·mamba_n_groups·mamba_d_state, mamba_d_conv)``, recurrent
+        ``(mamba_n_heads, mamba_d_head, mamba_d_state)``.
+    Another model type with such layers is refused: kvlab would have to guess its state."""
+    types = cfg.get("layer_types") or ()
+    idx = tuple(i for i, t in enumerate(types) if t in STATE_KINDS)
+    if not idx:
+        return (), (), ()
+    kind = cfg.get("model_type")
+    if kind not in STATE_MODEL_TYPES:
+        raise ValueError(f"model config ({where}): a hybrid model ({len(idx)} of {layers} layers keep a recurrent "
+                         f"state, not KV) of model_type {kind!r}; kvlab knows the state of "
+                         f"{', '.join(STATE_MODEL_TYPES)} only and would misstate this one")
+    c = _with_defaults(cfg)
+
+    def n(key: str) -> int:
+        v = c.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or int(v) != v or v < 1:
+            raise ValueError(f"model config ({where}): {key}={v!r} must be a positive integer (it shapes the "
+                             "state a hybrid's linear layers keep)")
+        return int(v)
+
+    if kind == "qwen3_next":
+        key, value = n("linear_num_key_heads") * n("linear_key_head_dim"), \
+            n("linear_num_value_heads") * n("linear_value_head_dim")
+        conv = (2 * key + value, n("linear_conv_kernel_dim"))
+        rec = (n("linear_num_value_heads"), n("linear_key_head_dim"), n("linear_value_head_dim"))
+    elif kind == "jamba":
+        inner = n("mamba_expand") * n("hidden_size")
+        conv, rec = (inner, n("mamba_d_conv")), (inner, n("mamba_d_state"))
+    else:  # bamba
+        inner = n("mamba_expand") * n("hidden_size")
+        conv = (inner + 2 * n("mamba_n_groups") * n("mamba_d_state"), n("mamba_d_conv"))
+        rec = (n("mamba_n_heads"), n("mamba_d_head"), n("mamba_d_state"))
+    return idx, conv, rec
 
 
 # Keys by which a config.json says which layers attend (and so keep a KV cache) without listing layer_types:
@@ -67,17 +123,19 @@ def with_layer_types(cfg: dict, where: str) -> dict:
     if marked:
         raise ValueError(f"model config ({where}): {', '.join(marked)} mark which layers attend, and transformers does "
                          f"not derive layer_types for model_type {kind!r}: a hybrid or patterned model whose other "
-                         "layers keep a different cache or none; give layer_types (hybrid models are refused until "
-                         "they are modelled)")
+                         "layers keep a different cache or none; give layer_types (kvlab models the hybrids "
+                         f"{', '.join(STATE_MODEL_TYPES)})")
     return cfg
 
 
-def transformers_layer_types(cfg: Mapping[str, Any]) -> list | None:
-    """The layer_types transformers' own config class gives this config (None: it knows no such model type, cannot
-    build the config, or derives none)."""
+@functools.lru_cache(maxsize=256)
+def _transformers_config(cfg_json: str):
+    """transformers' own config object for a config (given as JSON, so answers can be cached: a config class is
+    slow to build), or None: transformers is absent, knows no such model type, or rejects the values."""
     import logging
     import warnings
 
+    cfg = json.loads(cfg_json)
     try:
         from transformers import AutoConfig
         from transformers.utils import logging as hf_logging
@@ -88,12 +146,18 @@ def transformers_layer_types(cfg: Mapping[str, Any]) -> list | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            conf = AutoConfig.for_model(str(cfg.get("model_type")),
+            return AutoConfig.for_model(str(cfg.get("model_type")),
                                         **{k: v for k, v in cfg.items() if k != "model_type"})
     except Exception:  # an unknown model type, or values its config class rejects: kvlab's own rules apply
         return None
     finally:
         hf_logging.set_verbosity(level)
+
+
+def transformers_layer_types(cfg: Mapping[str, Any]) -> list | None:
+    """The layer_types transformers' own config class gives this config (None: it knows no such model type, cannot
+    build the config, or derives none)."""
+    conf = _transformers_config(json.dumps(cfg, sort_keys=True, default=str))
     types = getattr(conf, "layer_types", None)
     return [str(t) for t in types] if isinstance(types, (list, tuple)) else None
 
@@ -119,12 +183,13 @@ def sliding(cfg: Mapping[str, Any], layers: int) -> tuple[int | None, tuple[int,
                              "'full_attention', one per layer")
         if len(layer_types) != layers:
             raise ValueError(f"layer_types has {len(layer_types)} entries for {layers} layers")
-        other = sorted({str(t) for t in layer_types} - {"full_attention", "sliding_attention"})
+        # state layers (STATE_KINDS) keep no window; state_layout shapes them
+        other = sorted({str(t) for t in layer_types} - {"full_attention", "sliding_attention", *STATE_KINDS})
         hybrid = [t for t in other if any(k in t for k in ("linear", "mamba", "conv", "recurrent", "ssm"))]
         if hybrid:
-            raise ValueError(f"layer_types holds {hybrid} layers: a hybrid model (linear-attention or state-space "
-                             "layers keep no KV cache); kvlab counts every layer as an attention layer and would "
-                             "overstate this cache, so hybrid models are refused until they are modelled")
+            raise ValueError(f"layer_types holds {hybrid} layers: a hybrid model whose layers of that kind keep a "
+                             f"state kvlab does not know (it knows {', '.join(STATE_KINDS)}), and would misstate "
+                             "this cache")
         if other:
             raise ValueError(f"layer_types holds {other} layers; kvlab models full and sliding attention only, and "
                              "would misstate this cache")
@@ -176,8 +241,43 @@ def tied(cfg: Mapping[str, Any]) -> bool:
         return False
 
 
+# Model types whose layers kvlab's own count does not cover (linear-attention and state-space mixers, experts with
+# biases and sinks): transformers builds the model on the meta device and its parameters are counted
+COUNTED_BY_TRANSFORMERS = (*STATE_MODEL_TYPES, "gpt_oss")
+
+
+@functools.lru_cache(maxsize=64)
+def _meta_count(cfg_json: str) -> tuple[int, int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    conf = _transformers_config(cfg_json)
+    if conf is None:
+        cfg = json.loads(cfg_json)
+        raise ValueError(f"transformers cannot build a {cfg.get('model_type')!r} config from these values, so kvlab "
+                         "cannot count its parameters")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(conf)
+    experts = int(first(vars(conf), ("num_experts", "num_local_experts")) or 0)
+    top_k = int(getattr(conf, "num_experts_per_tok", 0) or 0)
+    total = routed = 0
+    for name, t in model.named_parameters():
+        total += t.numel()
+        if experts and ".experts." in name and t.dim() and t.shape[0] == experts:  # fused routed experts
+            routed += t.numel()
+    return total, total - (routed * (experts - top_k) // experts if experts else 0)
+
+
+def transformers_param_count(cfg: Mapping[str, Any]) -> tuple[int, int]:
+    """(total, active) parameters of the model transformers builds from `cfg` (on the meta device: no memory):
+    active leaves out the routed experts a token does not visit (``experts − top_k`` of each fused expert tensor)."""
+    return _meta_count(json.dumps(dict(cfg), sort_keys=True, default=str))
+
+
 def param_count(cfg: Mapping[str, Any]) -> tuple[int, int]:
-    """(total, active) parameter counts computed from a config dict, as transformers builds it.
+    """(total, active) parameter counts computed from a config dict, as transformers builds it. The model types in
+    ``COUNTED_BY_TRANSFORMERS`` are counted by transformers itself (``transformers_param_count``); the rest by the
+    arithmetic below.
 
     Counted: token embeddings; per layer the attention projections (with biases where the
     architecture has them: Qwen2's q/k/v, ``attention_bias``), the MLP (a gated MLP — every
@@ -193,6 +293,8 @@ def param_count(cfg: Mapping[str, Any]) -> tuple[int, int]:
     """
     d = dict(cfg)
     mt = d.get("model_type", "")
+    if mt in COUNTED_BY_TRANSFORMERS:
+        return transformers_param_count(d)
     hidden = int(first(d, FIELD_NAMES["hidden_size"]))
     layers = int(first(d, FIELD_NAMES["layers"]))
     heads = int(first(d, FIELD_NAMES["heads"]))

@@ -20,12 +20,12 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .model_names import unknown_model
-from .model_config import FIELD_NAMES, first, param_count, refuse_hybrid, sliding, with_layer_types
+from .model_config import FIELD_NAMES, first, param_count, sliding, state_layout, with_layer_types
+from .model_spec import MAX_LAYERS, MLA_MODEL_TYPES, ModelSpec
 from .model_registry import REGISTRY, alias_table, aliases, names, norm_name, registry_source
 
 __all__ = [
@@ -36,178 +36,11 @@ __all__ = [
     "aliases",
     "from_hf_config",
     "from_ref",
+    "model_ref",
+    "kv_model_ref",
     "param_count",
     "build",
 ]
-
-ATTENTION_KINDS = ("mha", "gqa", "mqa", "mla")
-# model_type values whose attention is always MLA (transformers' DeepSeek-V2 and -V3 configs)
-MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
-# The deepest decoders published have a few hundred layers; a config asking for more than this is a typo, and
-# what reads it (transformers' config classes among them) builds a list per layer, which at 2**40 layers takes
-# every byte of memory before anything can refuse it.
-MAX_LAYERS = 10_000
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The shape of one decoder-only model, as far as KV cache and prefill cost are concerned.
-
-    Fields (all counts are plain ints):
-        name: registry name (e.g. ``"llama-3.1-8b"``) or the config's ``_name_or_path``.
-        architecture: Hugging Face ``model_type`` (``"llama"``, ``"qwen2"``, ``"deepseek_v3"`` …).
-        layers: decoder layers, each with its own KV cache.
-        hidden_size: residual-stream width, elements.
-        heads: query heads per layer.
-        kv_heads: key/value heads per layer as the config states them. For MLA this is the number
-            of heads the latent is expanded into; the cache itself holds one latent vector.
-        head_dim: elements per query/key head. For MLA: ``qk_nope_head_dim + qk_rope_head_dim``
-            (the width a query is dotted with); :attr:`v_head_dim` gives the value width.
-        intermediate_size: MLP inner width of a dense layer, elements.
-        vocab_size: tokens in the vocabulary.
-        params: total parameters (embeddings, every expert, lm_head unless tied).
-        active_params: parameters a single token passes through (MoE: shared + top-k routed
-            experts); equal to ``params`` for dense models. Prefill FLOPs use this.
-        attention: ``"mha"`` (kv_heads == heads), ``"gqa"``, ``"mqa"`` (one KV head) or ``"mla"``
-            (multi-head latent attention: a compressed latent is cached instead of K and V).
-        kv_lora_rank: MLA latent width, elements (``None`` unless MLA).
-        qk_rope_head_dim: MLA decoupled RoPE key width, elements, cached next to the latent.
-        sliding_window: window length in tokens for the layers in ``sliding_layers``.
-        sliding_layers: indices (0-based) of layers that keep only the last ``sliding_window``
-            tokens; empty when every layer attends to the whole context.
-        max_positions: ``max_position_embeddings`` (tokens).
-        source: where the numbers came from (config URL, how params were obtained).
-        hf_config: the config.json values as a plain dict; enough to rebuild the model with
-            ``transformers`` (``AutoConfig.for_model(**hf_config)``). Excluded from equality and
-            hashing; treat it as read-only.
-    """
-
-    name: str
-    architecture: str
-    layers: int
-    hidden_size: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    params: int
-    active_params: int
-    attention: str
-    kv_lora_rank: int | None = None
-    qk_rope_head_dim: int | None = None
-    sliding_window: int | None = None
-    sliding_layers: tuple[int, ...] = ()
-    max_positions: int | None = None
-    source: str = ""
-    hf_config: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.attention not in ATTENTION_KINDS:
-            raise ValueError(f"attention={self.attention!r} is not one of {ATTENTION_KINDS}")
-        for fname in ("layers", "hidden_size", "heads", "kv_heads", "head_dim", "vocab_size"):
-            value = getattr(self, fname)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ModelSpec {fname}={value!r}: must be a positive int")
-        if self.layers > MAX_LAYERS:
-            raise ValueError(f"ModelSpec layers={self.layers}: at most {MAX_LAYERS:,} decoder layers")
-        if self.kv_heads > self.heads:
-            raise ValueError(f"ModelSpec kv_heads={self.kv_heads} > heads={self.heads}: a layer cannot have more KV "
-                             "heads than query heads")
-        if self.heads % self.kv_heads:
-            raise ValueError(f"ModelSpec kv_heads={self.kv_heads} must divide heads={self.heads} (each KV head serves "
-                             "a whole group of query heads)")
-        for fname in ("intermediate_size", "params", "active_params", "max_positions", "kv_lora_rank",
-                      "qk_rope_head_dim", "sliding_window"):
-            value = getattr(self, fname)
-            if value is None or (fname in ("qk_rope_head_dim", "sliding_window") and value == 0):
-                continue  # not given (a window or a RoPE width of 0 means none)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ModelSpec {fname}={value!r}: must be a positive int (or None)")
-        if self.active_params > self.params:
-            raise ValueError(f"ModelSpec active_params={self.active_params} > params={self.params}: a token cannot "
-                             "pass through more parameters than the model has")
-        if self.attention == "mla" and not (self.kv_lora_rank
-                                            and self.qk_rope_head_dim is not None):
-            raise ValueError("attention='mla' needs kv_lora_rank and qk_rope_head_dim")
-        implied = "mha" if self.kv_heads == self.heads else ("mqa" if self.kv_heads == 1 else "gqa")
-        if self.attention != "mla" and self.attention != implied:
-            raise ValueError(f"ModelSpec attention={self.attention!r} but kv_heads={self.kv_heads} of heads="
-                             f"{self.heads} is {implied!r}")
-        odd = [i for i in self.sliding_layers if not isinstance(i, int) or isinstance(i, bool)]
-        if odd:
-            raise ValueError(f"sliding_layers {odd} are not layer indices (ints)")
-        bad = [i for i in self.sliding_layers if not 0 <= i < self.layers]
-        if bad:
-            raise ValueError(f"sliding_layers {bad} are outside 0..{self.layers - 1}")
-        if self.sliding_layers and not self.sliding_window:
-            raise ValueError("sliding_layers given without a sliding_window")
-        # Coerce to a sorted tuple so two specs built from a list and a tuple compare equal.
-        object.__setattr__(self, "sliding_layers", tuple(sorted(set(self.sliding_layers))))
-
-    # ---- derived shapes -------------------------------------------------------------------
-
-    @property
-    def is_moe(self) -> bool:
-        """True when some layers route tokens to a subset of experts (active < total params)."""
-        return self.active_params < self.params
-
-    @property
-    def v_head_dim(self) -> int:
-        """Elements per value head (MLA may differ from the query/key width)."""
-        if self.attention == "mla":
-            return int(self.hf_config.get("v_head_dim") or self.head_dim)
-        return self.head_dim
-
-    @property
-    def kv_elements_per_token_layer(self) -> int:
-        """Cached elements for one token in one layer.
-
-        ``2 · kv_heads · head_dim`` (a K and a V vector per KV head); for MLA
-        ``kv_lora_rank + qk_rope_head_dim`` (one compressed latent plus the shared RoPE key).
-        """
-        if self.attention == "mla":
-            return int(self.kv_lora_rank) + int(self.qk_rope_head_dim)
-        return 2 * self.kv_heads * self.head_dim
-
-    def kv_shape(self, tokens: int = 1, batch: int = 1) -> tuple[int, ...]:
-        """Shape of a whole contiguous KV buffer in kvlab's layout, ignoring sliding windows.
-
-        Standard attention: ``[layers, 2, batch, kv_heads, tokens, head_dim]`` (K = index 0, V = 1),
-        the layout of ``kvcache.KVBuffer``. MLA: ``[layers, 1, batch, 1, tokens, kv_lora_rank +
-        qk_rope_head_dim]`` (one latent vector per token).
-        """
-        if self.attention == "mla":
-            return (self.layers, 1, batch, 1, tokens, self.kv_elements_per_token_layer)
-        return (self.layers, 2, batch, self.kv_heads, tokens, self.head_dim)
-
-    def is_sliding(self, layer: int) -> bool:
-        """Whether layer ``layer`` (0-based) keeps only the last ``sliding_window`` tokens."""
-        return layer in self.sliding_layers
-
-    def summary(self) -> dict[str, Any]:
-        """A flat dict for tables: counts as ints, parameters in billions (``_b`` columns)."""
-        if self.attention == "mla":
-            kv = f"{self.layers} × latent {self.kv_lora_rank}+{self.qk_rope_head_dim}"
-        else:
-            kv = f"{self.layers} × {self.kv_heads} × {self.head_dim}"
-        return {
-            "model": self.name,
-            "architecture": self.architecture,
-            "attention": self.attention,
-            "layers": self.layers,
-            "hidden_size": self.hidden_size,
-            "heads": self.heads,
-            "kv_heads": self.kv_heads,
-            "head_dim": self.head_dim,
-            "kv_layout": kv,
-            "params_b": self.params / 1e9,
-            "active_params_b": self.active_params / 1e9,
-            "sliding_window": self.sliding_window,
-            "sliding_layers": len(self.sliding_layers),
-            "max_positions": self.max_positions,
-        }
-
 
 def get(name: str) -> ModelSpec:
     """The spec of a registry model, by name, case-insensitively.
@@ -358,9 +191,10 @@ def from_hf_config(x: Any, *, name: str | None = None, source: str | None = None
         attention = "mha" if kv_heads == heads else ("mqa" if kv_heads == 1 else "gqa")
         kv_lora_rank = rope_dim = None
 
-    refuse_hybrid(cfg)
     inter = as_int("intermediate_size" if cfg.get("intermediate_size") is not None else "moe_intermediate_size")
-    window, sliding_layers = sliding(with_layer_types(cfg, where), layers)
+    typed = with_layer_types(cfg, where)
+    window, sliding_layers = sliding(typed, layers)
+    state_layers, conv_state, recurrent_state = state_layout(typed, layers, where)
     total, active = param_count(cfg)
     how = "params: computed from the config"
     if params is not None:
@@ -390,6 +224,9 @@ def from_hf_config(x: Any, *, name: str | None = None, source: str | None = None
         qk_rope_head_dim=rope_dim,
         sliding_window=window,
         sliding_layers=sliding_layers,
+        state_layers=state_layers,
+        conv_state=conv_state,
+        recurrent_state=recurrent_state,
         max_positions=max_pos,
         source=source if source is not None else f"{where}; {how}",
         hf_config=cfg,
@@ -561,6 +398,17 @@ def model_ref(value, what: str = "model") -> str:
         raise ValueError(f"{what} = {name!r}: no such file, not a folder with a config.json, and not a registry name")
     raise ValueError(unknown_model(name, norm_name(name), alias_table(), names())
                      + " (or give a config.json path or a model folder)")
+
+
+def kv_model_ref(value, what: str = "model") -> str:
+    """`model_ref` for the paths that move or build a KV cache layer by layer: a hybrid (state layers that keep no
+    K and V) is refused too, in one line naming the value and the field."""
+    name = model_ref(value, what)
+    try:
+        from_ref(name, what).require_kv_only("kvlab's transfers")
+    except ValueError as err:
+        raise ValueError(f"{what} = {name!r}: {err}") from None
+    return name
 
 
 def from_ref(value, what: str = "model") -> ModelSpec:

@@ -22,12 +22,15 @@ _BASE = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key
 
 
 @pytest.mark.parametrize("extra, says", [
-    (dict(model_type="qwen3_next", layer_types=["linear_attention", "full_attention"] * 2), "hybrid model"),
-    (dict(model_type="jamba", attn_layer_period=8, attn_layer_offset=4), "hybrid model"),
+    # a hybrid whose state kvlab does not know the shape of, or a layer kind it does not know
+    (dict(model_type="llama", layer_types=["linear_attention", "full_attention"] * 2), "kvlab knows the state of "
+                                                                                      "qwen3_next, jamba, bamba only"),
+    (dict(model_type="qwen3_next", layer_types=["mamba_ssd", "full_attention"] * 2), "a state kvlab does not know"),
     (dict(model_type="mistral", sliding_window=-5), "sliding_window = -5"),
     (dict(model_type="llama4_text", layer_types=["chunked_attention", "full_attention"] * 2), "full and sliding attention only"),
     # found in a later audit: config.json forms that mark layer kinds without layer_types were counted as all-attention
-    (dict(model_type="qwen3_next", full_attention_interval=2, head_dim=16), "hybrid model"),
+    (dict(model_type="qwen3_next", full_attention_interval=2, head_dim=16, linear_conv_kernel_dim=0),
+     "linear_conv_kernel_dim=0 must be a positive integer"),
     (dict(model_type="no_such_arch", sliding_window=8, sliding_window_pattern=2), "sliding_window_pattern mark which "
                                                                                    "layers attend"),
     (dict(model_type="no_such_arch", hybrid_override_pattern="M*M*"), "hybrid_override_pattern mark which layers"),

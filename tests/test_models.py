@@ -14,7 +14,8 @@ from kvlab import models
 
 REQUIRED = ["llama-2-7b", "llama-2-70b", "llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b",
             "qwen2.5-7b", "qwen2.5-72b", "mistral-7b", "mixtral-8x7b", "deepseek-v3",
-            "gemma-2-9b", "kvlab-tiny"]
+            "gemma-2-9b", "gemma-3-1b", "gpt-oss-20b", "qwen3-next-80b-a3b", "jamba-mini-1.5", "bamba-9b",
+            "kvlab-tiny"]
 
 
 def meta_param_count(hf_config: dict) -> int:

@@ -78,6 +78,7 @@ def _readout(driver) -> dict:
     out = {"lines": lines}
     for line in lines:
         for key, pattern in (("tokens", r"^Prompt: ([\d,]+) tokens$"), ("kv_bytes", r"^KV cache: ([\d,]+) bytes"),
+                             ("state_bytes", r"^Recurrent state \(a hybrid's other layers\): ([\d,]+) bytes"),
                              ("gpu_bytes", r"^Sent by each GPU: ([\d,]+) bytes"), ("prefill_ms", r"^Prefill: ([\d,.e+-]+) ms$"),
                              ("bulk_ms", r"^Whole cache sent after prefill: ([\d,.e+-]+) ms$"),
                              ("ratio", r"^Transfer ÷ prefill compute: ([\d,.e+-]+)$"),
@@ -101,13 +102,14 @@ def _check(shown: dict, model: str, tokens: int, dtype: str, link: str, tp: int,
     inputs = (model, tokens, dtype, link, tp, tflops)
     assert shown["tokens"] == tokens, inputs
     assert shown["kv_bytes"] == calculator.kv_cache_bytes(model, tokens, dtype), inputs
+    assert shown.get("state_bytes", 0) == calculator.recurrent_state_bytes(model), inputs
     try:
         e = calculator.handoff_estimate(model, tokens, link, dtype, tp=tp, tflops=tflops)
     except ValueError as err:
         assert "does not split" in str(err) and shown["refused"], (inputs, shown["lines"])
         return
     assert not shown["refused"], (inputs, shown["lines"])
-    assert shown["gpu_bytes"] == e.kv_bytes_per_gpu, inputs
+    assert shown["gpu_bytes"] == round(e.kv_bytes_per_gpu + e.state_bytes / tp), inputs
     _close(shown["prefill_ms"], e.prefill_s * 1e3, "prefill", inputs)
     _close(shown["bulk_ms"], e.transfer_s * 1e3, "bulk", inputs)
     _close(shown["ratio"], e.ratio, "ratio", inputs)

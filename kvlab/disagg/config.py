@@ -142,7 +142,7 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
     """Every value of `cfg` checked and normalised (lists from text, dtype aliases); ValueError naming the bad
     value and what would be valid. Nothing is started or written."""
     b = backend(cfg.backend)
-    cfg.model = models.model_ref(cfg.model, "model")
+    cfg.model = models.kv_model_ref(cfg.model, "model")
     models.check_weights(cfg.weights, "weights")
     cfg.contexts = tuple(token_list(cfg.contexts, "context", 1))
     if len(set(cfg.contexts)) != len(cfg.contexts):

@@ -246,19 +246,25 @@ def _params_b(row) -> str:
 
 
 def _kv_table(analyses: list[Analysis], **_) -> str:
-    """Per model of one run's KV table: attention kind, layout, KV bytes per token, the KV of one prompt (sliding
-    windows capped), the sliding-window layers and the parameter count."""
+    """Per model of one run's KV table: attention kind, layout, KV bytes per token (at the prompt's length, the
+    uncapped figure beside, where the run has both), the KV of one prompt (sliding windows capped), a hybrid's
+    per-sequence state, the sliding-window layers and the parameter count."""
     kv = analyses[0].raw["kv_table"]
     tokens, dtype = int(kv["tokens"].iloc[0]), kv["kv_dtype"].iloc[0]
-    out = pd.DataFrame({
-        "model": kv["model"], "attention": kv["attention"].str.upper(),
-        "layers × KV heads × dim": kv["kv_layout"],
-        f"KV per token ({dtype})": kv["kv_per_token"],
-        f"KV of a {tokens:,}-token prompt": kv["kv_cache"],
-        "sliding-window layers": [f"{int(r.sliding_layers)} of {int(r.layers)} (window {int(r.sliding_window):,})"
-                                  if r.sliding_layers else "—" for r in kv.itertuples()],
-        "parameters": [_params_b(r) for r in kv.itertuples()]})
-    return md_table(out)
+    cols = {"model": kv["model"], "attention": kv["attention"].str.upper(),
+            "layers × KV heads × dim": kv["kv_layout"]}
+    if "kv_per_token_at_prompt" in kv:  # runs since the hybrid bill: the figure at the prompt leads
+        cols[f"KV per token at {tokens:,} ({dtype})"] = kv["kv_per_token_at_prompt"]
+        cols["uncapped"] = kv["kv_per_token"]
+    else:
+        cols[f"KV per token ({dtype})"] = kv["kv_per_token"]
+    cols[f"KV of a {tokens:,}-token prompt"] = kv["kv_cache"]
+    if "state" in kv:
+        cols["state per sequence"] = kv["state"]
+    cols["sliding-window layers"] = [f"{int(r.sliding_layers)} of {int(r.layers)} (window {int(r.sliding_window):,})"
+                                     if r.sliding_layers else "—" for r in kv.itertuples()]
+    cols["parameters"] = [_params_b(r) for r in kv.itertuples()]
+    return md_table(pd.DataFrame(cols))
 
 
 BLOCKS = {"kv_table": _kv_table}

@@ -99,8 +99,11 @@ def _link_label(lk: calc.Link) -> str:
 def kv_table(names: Iterable[str], tokens: int = 8192, kv_dtype: str = "bf16"):
     """Seed 000's table: one row per model — layout, KV bytes per token and for one prompt.
 
-    Columns: model, attention, layers, kv_heads, head_dim, kv_layout (text), kv_bytes_per_token,
-    kv_per_token (text, KiB), tokens, kv_cache_bytes (window-capped), kv_cache (text),
+    Columns: model, attention, layers, kv_heads, head_dim, kv_layout (text), kv_bytes_per_token (uncapped: every
+    attention layer's K and V for one more token), kv_per_token (text, KiB), tokens, kv_cache_bytes (window-capped),
+    kv_cache (text), kv_bytes_per_token_at_prompt (``kv_cache_bytes / tokens``: what a token costs at this prompt's
+    length once windows are full), kv_per_token_at_prompt (text), state_layers, state_bytes (a hybrid's
+    per-sequence state, ``calculator.recurrent_state_bytes``), state (text), cache_bytes (KV + state), cache (text),
     sliding_layers, sliding_window, params_b, active_params_b, kv_dtype.
     """
     rows = []
@@ -108,12 +111,17 @@ def kv_table(names: Iterable[str], tokens: int = 8192, kv_dtype: str = "bf16"):
         s = _models.get(name)
         per_token = calc.kv_bytes_per_token(s, kv_dtype)
         total = calc.kv_cache_bytes(s, tokens, kv_dtype)
+        state = calc.recurrent_state_bytes(s)
         summ = s.summary()
         rows.append({
             "model": s.name, "attention": s.attention, "layers": s.layers,
             "kv_heads": s.kv_heads, "head_dim": s.head_dim, "kv_layout": summ["kv_layout"],
             "kv_bytes_per_token": per_token, "kv_per_token": calc.fmt_bytes(per_token),
             "tokens": tokens, "kv_cache_bytes": total, "kv_cache": calc.fmt_bytes(total),
+            "kv_bytes_per_token_at_prompt": total / tokens, "kv_per_token_at_prompt": calc.fmt_bytes(total / tokens),
+            "state_layers": len(s.state_layers), "state_bytes": state,
+            "state": calc.fmt_bytes(state) if state else "—",
+            "cache_bytes": total + state, "cache": calc.fmt_bytes(total + state),
             "sliding_layers": len(s.sliding_layers), "sliding_window": s.sliding_window,
             "params_b": s.params / 1e9, "active_params_b": s.active_params / 1e9,
             "kv_dtype": kv_dtype,
@@ -122,18 +130,25 @@ def kv_table(names: Iterable[str], tokens: int = 8192, kv_dtype: str = "bf16"):
 
 
 def plot_kv_table(df):
-    """Horizontal bars: KV bytes per token (KiB) per model, labelled with the prompt's total."""
+    """Horizontal bars: KV bytes per token (KiB) per model at the prompt's length (sliding windows full, a hybrid's
+    state layers adding none), the uncapped figure as an outline beside it, labelled with the prompt's whole cache
+    (KV, plus a hybrid's state)."""
     import matplotlib.pyplot as plt
 
     d = df.iloc[::-1]
     fig, ax = plt.subplots(figsize=(7.0, 0.42 * len(d) + 1.2))
     colors = {"mha": "#D55E00", "gqa": "#0072B2", "mqa": "#56B4E9", "mla": "#009E73"}
-    ax.barh(d["model"], d["kv_bytes_per_token"] / 1024, color=[colors[a] for a in d["attention"]])
-    for y, (kib, label) in enumerate(zip(d["kv_bytes_per_token"] / 1024, d["kv_cache"])):
-        ax.text(kib, y, f"  {label}", va="center", fontsize=8)
+    at_prompt = d["kv_bytes_per_token_at_prompt"] / 1024
+    ax.barh(d["model"], d["kv_bytes_per_token"] / 1024, color="none", edgecolor="#999999", linewidth=0.8)
+    ax.barh(d["model"], at_prompt, color=[colors[a] for a in d["attention"]])
+    for y, r in enumerate(d.itertuples()):
+        label = r.cache if not r.state_bytes else f"{r.kv_cache} KV + {r.state} state"
+        ax.text(max(r.kv_bytes_per_token, r.kv_bytes_per_token_at_prompt) / 1024, y, f"  {label}", va="center",
+                fontsize=8)
     tokens, dtype = int(df["tokens"].iloc[0]), df["kv_dtype"].iloc[0]
-    ax.set_xlabel(f"KV per token (KiB, {dtype}); label: a {tokens:,}-token prompt")
-    ax.set_xlim(0, d["kv_bytes_per_token"].max() / 1024 * 1.25)
+    ax.set_xlabel(f"KV per token at a {tokens:,}-token prompt (KiB, {dtype}; outline: uncapped, every attention "
+                  "layer's K and V); label: the prompt's cache", fontsize=8)
+    ax.set_xlim(0, d["kv_bytes_per_token"].max() / 1024 * 1.45)
     ax.set_title("KV cache per token")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[a]) for a in colors
                if a in set(d["attention"])]

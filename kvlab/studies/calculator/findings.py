@@ -13,16 +13,20 @@ from ... import models
 from ...units import fmt_bytes
 
 __all__ = ["kv_shown", "ratio_summary", "tp_summary", "exposure_summary", "kv_lines", "ratio_lines", "tp_lines",
-           "exposure_lines"]
+           "exposure_lines", "hybrid_lines"]
 
 
 def kv_shown(kv: pd.DataFrame) -> pd.DataFrame:
     """The KV table as the notebook shows it: model, attention, layout, KV per token, KV of the prompt, sliding
     layers, parameters (billions)."""
     tokens = int(kv["tokens"].iloc[0])
-    return kv[["model", "attention", "kv_layout", "kv_per_token", "kv_cache", "sliding_layers", "params_b"]].rename(
-        columns={"kv_layout": "layers × KV heads × dim", "kv_per_token": "KV / token",
-                 "kv_cache": f"{tokens:,}-token prompt"})
+    at = ["kv_per_token_at_prompt"] if "kv_per_token_at_prompt" in kv else []  # runs since the hybrid bill
+    state = ["state"] if "state" in kv else []
+    return kv[["model", "attention", "kv_layout", *at, "kv_per_token", "kv_cache", *state, "sliding_layers",
+               "params_b"]].rename(
+        columns={"kv_layout": "layers × KV heads × dim", "kv_per_token": "KV / token (uncapped)" if at else "KV / token",
+                 "kv_per_token_at_prompt": f"KV / token at {tokens:,}", "kv_cache": f"{tokens:,}-token prompt",
+                 "state": "state / sequence"})
 
 
 def kv_lines(kv: pd.DataFrame) -> list[str]:
@@ -37,7 +41,24 @@ def kv_lines(kv: pd.DataFrame) -> list[str]:
         text += ("Sliding windows cap " + ", ".join(f"{r.model} ({r.sliding_layers} of {r.layers} layers)"
                                                    for r in capped.itertuples())
                  + f": at {tokens:,} tokens their caches hold fewer bytes than per-token × tokens.")
-    return [text.rstrip()]
+    return [text.rstrip(), *hybrid_lines(kv)]
+
+
+def hybrid_lines(kv: pd.DataFrame) -> list[str]:
+    """What each hybrid of the table saves: its KV layers, its cache at the prompt (KV and per-sequence state), and
+    that beside what the same layers would hold if every one attended (per-layer KV × all layers × tokens)."""
+    if "state_bytes" not in kv:  # a run from before the hybrid bill
+        return []
+    tokens = int(kv["tokens"].iloc[0])
+    out = []
+    for r in kv[kv["state_layers"] > 0].itertuples():
+        kv_layers = int(r.layers - r.state_layers)
+        dense = r.kv_bytes_per_token / kv_layers * r.layers * tokens
+        out.append(f"**{r.model}** is a hybrid: {kv_layers} of its {r.layers} layers keep KV, the other "
+                   f"{r.state_layers} a fixed state of {r.state} per sequence that crosses the wire with it. At "
+                   f"{tokens:,} tokens its cache is {r.cache} ({r.kv_cache} KV + {r.state} state), "
+                   f"{r.cache_bytes / dense:.1%} of the {fmt_bytes(dense)} its layers would hold if all attended.")
+    return out
 
 
 def ratio_summary(ratio: pd.DataFrame) -> pd.DataFrame:

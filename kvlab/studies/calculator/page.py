@@ -48,7 +48,10 @@ def model_rows() -> list[dict]:
             "layers": s.layers, "kv_elements": s.kv_elements_per_token_layer, "heads": s.heads,
             "kv_heads": s.kv_heads, "width": s.head_dim + s.v_head_dim, "active_params": s.active_params,
             "mla": s.attention == "mla", "window": s.sliding_window or 0,
-            "layer": list(range(s.layers)), "sliding": [1 if s.is_sliding(i) else 0 for i in range(s.layers)]})
+            "layer": list(range(s.layers)), "sliding": [1 if s.is_sliding(i) else 0 for i in range(s.layers)],
+            # a hybrid's state layers: no KV, a fixed state per sequence (bytes as calculator.state_layer_bytes)
+            "kvl": [0 if i in s.state_layers else 1 for i in range(s.layers)],
+            "state": calculator.state_layer_bytes(s)})
     return rows
 
 
@@ -83,7 +86,7 @@ def page(model: str = "llama-2-7b", tokens: int = 8192, kv_dtype: str = "bf16", 
     params = [p_model, p_tokens, p_dtype, p_link, p_tp, p_tflops]
 
     base = alt.Chart(alt.Data(values=rows)).transform_filter("datum.model === model").transform_flatten(
-        ["layer", "sliding"]).transform_calculate(
+        ["layer", "sliding", "kvl", "state"]).transform_calculate(
         T="round(pow(2, log2_tokens))",
         dtype_bytes="kv_dtype === 'fp8' ? 1 : 2",
         # TP: heads split while tp ≤ KV heads (which it must divide), replicated beyond (a multiple of them); MLA's
@@ -92,11 +95,12 @@ def page(model: str = "llama-2-7b", tokens: int = 8192, kv_dtype: str = "bf16", 
         share="datum.mla ? 1 : max(floor(datum.kv_heads / tp), 1) / datum.kv_heads",
         replication="datum.mla ? tp : max(floor(tp / datum.kv_heads), 1)",
         held="datum.sliding ? min(datum.T, datum.window) : datum.T",
-        layer_bytes="datum.kv_elements * datum.dtype_bytes * datum.held",
-        gpu_bytes="datum.layer_bytes * datum.share",
+        layer_bytes="datum.kvl * datum.kv_elements * datum.dtype_bytes * datum.held",
+        gpu_bytes="datum.layer_bytes * datum.share + datum.state / tp",  # each rank sends 1/tp of a state
         pairs="datum.sliding && datum.window < datum.T ? datum.window * (datum.window + 1) / 2 + "
               "(datum.T - datum.window) * datum.window : datum.T * (datum.T + 1) / 2",
-        flops="2 * datum.active_params * datum.T / datum.layers + 2 * datum.heads * datum.width * datum.pairs",
+        flops="2 * datum.active_params * datum.T / datum.layers + datum.kvl * 2 * datum.heads * datum.width * "
+              "datum.pairs",
         compute_s="datum.flops / (tp * tflops * 1e12)",
         rate=f"({link_expr('bytes_per_s')}) * ({link_expr('efficiency')})",
         fixed_s=f"({link_expr('fixed_us')}) * 1e-6",
@@ -113,6 +117,7 @@ def page(model: str = "llama-2-7b", tokens: int = 8192, kv_dtype: str = "bf16", 
         last_gap="datum.layer === datum.layers - 1 ? datum.gap_s : -1e300",
     ).transform_joinaggregate(
         prefill_s="sum(compute_s)", kv_bytes="sum(layer_bytes)", gpu_total="sum(gpu_bytes)",
+        state_total="sum(state)",
         exposed_s="max(last_gap)", max_wait="max(wait_s)", end_s="max(C)", send_end="max(S)",
     ).transform_calculate(
         bulk_s="datum.fixed_s + datum.gpu_total / datum.rate",
@@ -123,6 +128,8 @@ def page(model: str = "llama-2-7b", tokens: int = 8192, kv_dtype: str = "bf16", 
         "a_tokens": "'Prompt: ' + format(datum.T, ',d') + ' tokens'",
         "b_kv": "'KV cache: ' + format(datum.kv_bytes, ',d') + ' bytes (' + format(datum.kv_bytes / 1073741824, "
                 "',.4~f') + ' GiB)'",
+        "bb_state": "datum.state_total > 0 ? 'Recurrent state (a hybrid\\'s other layers): ' + "
+                    "format(datum.state_total, ',d') + ' bytes, whatever the length' : ''",
         "c_gpu": "datum.valid_tp ? 'Sent by each GPU: ' + format(round(datum.gpu_total), ',d') + ' bytes' + "
                  "(datum.replication > 1 ? ' (each KV ' + (datum.mla ? 'latent' : 'head') + ' held by ' + "
                  "datum.replication + ' GPUs)' : '') : 'TP ' + tp + ' does not split ' + datum.model + \"'s \" + "
@@ -157,6 +164,7 @@ def page(model: str = "llama-2-7b", tokens: int = 8192, kv_dtype: str = "bf16", 
              "built it, and what sending it layer by layer, while later layers compute, leaves exposed after "
              "prefill. Move the prompt length, or switch the model, the KV element type, the link or the "
              "tensor parallelism. Sliding-window layers hold only their window; DeepSeek's MLA latent is not split "
-             "by TP. An estimate from each model's published shape, not a measurement.")
+             "by TP; a hybrid's linear-attention or Mamba layers hold a fixed state instead, sent with the KV. An "
+             "estimate from each model's published shape, not a measurement.")
     return Page(NAME, "The KV-cache bill of one prompt: bytes, link time, and what layer-wise sending hides",
                 intro, chart)

@@ -47,7 +47,7 @@ PARAMS = (
     Param("backend", "str", "auto", 'gloo, ipc (CUDA IPC, 1-2 GPUs), nccl (two GPUs), nixl (two NIXL agents); "auto": '
           "ipc on a GPU, gloo on a CPU", lambda v, n: disagg.backend(v)),
     Param("model", "str", "auto", 'registry name or config path; "auto": qwen2.5-7b on a GPU, kvlab-tiny on a CPU',
-          models.model_ref),
+          models.kv_model_ref),
     Param("weights", "str", "random", '"random" (seeded: the same weights in both processes) or a local checkpoint',
           models.check_weights),
     Param("contexts", "str", "auto", 'prompt tokens, comma-separated; "auto": 1k,4k,16k,32k (GPU) or 128 (CPU)',

@@ -63,7 +63,7 @@ def _sizes(value, name):
 
 PARAMS = (
     Param("model", "str", "auto", 'registry name, config.json or model dir; "auto": qwen2.5-7b on a GPU, kvlab-tiny '
-          "on a CPU", lambda v, n: models.model_ref(v, n)),
+          "on a CPU", lambda v, n: models.kv_model_ref(v, n)),
     Param("weights", "str", "random", '"random" (built from the config, seeded) or a local checkpoint dir / hub id',
           models.check_weights),
     Param("contexts", "str", "auto", 'prompt lengths in tokens, comma-separated; "auto": 1024,4096,16384,32768 (GPU) '

@@ -95,7 +95,7 @@ def _patterns(value, name):
 
 PARAMS = (
     Param("model", "str", "auto", 'registry name; "auto": qwen2.5-7b (random weights) on a GPU, kvlab-tiny on a CPU',
-          lambda v, n: models.model_ref(v, n)),
+          lambda v, n: models.kv_model_ref(v, n)),
     Param("context", "str", "auto", 'prompt length in tokens (8192, 8k, 32k); "auto": 32768 on a GPU, 64 on a CPU',
           _context),
     Param("destination", "str", "auto", 'same-gpu | pinned | pageable | cuda:N; "auto": pinned on a GPU, same-gpu on '

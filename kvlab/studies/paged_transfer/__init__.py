@@ -62,7 +62,7 @@ def _pool_layout(value, name):
 
 def _check_model(value, name):
     if value != "":
-        models.model_ref(value, name)
+        models.kv_model_ref(value, name)
 
 
 def _nixl_path(value: str) -> Path:

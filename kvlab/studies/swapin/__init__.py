@@ -39,7 +39,7 @@ CPU_MODEL, CPU_CONTEXTS = "kvlab-tiny", "256"
 
 PARAMS = (
     Param("model", "str", "auto", "registry name or a config.json / model folder: the cache's shape; \"auto\": "
-          f"{GPU_MODEL} on a GPU, {CPU_MODEL} on a CPU", lambda v, n: models.model_ref(v, n)),
+          f"{GPU_MODEL} on a GPU, {CPU_MODEL} on a CPU", lambda v, n: models.kv_model_ref(v, n)),
     Param("contexts", "str", "auto", f"tokens in the cache, comma-separated (\"4k,32k\"), each run in turn; \"auto\": "
           f"{GPU_CONTEXTS} on a GPU, {CPU_CONTEXTS} on a CPU", lambda v, n: token_list(v, n, 1)),
     Param("block_size", "int", 16, "tokens per block", at_least(1)),

@@ -82,7 +82,7 @@ def _names(valid, what: str):
 
 PARAMS = (
     Param("model", "str", "auto", "registry name or a config.json / model folder: the cache's shape and heads; "
-          f"\"auto\": {GPU_MODEL} on a GPU, {CPU_MODEL} on a CPU", lambda v, n: models.model_ref(v, n)),
+          f"\"auto\": {GPU_MODEL} on a GPU, {CPU_MODEL} on a CPU", lambda v, n: models.kv_model_ref(v, n)),
     Param("context", "str", "auto", f"tokens in the cache (\"32k\"); \"auto\": {GPU_CONTEXT} on a GPU, {CPU_CONTEXT} "
           "on a CPU", lambda v, n: token_list(v, n, 1)),
     Param("pairs", "str", "auto", "prefill TP - decode TP pairs, comma-separated (\"1-2,2-1\"); \"auto\": "

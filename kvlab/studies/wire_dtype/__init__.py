@@ -49,7 +49,7 @@ PATHS = {"d2d": "same GPU", "d2h": "pinned host", "h2d": "pinned host"}
 
 PARAMS = (
     Param("model", "str", "auto", "registry name or a config.json / model folder: the cache's shape; \"auto\": "
-          f"{GPU_MODEL} on a GPU, {CPU_MODEL} on a CPU", lambda v, n: models.model_ref(v, n)),
+          f"{GPU_MODEL} on a GPU, {CPU_MODEL} on a CPU", lambda v, n: models.kv_model_ref(v, n)),
     Param("contexts", "str", "auto", f"tokens in the cache, comma-separated; \"auto\": {GPU_CONTEXTS} on a GPU, "
           f"{CPU_CONTEXTS} on a CPU", lambda v, n: token_list(v, n, 1)),
     Param("scales", "str", ",".join(SCALE_MODES), "scale modes, comma-separated: per-token-head (dynamic), per-head "
