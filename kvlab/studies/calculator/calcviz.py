@@ -146,8 +146,8 @@ def plot_kv_table(df):
         ax.text(max(r.kv_bytes_per_token, r.kv_bytes_per_token_at_prompt) / 1024, y, f"  {label}", va="center",
                 fontsize=8)
     tokens, dtype = int(df["tokens"].iloc[0]), df["kv_dtype"].iloc[0]
-    ax.set_xlabel(f"KV per token at a {tokens:,}-token prompt (KiB, {dtype}; outline: uncapped, every attention "
-                  "layer's K and V); label: the prompt's cache", fontsize=8)
+    ax.set_xlabel(f"KV per token at a {tokens:,}-token prompt (KiB, {dtype}); label: the prompt's cache\n"
+                  "outline: uncapped (every attention layer's K and V for one more token)")
     ax.set_xlim(0, d["kv_bytes_per_token"].max() / 1024 * 1.45)
     ax.set_title("KV cache per token")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[a]) for a in colors
