@@ -17,12 +17,12 @@ from kvlab.studies import calculator as study
 from kvlab.studies.calculator import calcviz
 
 DATA = Path(__file__).resolve().parent.parent / "data"
-PUBLISHED = DATA / "calculator" / "20261130-164435-cpu"
+PUBLISHED = DATA / "calculator" / "20261203-142549-cpu"
 
 
 @pytest.fixture(scope="module")
 def published():
-    return studies.analyse_run(PUBLISHED, where="calculator/20261130-164435-cpu")
+    return studies.analyse_run(PUBLISHED, where="calculator/20261203-142549-cpu")
 
 
 @pytest.mark.parametrize("params, says", [
@@ -89,9 +89,14 @@ def test_analyse_says_what_the_published_notebook_printed(published):
 
 def test_analyse_tables_come_from_the_run(published):
     kv = published.tables["kv"]
-    assert list(kv.columns) == ["model", "attention", "layers × KV heads × dim", "KV / token", "8,192-token prompt",
-                                "sliding_layers", "params_b"]
-    assert len(kv) == 11 and kv.set_index("model").loc["gemma-2-9b", "8,192-token prompt"] == "1.969 GiB"
+    assert list(kv.columns) == ["model", "attention", "layers × KV heads × dim", "KV / token at 8,192",
+                                "KV / token (uncapped)", "8,192-token prompt", "state / sequence", "sliding_layers",
+                                "params_b"]
+    assert len(kv) == 16 and kv.set_index("model").loc["gemma-2-9b", "8,192-token prompt"] == "1.969 GiB"
+    # gpt-oss's 128-token windows halve a token's cost at 8k; a hybrid's state is shown beside its KV
+    assert kv.set_index("model").loc["gpt-oss-20b", ["KV / token at 8,192", "KV / token (uncapped)"]].tolist() == [
+        "24.38 KiB", "48 KiB"]
+    assert kv.set_index("model").loc["qwen3-next-80b-a3b", "state / sequence"] == "74.25 MiB"
     exp = published.tables["exposure_summary"].set_index("case")
     assert exp.loc["llama-2-7b bf16", "link_bound"] and not exp.loc["llama-3.1-8b bf16", "link_bound"]
     tl = published.tables["timelines"]
@@ -125,12 +130,16 @@ def test_finding_rows_read_back_flags_and_counts_from_the_csv():
 def test_the_kv_table_block(published):
     block = study.BLOCKS["kv_table"]([published], link=lambda p: p, labels=[""])
     lines = block.splitlines()
-    assert lines[0] == ("| model | attention | layers × KV heads × dim | KV per token (bf16) | KV of a 8,192-token "
-                        "prompt | sliding-window layers | parameters |")
-    assert len(lines) == 2 + 11 and block.endswith("\n")
-    assert "| llama-2-7b | MHA | 32 × 32 × 128 | 512 KiB | 4 GiB | — | 6.74 B |" in lines
-    assert "| gemma-2-9b | GQA | 42 × 8 × 256 | 336 KiB | 1.969 GiB | 21 of 42 (window 4,096) | 9.24 B |" in lines
-    assert "| deepseek-v3 | MLA | 61 × latent 512+64 | 68.62 KiB | 549 MiB | — | 671 B (37.6 B active) |" in lines
+    assert lines[0] == ("| model | attention | layers × KV heads × dim | KV per token at 8,192 (bf16) | uncapped | KV "
+                        "of a 8,192-token prompt | state per sequence | sliding-window layers | parameters |")
+    assert len(lines) == 2 + 16 and block.endswith("\n")
+    assert "| llama-2-7b | MHA | 32 × 32 × 128 | 512 KiB | 512 KiB | 4 GiB | — | — | 6.74 B |" in lines
+    assert ("| gemma-2-9b | GQA | 42 × 8 × 256 | 252 KiB | 336 KiB | 1.969 GiB | — | 21 of 42 (window 4,096) | 9.24 B |"
+            in lines)
+    assert ("| deepseek-v3 | MLA | 61 × latent 512+64 | 68.62 KiB | 68.62 KiB | 549 MiB | — | — | 671 B (37.6 B active) |"
+            in lines)
+    assert ("| jamba-mini-1.5 | GQA | 4 × 8 × 128 + 28 state layers | 16 KiB | 16 KiB | 128 MiB | 15.75 MiB | — | "
+            "51.6 B (12.1 B active) |" in lines)
 
 
 def test_figures_draws_what_it_is_asked_and_refuses_others(published):
