@@ -41,7 +41,8 @@ def kv_lines(kv: pd.DataFrame) -> list[str]:
         text += ("Sliding windows cap " + ", ".join(f"{r.model} ({r.sliding_layers} of {r.layers} layers)"
                                                    for r in capped.itertuples())
                  + f": at {tokens:,} tokens their caches hold fewer bytes than per-token × tokens.")
-    return [text.rstrip(), *hybrid_lines(kv)]
+    hybrids = hybrid_lines(kv)
+    return [text.rstrip(), *(["", *hybrids] if hybrids else [])]
 
 
 def hybrid_lines(kv: pd.DataFrame) -> list[str]:
@@ -54,7 +55,7 @@ def hybrid_lines(kv: pd.DataFrame) -> list[str]:
     for r in kv[kv["state_layers"] > 0].itertuples():
         kv_layers = int(r.layers - r.state_layers)
         dense = r.kv_bytes_per_token / kv_layers * r.layers * tokens
-        out.append(f"**{r.model}** is a hybrid: {kv_layers} of its {r.layers} layers keep KV, the other "
+        out.append(f"- **{r.model}** is a hybrid: {kv_layers} of its {r.layers} layers keep KV, the other "
                    f"{r.state_layers} a fixed state of {r.state} per sequence that crosses the wire with it. At "
                    f"{tokens:,} tokens its cache is {r.cache} ({r.kv_cache} KV + {r.state} state), "
                    f"{r.cache_bytes / dense:.1%} of the {fmt_bytes(dense)} its layers would hold if all attended.")
