@@ -481,8 +481,21 @@ _PAGES = [
          note="from the control's event to the next frame after the view has run (performance.now in the page)"),
 ]
 
+# issue 30's link-bound regime (tools/linkbound.py): fixed before any shaped-link run, with the model it is judged
+# against (the shaped rate × TCP's payload share of a frame, prefill split by FLOPs; nothing fitted to the runs)
+_LINKBOUND = [
+    Goal("linkbound.model", "linkbound", "exposure over a rate-limited link within 10 % of the pipelined model at "
+         "every rate (bulk and layer-wise)", "abs_err_pct", "<=", 10.0, lo="abs_err_lo", hi="abs_err_hi", unit=" %",
+         digits=1, applies=lambda r, t: getattr(r, "mode", None) in ("bulk", "layerwise")
+         and not math.isnan(getattr(r, "predicted_ms", float("nan"))),
+         interval="|median ÷ predicted − 1| over the 95 % bootstrap interval of the median exposure (the "
+                  "prediction held fixed)",
+         declared="issue 30, 2026-12-02 (recorded 2026-12-03, before any shaped-link run)"),
+]
+
 GOALS: dict[str, Goal] = {g.id: g for g in (*_HANDOFF, *_PAGED, *_OVERLAP, *_DISAGG, *_FAULTS, *_PROVENANCE,
-                                            *_RESHARD, *_WIRE, *_ACCURACY, *_CONTENTION, *_FABRIC, *_PAGES)}
+                                            *_RESHARD, *_WIRE, *_ACCURACY, *_CONTENTION, *_FABRIC, *_PAGES,
+                                            *_LINKBOUND)}
 
 
 def for_study(study: str) -> list[Goal]:

@@ -10,7 +10,6 @@ Needs root and iproute2 (`ip netns`). Used by tests/test_disagg.py, and by hand 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import secrets
@@ -20,6 +19,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from kvlab.netns import kill_all_in, namespaces  # noqa: E402  (made by kvlab.netns, removed on every exit)
 PAGE = REPO / "docs" / "results" / "disagg.md"  # the disagg page shows the two-node commands
 
 
@@ -32,51 +34,6 @@ def readme_commands() -> list[str]:
     if len(commands) != 2:
         raise ValueError(f"the disagg page's two-node block should hold 2 torchrun commands, found {len(commands)}")
     return commands
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-
-@contextlib.contextmanager
-def namespaces(tag: str = ""):
-    """Two network namespaces joined by a veth pair: yields [(namespace, interface, address), ...] for rank 0's
-    node and rank 1's. Removed on exit (deleting a namespace deletes its end of the pair)."""
-    tag = tag or str(os.getpid() % 10000)
-    a, b = f"kvlab-n0-{tag}", f"kvlab-n1-{tag}"
-    net = f"10.{77 + os.getpid() % 100}.{os.getpid() % 250}"
-    nodes = [(a, f"kv0-{tag}", f"{net}.1"), (b, f"kv1-{tag}", f"{net}.2")]
-    made = []
-    try:
-        for ns, _, _ in nodes:
-            _ip("netns", "add", ns)
-            made.append(ns)
-        # the pair is made with each end already in its namespace: nothing is left in this one if a step fails
-        _ip("link", "add", nodes[0][1], "netns", a, "type", "veth", "peer", "name", nodes[1][1], "netns", b)
-        for ns, dev, addr in nodes:
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-        yield nodes
-    finally:
-        for ns in made:
-            _kill_all_in(ns)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
-def _kill_all_in(ns: str) -> None:
-    """SIGKILL every process in namespace `ns` (torchrun starts its workers in sessions of their own, so killing
-    torchrun alone would leave them), and wait until none is left: a namespace lives on while a process holds it."""
-    import time
-
-    for _ in range(50):
-        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-        if not pids:
-            return
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid), 9)
-        time.sleep(0.1)
 
 
 def link_bytes(ns: str, dev: str) -> dict:
@@ -117,7 +74,7 @@ def run(out: Path, timeout_s: float = 240.0, env: dict | None = None) -> dict:
                     logs.append(p.communicate(timeout=timeout_s)[0])
                 except subprocess.TimeoutExpired:
                     for ns, _, _ in nodes:
-                        _kill_all_in(ns)
+                        kill_all_in(ns)
                     logs.append(p.communicate()[0])
                 codes.append(p.returncode)
         finally:  # an error or Ctrl-C here: nothing of this run outlives it (namespaces() kills the rest)

@@ -1,0 +1,228 @@
+"""The link-bound regime, measured: `kvlab disagg` over gloo between two network stacks (two namespaces joined by a
+veth pair, kvlab.netns) whose link the kernel's token-bucket shaper holds to a rate slower than compute, bulk and
+layer-wise, beside the calculator's pipelined model (kvlab.exposure.pipeline_exposure) at each rate.
+
+    sudo PYTHONPATH=. .venv/bin/python tools/linkbound.py                       # ratios 0.25 … 4, 9 rounds each
+    sudo PYTHONPATH=. .venv/bin/python tools/linkbound.py --ratios 0.5,2 --repeats 9 --out /tmp/lb
+
+How it goes: a first, unshaped run measures the colocated prefill (the same model, context and threads) and sets
+each rate so that one layer's send over the shaped link takes `ratio` × one layer's compute; then one shaped run
+per rate, every round a colocated prefill, a bulk and a layer-wise request (kvlab disagg's own interleaving), the
+exposure being its own: the last layer landed on the decode side minus the end of prefill, one clock (both
+namespaces share this host's kernel).
+
+The model, fixed before any shaped run: layer i computes for the request's measured prefill time × its share of
+the prefill FLOPs (calculator.prefill_flops), and its K and V cross at the shaped rate × TCP's payload share of a
+frame (kvlab.netns.payload_share: 1448 of 1514 bytes at MTU 1500; tbf counts headers). Bulk: all bytes after
+prefill. Layer-wise: the pipelined exposure. Nothing is fitted to the shaped runs.
+
+The model is kvlab-linkbound, an 8-layer Qwen2-shaped config written into the result folder (random weights):
+kvlab-tiny's two layers leave nothing to pipeline. Writes linkbound.csv (issue 30's columns, plus the error and
+its interval), goals.csv (kvlab.goals' linkbound goals), meta.json (host, commit, status: running until done, so a
+stopped run says so) and runs/ (each `kvlab disagg` run folder). Needs root and iproute2; a CPU host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import secrets
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from kvlab import calculator, goals, models, netns, provenance  # noqa: E402
+from kvlab.exposure import pipeline_exposure  # noqa: E402
+from kvlab.intervals import median_ci  # noqa: E402
+
+MODEL = {  # 8 layers of 2 KV heads × 64, fp32: 1 KiB of K and V a token a layer
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 256, "intermediate_size": 512,
+    "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "torch_dtype": "float32", "use_sliding_window": False, "sliding_window": None, "max_window_layers": 8,
+}
+PORT = 29500
+
+
+def _parse_list(text: str, name: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--{name} {text!r}: give numbers separated by commas, such as 0.25,1,4") from None
+    if not vals or any(not np.isfinite(v) or v <= 0 for v in vals):
+        raise SystemExit(f"--{name} {text!r}: give positive numbers separated by commas, such as 0.25,1,4")
+    return vals
+
+
+def _disagg(nodes, out: Path, model: Path, args, tag: str) -> dict:
+    """One `kvlab disagg` run across the two namespaces (rank 0, decode, in node 0; rank 1, prefill, in node 1)."""
+    common = ["-m", "kvlab", "disagg", "--backend", "gloo", "--model", str(model), "--kv-dtype", "fp32",
+              "--context", str(args.context), "--mode", "both", "--repeats", str(args.repeats_now), "--warmup", "1",
+              "--decode-tokens", "4", "--timeout", "600", "--quiet"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLAB_", "GLOO_", "MASTER_"))}
+    env.update(KVLAB_CONTROL_KEY=secrets.token_hex(32), PYTHONPATH=str(ROOT),
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
+    procs, logs = [], []
+    for rank, (ns, _, _) in enumerate(nodes):
+        argv = ["torchrun", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank), "--master-addr",
+                nodes[0][2], "--master-port", str(PORT), *common, *(["--out", str(out)] if rank == 0 else [])]
+        procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *argv], cwd=ROOT, env=env, text=True,
+                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=args.timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if any(p.returncode for p in procs):
+        tail = "\n".join(log[-2000:] for log in logs)
+        raise RuntimeError(f"kvlab disagg ({tag}) failed: return codes {[p.returncode for p in procs]}\n{tail}")
+    return json.loads((out / "summary.json").read_text())
+
+
+def _requests(run: Path) -> pd.DataFrame:
+    r = pd.read_csv(run / "requests.csv")
+    r = r[~r["warmup"].astype(bool)]
+    if not r[r["mode"] != "colocated"]["same_host"].astype(bool).all():
+        raise RuntimeError(f"{run}: rows without one clock (same_host false): no exposure to compare")
+    bad = r[(r["mode"] != "colocated") & ~r["tokens_match"].astype(bool)]
+    if len(bad):
+        raise RuntimeError(f"{run}: {len(bad)} requests decoded differently from the colocated run")
+    return r
+
+
+def _predict(spec, tokens: int, prefill_ms: float, rate_bps: float, mode: str) -> tuple[float, float]:
+    """(predicted exposed ms, mean per-layer transfer ÷ compute) for one request shape at one shaped rate."""
+    shares = np.array(calculator.prefill_flops(spec, tokens).per_layer())
+    compute = prefill_ms / 1e3 * shares / shares.sum()
+    rate = rate_bps / 8 * netns.payload_share()
+    transfer = np.array(calculator.kv_layer_bytes(spec, tokens, "fp32"), dtype=float) / rate
+    ratio = float(transfer.mean() / compute.mean())
+    if mode == "bulk":
+        return float(transfer.sum() * 1e3), ratio
+    return float(pipeline_exposure(list(compute), list(transfer)).exposed_s * 1e3), ratio
+
+
+def _abs_err(med: float, lo: float, hi: float, pred: float) -> tuple[float, float, float]:
+    """|measured ÷ predicted − 1| in %, and its interval from the median's (the prediction held fixed)."""
+    e, a, b = (med / pred - 1) * 100, (lo / pred - 1) * 100, (hi / pred - 1) * 100
+    if np.isnan(a) or np.isnan(b):
+        return abs(e), float("nan"), float("nan")
+    return abs(e), (0.0 if a <= 0 <= b else min(abs(a), abs(b))), max(abs(a), abs(b))
+
+
+def _write_meta(out: Path, meta: dict) -> None:
+    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ratios", default="0.25,0.5,1,2,4", help="per-layer transfer ÷ per-layer compute to set the "
+                   "rates by (default 0.25,0.5,1,2,4)")
+    p.add_argument("--context", type=int, default=1024, help="prompt tokens (default 1024)")
+    p.add_argument("--repeats", type=int, default=9, help="timed rounds a rate, each colocated + bulk + layer-wise "
+                   "(default 9: n ≥ 9 for a median's interval)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one disagg run may take (default 900)")
+    p.add_argument("--out", default=None, help="the result folder to make (default data/probes/linkbound/"
+                   "<UTC>-<commit>/)")
+    args = p.parse_args(argv)
+    ratios = _parse_list(args.ratios, "ratios")
+    if args.repeats < 9:
+        raise SystemExit(f"--repeats {args.repeats}: give at least 9 (a median and its 95 % interval need them)")
+    if not 16 <= args.context <= MODEL["max_position_embeddings"]:
+        raise SystemExit(f"--context {args.context}: give 16 … {MODEL['max_position_embeddings']} tokens")
+    why = netns.unavailable()
+    if why:
+        raise SystemExit(f"tools/linkbound.py: {why}")
+    swept = netns.sweep()
+    state = provenance.git_state(ROOT)
+    out = Path(args.out) if args.out else (ROOT / "data" / "probes" / "linkbound" /
+                                           f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{str(state.get('commit'))[:7]}")
+    out.mkdir(parents=True, exist_ok=False)
+    model = out / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(MODEL, indent=1) + "\n", encoding="utf-8")
+    spec = models.from_hf_config(model / "config.json", name="kvlab-linkbound")
+    meta = {"tool": "tools/linkbound.py", "argv": sys.argv[1:] if argv is None else argv,
+            "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "host": {"machine": platform.machine(), "cpus": len(os.sched_getaffinity(0)), "node": platform.node(),
+                     "python": platform.python_version(), "loadavg_start": list(os.getloadavg())},
+            "git": {"commit": state.get("commit"), "dirty": state.get("dirty")}, "swept_namespaces": swept,
+            "goals": goals.recorded("linkbound"), "model": "model/config.json", "context": args.context,
+            "payload_share": netns.payload_share(), "status": "running"}
+    _write_meta(out, meta)
+    rows = []
+    try:
+        with netns.namespaces("lb") as nodes:
+            prefill_ns, prefill_dev = nodes[1][0], nodes[1][1]
+            args.repeats_now = 3
+            print("calibrating: an unshaped run for the colocated prefill time …", flush=True)
+            _disagg(nodes, out / "runs" / "unshaped", model, args, "unshaped")
+            cal = _requests(out / "runs" / "unshaped")
+            prefill_ms = float(cal[cal["mode"] == "colocated"]["prefill_ms"].median())
+            layer_bytes = calculator.kv_cache_bytes(spec, args.context, "fp32") / spec.layers
+            compute_layer_s = prefill_ms / 1e3 / spec.layers
+            rates = {r: layer_bytes * 8 / netns.payload_share() / (r * compute_layer_s) for r in ratios}
+            meta.update(calibration={"colocated_prefill_ms": prefill_ms, "layer_bytes": layer_bytes,
+                                     "rates_bps": {str(k): v for k, v in rates.items()}})
+            _write_meta(out, meta)
+            args.repeats_now = args.repeats
+            for i, (ratio, rate) in enumerate(rates.items(), 1):
+                shaped = netns.shape(prefill_ns, prefill_dev, rate)
+                t0 = time.perf_counter()
+                print(f"[{i}/{len(rates)}] ratio {ratio:g}: {rate / 1e6:,.2f} Mbit/s …", end="", flush=True)
+                tag = f"rate-{rate / 1e6:.3f}mbit"
+                _disagg(nodes, out / "runs" / tag, model, args, tag)
+                req = _requests(out / "runs" / tag)
+                for mode in ("bulk", "layerwise"):
+                    m = req[req["mode"] == mode]
+                    exp = m["exposed_ms"].to_numpy(float)
+                    med = float(np.median(exp))
+                    lo, hi = median_ci(exp)
+                    pre = float(m["prefill_ms"].median())
+                    pred, per_layer = _predict(spec, args.context, pre, rate, mode)
+                    err, err_lo, err_hi = _abs_err(med, lo, hi, pred)
+                    rows.append({"rate_gbps": rate / 1e9, "mode": mode, "context": args.context,
+                                 "exposed_ms": med, "exposed_lo": lo, "exposed_hi": hi, "predicted_ms": pred,
+                                 "per_layer_ratio": per_layer, "target_ratio": ratio, "prefill_ms": pre, "n": len(m),
+                                 "abs_err_pct": err, "abs_err_lo": err_lo, "abs_err_hi": err_hi,
+                                 "kv_bytes": calculator.kv_cache_bytes(spec, args.context, "fp32"),
+                                 "run": f"runs/{tag}", "tc": shaped["tc"]})
+                print(f" {time.perf_counter() - t0:.0f} s", flush=True)
+    except BaseException as err:
+        meta.update(status="stopped", stopped_by=f"{type(err).__name__}: {str(err)[:300]}",
+                    stopped_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        _write_meta(out, meta)
+        if rows:
+            pd.DataFrame(rows).to_csv(out / "linkbound.partial.csv", index=False)
+        raise
+    table = pd.DataFrame(rows)
+    table.to_csv(out / "linkbound.csv", index=False)
+    judged = goals.evaluate(goals.for_study("linkbound"), table, keys=("rate_gbps", "mode"))
+    judged.to_csv(out / "goals.csv", index=False)
+    meta.update(status="done", finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                loadavg_end=list(os.getloadavg()))
+    _write_meta(out, meta)
+    for r in table.itertuples():
+        print(f"{r.rate_gbps * 1e3:9.2f} Mbit/s {r.mode:>9}: exposed {r.exposed_ms:8.1f} ms "
+              f"[{r.exposed_lo:.1f}, {r.exposed_hi:.1f}], model {r.predicted_ms:8.1f} ms, per-layer ratio "
+              f"{r.per_layer_ratio:.2f}, |error| {r.abs_err_pct:.1f} % [{r.abs_err_lo:.1f}, {r.abs_err_hi:.1f}]")
+    for r in judged.itertuples():
+        print(f"{r.id} {r.rate_gbps * 1e3:.2f} Mbit/s {r.mode}: {r.value}: {r.verdict}")
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
