@@ -67,7 +67,7 @@ def _parse_list(text: str, name: str) -> list[float]:
 def _disagg(nodes, out: Path, model: Path, args, tag: str) -> dict:
     """One `kvlab disagg` run across the two namespaces (rank 0, decode, in node 0; rank 1, prefill, in node 1)."""
     common = ["-m", "kvlab", "disagg", "--backend", "gloo", "--model", str(model), "--kv-dtype", "fp32",
-              "--context", str(args.context), "--mode", "both", "--repeats", str(args.repeats_now), "--warmup", "1",
+              "--context", str(args.context), "--mode", "bulk,layerwise", "--repeats", str(args.repeats_now), "--warmup", "1",
               "--decode-tokens", "4", "--timeout", "600", "--quiet"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLAB_", "GLOO_", "MASTER_"))}
     env.update(KVLAB_CONTROL_KEY=secrets.token_hex(32), PYTHONPATH=str(ROOT),
@@ -102,16 +102,41 @@ def _requests(run: Path) -> pd.DataFrame:
     return r
 
 
-def _predict(spec, tokens: int, prefill_ms: float, rate_bps: float, mode: str) -> tuple[float, float]:
-    """(predicted exposed ms, mean per-layer transfer ÷ compute) for one request shape at one shaped rate."""
+def ready_share(spec, tokens: int) -> float:
+    """The share of a layer's prefill FLOPs done when its K and V are ready: kvlab disagg's layer-wise hook fires
+    at the cache write (contiguous layout), after the q, k and v projections and before attention, its output
+    projection and the MLP. 2·T·hidden·(q + 2·kv widths) of the layer's FLOPs (calculator.prefill_flops)."""
+    per_layer = calculator.prefill_flops(spec, tokens).per_layer()[0]
+    qkv = 2 * tokens * spec.hidden_size * (spec.heads + 2 * spec.kv_heads) * spec.head_dim
+    return qkv / per_layer
+
+
+def released_exposure(compute, transfer, share: float) -> float:
+    """Exposure (s, end of the last send minus the end of prefill; negative when it lands first) of layer sends
+    released `share` of the way through each layer's compute, each waiting for the link: share 1 is the
+    calculator's pipelined model (kvlab.exposure.pipeline_exposure)."""
+    ends = np.cumsum(compute)
+    ready = ends - np.asarray(compute) * (1 - share)
+    end = 0.0
+    for r, t in zip(ready, transfer):
+        end = max(end, r) + t
+    return float(end - ends[-1])
+
+
+def _predict(spec, tokens: int, prefill_ms: float, rate_bps: float, mode: str) -> tuple[float, float, float]:
+    """(predicted exposed ms as linkbound.model declares it, the same with sends released at the hook point,
+    mean per-layer transfer ÷ compute) for one request shape at one shaped rate."""
     shares = np.array(calculator.prefill_flops(spec, tokens).per_layer())
     compute = prefill_ms / 1e3 * shares / shares.sum()
     rate = rate_bps / 8 * netns.payload_share()
     transfer = np.array(calculator.kv_layer_bytes(spec, tokens, "fp32"), dtype=float) / rate
     ratio = float(transfer.mean() / compute.mean())
-    if mode == "bulk":
-        return float(transfer.sum() * 1e3), ratio
-    return float(pipeline_exposure(list(compute), list(transfer)).exposed_s * 1e3), ratio
+    if mode == "bulk":  # sent after prefill: where the hook fires does not matter
+        return float(transfer.sum() * 1e3), float(transfer.sum() * 1e3), ratio
+    declared = pipeline_exposure(list(compute), list(transfer)).exposed_s
+    if abs(released_exposure(compute, transfer, 1.0) - declared) > 1e-9:
+        raise AssertionError("released_exposure at share 1 is not the pipelined model")
+    return declared * 1e3, released_exposure(compute, transfer, ready_share(spec, tokens)) * 1e3, ratio
 
 
 def _abs_err(med: float, lo: float, hi: float, pred: float) -> tuple[float, float, float]:
@@ -191,12 +216,16 @@ def main(argv: list[str] | None = None) -> int:
                     med = float(np.median(exp))
                     lo, hi = median_ci(exp)
                     pre = float(m["prefill_ms"].median())
-                    pred, per_layer = _predict(spec, args.context, pre, rate, mode)
+                    pred, hooked, per_layer = _predict(spec, args.context, pre, rate, mode)
                     err, err_lo, err_hi = _abs_err(med, lo, hi, pred)
+                    herr, herr_lo, herr_hi = _abs_err(med, lo, hi, hooked)
                     rows.append({"rate_gbps": rate / 1e9, "mode": mode, "context": args.context,
                                  "exposed_ms": med, "exposed_lo": lo, "exposed_hi": hi, "predicted_ms": pred,
                                  "per_layer_ratio": per_layer, "target_ratio": ratio, "prefill_ms": pre, "n": len(m),
                                  "abs_err_pct": err, "abs_err_lo": err_lo, "abs_err_hi": err_hi,
+                                 "predicted_hooked_ms": hooked, "ready_share": ready_share(spec, args.context),
+                                 "abs_err_hooked_pct": herr, "abs_err_hooked_lo": herr_lo,
+                                 "abs_err_hooked_hi": herr_hi,
                                  "kv_bytes": calculator.kv_cache_bytes(spec, args.context, "fp32"),
                                  "run": f"runs/{tag}", "tc": shaped["tc"]})
                 print(f" {time.perf_counter() - t0:.0f} s", flush=True)
