@@ -25,11 +25,16 @@ _DTYPES = {
     "float16": torch.float16,
     "fp32": torch.float32,
     "float32": torch.float32,
+    # FP8 pools (kvlab.paged): e4m3, the format serving engines keep KV in
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "e4m3": torch.float8_e4m3fn,
 }
 
 
 def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """Accept a torch dtype or a short name ("bf16", "fp16", "fp32")."""
+    """Accept a torch dtype or a short name ("bf16", "fp16", "fp32", "fp8" for e4m3)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     try:

@@ -380,3 +380,15 @@ def test_an_fp8_pool_is_resharded_by_the_torch_reference_byte_exact():
     want = src_g.canonical(src).view(torch.uint8)
     assert torch.equal(got[[0, 3]], want[[4, 1], 2:4])
     assert torch.isnan(dst_g.canonical(dst)[[1, 2, 4]].float()).all()  # rows outside keep their poison
+
+
+def test_make_pools_takes_fp8_by_name_and_moves_it_byte_exact():
+    """'fp8' names e4m3 (kvlab.kvcache.as_dtype), as a torch dtype would; a re-shard of FP8 pools by torch indexing
+    lands every shard's bytes (the poison check reads FP8 NaN too)."""
+    pl = reshard.plan("kvlab-tiny", 1, 2)
+    src = reshard.make_pools(pl, "prefill", 40, 16, "nhd", "fp8", fill="random")
+    assert src[0][0].spec.dtype == torch.float8_e4m3fn
+    dst = reshard.make_pools(pl, "decode", 40, 16, "hnd", "fp8")
+    reshard.make_mover("torch-index", pl, src, dst, backend="auto").run()
+    check = reshard.verify(pl, src, dst)
+    assert check["ok"], check
