@@ -147,6 +147,61 @@ def _abs_err(med: float, lo: float, hi: float, pred: float) -> tuple[float, floa
     return abs(e), (0.0 if a <= 0 <= b else min(abs(a), abs(b))), max(abs(a), abs(b))
 
 
+def draw(out: Path) -> None:
+    """summary.md (the table and the verdicts, written from linkbound.csv and goals.csv) and linkbound.png (measured
+    exposure with its interval against the per-layer ratio, both models beside it) into a finished result folder."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = pd.read_csv(out / "linkbound.csv")
+    judged = pd.read_csv(out / "goals.csv")
+    meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
+    for ax, mode in zip(axes, ("bulk", "layerwise")):
+        m = t[t["mode"] == mode].sort_values("per_layer_ratio")
+        ax.errorbar(m["per_layer_ratio"], m["exposed_ms"], yerr=[m["exposed_ms"] - m["exposed_lo"],
+                    m["exposed_hi"] - m["exposed_ms"]], fmt="o", color="#0072B2", label="measured (median, 95 %)")
+        ax.plot(m["per_layer_ratio"], m["predicted_ms"], "s--", color="#D55E00", mfc="none",
+                label="pipelined model (send at layer end)")
+        if mode == "layerwise":
+            ax.plot(m["per_layer_ratio"], m["predicted_hooked_ms"], "^:", color="#009E73", mfc="none",
+                    label="sends released at the cache write")
+        ax.axhline(0, color="#999999", lw=0.6)
+        ax.set_xscale("log")
+        ax.set_xlabel("one layer's send ÷ one layer's compute")
+        ax.set_title(f"{mode}: exposed after prefill")
+        ax.set_ylabel("ms")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"A link slower than compute: kvlab disagg over a shaped veth, {meta['context']:,} tokens, "
+                 f"8 layers (CPU, {meta['host']['cpus']} cores)", fontsize=10)
+    fig.text(0.99, 0.01, f"tools/linkbound.py · {out.name}", ha="right", fontsize=7, color="#666666")
+    fig.tight_layout()
+    fig.savefig(out / "linkbound.png", dpi=130)
+    plt.close(fig)
+    lines = [f"# The link-bound regime: {out.name}", "",
+             f"Written by tools/linkbound.py from linkbound.csv and goals.csv; host {meta['host']['node']} "
+             f"({meta['host']['cpus']} CPUs), commit {str(meta['git']['commit'])[:10]}, status {meta['status']}.", "",
+             "| Mbit/s | mode | per-layer ratio | exposed ms [95 %] | model ms (error) | model, hook release ms (error) |",
+             "|---|---|---|---|---|---|"]
+    for r in t.itertuples():
+        hooked = f"{r.predicted_hooked_ms:,.1f} ({r.abs_err_hooked_pct:.1f} %)" if r.mode == "layerwise" else "—"
+        lines.append(f"| {r.rate_gbps * 1e3:,.2f} | {r.mode} | {r.per_layer_ratio:.2f} | {r.exposed_ms:,.1f} "
+                     f"[{r.exposed_lo:,.1f}, {r.exposed_hi:,.1f}] | {r.predicted_ms:,.1f} ({r.abs_err_pct:.1f} %) | "
+                     f"{hooked} |")
+    lines += ["", "| goal | Mbit/s | mode | value | verdict |", "|---|---|---|---|---|"]
+    for r in judged.itertuples():
+        lines.append(f"| {r.id} | {r.rate_gbps * 1e3:,.2f} | {r.mode} | {r.value} | {r.verdict} |")
+    lines += ["", "Where a deployment sits on the same axis (kvlab.calculator, Qwen2.5-7B at 400 TFLOP/s, bf16, one GPU: the "
+              "transfer ÷ prefill ratio, which is the mean per-layer ratio):", "",
+              "| prompt | 100G NIC | 400G NIC |", "|---|---|---|"]
+    for tokens in (4096, 32768):
+        r = [calculator.handoff_estimate("qwen2.5-7b", tokens, lk, tflops=400.0).ratio for lk in ("100G", "400G")]
+        lines.append(f"| {tokens:,} | {r[0]:.2f} | {r[1]:.2f} |")
+    (out / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
 def _write_meta(out: Path, meta: dict) -> None:
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
 
@@ -161,7 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one disagg run may take (default 900)")
     p.add_argument("--out", default=None, help="the result folder to make (default data/probes/linkbound/"
                    "<UTC>-<commit>/)")
+    p.add_argument("--redraw", default=None, metavar="DIR", help="only write summary.md and linkbound.png again in "
+                   "the finished result folder DIR")
     args = p.parse_args(argv)
+    if args.redraw:
+        draw(Path(args.redraw))
+        return 0
     ratios = _parse_list(args.ratios, "ratios")
     if args.repeats < 9:
         raise SystemExit(f"--repeats {args.repeats}: give at least 9 (a median and its 95 % interval need them)")
@@ -243,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     meta.update(status="done", finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 loadavg_end=list(os.getloadavg()))
     _write_meta(out, meta)
+    draw(out)
     for r in table.itertuples():
         print(f"{r.rate_gbps * 1e3:9.2f} Mbit/s {r.mode:>9}: exposed {r.exposed_ms:8.1f} ms "
               f"[{r.exposed_lo:.1f}, {r.exposed_hi:.1f}], model {r.predicted_ms:8.1f} ms, per-layer ratio "
