@@ -502,6 +502,16 @@ _LINKBOUND = [
                   "before any kept shaped-link run",
          note="the difference explained and added to the model, as issue 30 allows; linkbound.model keeps its "
               "verdicts"),
+    Goal("linkbound.model_bucket", "linkbound", "exposure over a rate-limited link within 10 % of the pipelined "
+         "model with sends released at the hook and tbf's token bucket at every rate (bulk and layer-wise)",
+         "abs_err_bucket_pct", "<=", 10.0, lo="abs_err_bucket_lo", hi="abs_err_bucket_hi", unit=" %", digits=1,
+         applies=lambda r, t: getattr(r, "mode", None) in ("bulk", "layerwise")
+         and not math.isnan(getattr(r, "predicted_bucket_ms", float("nan"))),
+         interval="|median ÷ predicted − 1| over the 95 % bootstrap interval of the median exposure (the "
+                  "prediction held fixed)", beside="linkbound.model_hooked",
+         declared="2026-12-03, after run 20261203-144435-a638c5f found bulk ~10 ms under the model at every rate "
+                  "(the shaper's bucket); before any run judged by it",
+         note="the bucket is the shaper's own setting (netns.shape: 10 ms at the rate), nothing fitted"),
 ]
 
 GOALS: dict[str, Goal] = {g.id: g for g in (*_HANDOFF, *_PAGED, *_OVERLAP, *_DISAGG, *_FAULTS, *_PROVENANCE,

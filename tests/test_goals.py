@@ -59,7 +59,8 @@ _CANDIDATES += [dict(weights="trained", wire_dtype="fp8", scales="per-token-head
 _CANDIDATES += [dict(send="bulk", gpus=1000, requests=100_000, cores=2, load=0.8, oversubscription=1.0, nic_gbit_s=400.0)]
 # tools/linkbound.py's rows
 _CANDIDATES += [dict(mode="bulk", rate_gbps=0.1, predicted_ms=50.0),
-                dict(mode="layerwise", rate_gbps=0.1, predicted_ms=50.0, predicted_hooked_ms=40.0)]
+                dict(mode="layerwise", rate_gbps=0.1, predicted_ms=50.0, predicted_hooked_ms=40.0,
+                     predicted_bucket_ms=30.0)]
 
 
 def _row(goal: G.Goal, case: str) -> pd.DataFrame:

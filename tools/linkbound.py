@@ -123,20 +123,42 @@ def released_exposure(compute, transfer, share: float) -> float:
     return float(end - ends[-1])
 
 
-def _predict(spec, tokens: int, prefill_ms: float, rate_bps: float, mode: str) -> tuple[float, float, float]:
-    """(predicted exposed ms as linkbound.model declares it, the same with sends released at the hook point,
-    mean per-layer transfer ÷ compute) for one request shape at one shaped rate."""
+def bucket_exposure(compute, nbytes, share: float, rate: float, bucket: float) -> float:
+    """As `released_exposure`, over tbf's token bucket: `bucket` bytes (full when a request starts: the link was
+    idle before it) pass at once, the rest at `rate` bytes a second; the bucket refills at the rate while the link
+    is idle, up to its size. Bytes here are payload bytes (the bucket and rate × netns.payload_share())."""
+    ends = np.cumsum(compute)
+    ready = ends - np.asarray(compute) * (1 - share)
+    free, level, last = 0.0, bucket, 0.0
+    for r, n in zip(ready, nbytes):
+        start = max(r, free)
+        level = min(bucket, level + (start - last) * rate)
+        took = max(0.0, n - level) / rate
+        level, free = max(0.0, level - n), start + took
+        last = free
+    return float(free - ends[-1])
+
+
+def _predict(spec, tokens: int, prefill_ms: float, rate_bps: float, mode: str,
+             burst_bytes: float) -> tuple[float, float, float, float]:
+    """(predicted exposed ms as linkbound.model declares it, the same with sends released at the hook point, that
+    with tbf's bucket of `burst_bytes`, mean per-layer transfer ÷ compute) for one request at one shaped rate."""
     shares = np.array(calculator.prefill_flops(spec, tokens).per_layer())
     compute = prefill_ms / 1e3 * shares / shares.sum()
     rate = rate_bps / 8 * netns.payload_share()
-    transfer = np.array(calculator.kv_layer_bytes(spec, tokens, "fp32"), dtype=float) / rate
+    nbytes = np.array(calculator.kv_layer_bytes(spec, tokens, "fp32"), dtype=float)
+    transfer = nbytes / rate
     ratio = float(transfer.mean() / compute.mean())
+    bucket = burst_bytes * netns.payload_share()
     if mode == "bulk":  # sent after prefill: where the hook fires does not matter
-        return float(transfer.sum() * 1e3), float(transfer.sum() * 1e3), ratio
+        after = bucket_exposure([prefill_ms / 1e3], [nbytes.sum()], 1.0, rate, bucket)
+        return float(transfer.sum() * 1e3), float(transfer.sum() * 1e3), after * 1e3, ratio
     declared = pipeline_exposure(list(compute), list(transfer)).exposed_s
     if abs(released_exposure(compute, transfer, 1.0) - declared) > 1e-9:
         raise AssertionError("released_exposure at share 1 is not the pipelined model")
-    return declared * 1e3, released_exposure(compute, transfer, ready_share(spec, tokens)) * 1e3, ratio
+    at = ready_share(spec, tokens)
+    return (declared * 1e3, released_exposure(compute, transfer, at) * 1e3,
+            bucket_exposure(compute, nbytes, at, rate, bucket) * 1e3, ratio)
 
 
 def _abs_err(med: float, lo: float, hi: float, pred: float) -> tuple[float, float, float]:
@@ -154,6 +176,7 @@ def draw(out: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     t = pd.read_csv(out / "linkbound.csv")
     judged = pd.read_csv(out / "goals.csv")
@@ -168,8 +191,13 @@ def draw(out: Path) -> None:
         if mode == "layerwise":
             ax.plot(m["per_layer_ratio"], m["predicted_hooked_ms"], "^:", color="#009E73", mfc="none",
                     label="sends released at the cache write")
+        if "predicted_bucket_ms" in m:
+            ax.plot(m["per_layer_ratio"], m["predicted_bucket_ms"], "x-", color="#CC79A7",
+                    label="… and tbf's bucket" if mode == "layerwise" else "tbf's bucket")
         ax.axhline(0, color="#999999", lw=0.6)
         ax.set_xscale("log")
+        ax.set_xticks(sorted(m["per_layer_ratio"]), [f"{v:.2g}" for v in sorted(m["per_layer_ratio"])])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("one layer's send ÷ one layer's compute")
         ax.set_title(f"{mode}: exposed after prefill")
         ax.set_ylabel("ms")
@@ -183,13 +211,15 @@ def draw(out: Path) -> None:
     lines = [f"# The link-bound regime: {out.name}", "",
              f"Written by tools/linkbound.py from linkbound.csv and goals.csv; host {meta['host']['node']} "
              f"({meta['host']['cpus']} CPUs), commit {str(meta['git']['commit'])[:10]}, status {meta['status']}.", "",
-             "| Mbit/s | mode | per-layer ratio | exposed ms [95 %] | model ms (error) | model, hook release ms (error) |",
-             "|---|---|---|---|---|---|"]
+             "| Mbit/s | mode | per-layer ratio | exposed ms [95 %] | model ms (error) | model, hook release ms (error) "
+             "| model, hook and bucket ms (error) |", "|---|---|---|---|---|---|---|"]
     for r in t.itertuples():
         hooked = f"{r.predicted_hooked_ms:,.1f} ({r.abs_err_hooked_pct:.1f} %)" if r.mode == "layerwise" else "—"
+        bucket = (f"{r.predicted_bucket_ms:,.1f} ({r.abs_err_bucket_pct:.1f} %)" if "predicted_bucket_ms" in t
+                  else "—")
         lines.append(f"| {r.rate_gbps * 1e3:,.2f} | {r.mode} | {r.per_layer_ratio:.2f} | {r.exposed_ms:,.1f} "
                      f"[{r.exposed_lo:,.1f}, {r.exposed_hi:,.1f}] | {r.predicted_ms:,.1f} ({r.abs_err_pct:.1f} %) | "
-                     f"{hooked} |")
+                     f"{hooked} | {bucket} |")
     lines += ["", "| goal | Mbit/s | mode | value | verdict |", "|---|---|---|---|---|"]
     for r in judged.itertuples():
         lines.append(f"| {r.id} | {r.rate_gbps * 1e3:,.2f} | {r.mode} | {r.value} | {r.verdict} |")
@@ -276,16 +306,20 @@ def main(argv: list[str] | None = None) -> int:
                     med = float(np.median(exp))
                     lo, hi = median_ci(exp)
                     pre = float(m["prefill_ms"].median())
-                    pred, hooked, per_layer = _predict(spec, args.context, pre, rate, mode)
+                    pred, hooked, bucketed, per_layer = _predict(spec, args.context, pre, rate, mode,
+                                                                 shaped["burst_bytes"])
                     err, err_lo, err_hi = _abs_err(med, lo, hi, pred)
                     herr, herr_lo, herr_hi = _abs_err(med, lo, hi, hooked)
+                    berr, berr_lo, berr_hi = _abs_err(med, lo, hi, bucketed)
                     rows.append({"rate_gbps": rate / 1e9, "mode": mode, "context": args.context,
                                  "exposed_ms": med, "exposed_lo": lo, "exposed_hi": hi, "predicted_ms": pred,
                                  "per_layer_ratio": per_layer, "target_ratio": ratio, "prefill_ms": pre, "n": len(m),
                                  "abs_err_pct": err, "abs_err_lo": err_lo, "abs_err_hi": err_hi,
                                  "predicted_hooked_ms": hooked, "ready_share": ready_share(spec, args.context),
                                  "abs_err_hooked_pct": herr, "abs_err_hooked_lo": herr_lo,
-                                 "abs_err_hooked_hi": herr_hi,
+                                 "abs_err_hooked_hi": herr_hi, "burst_bytes": shaped["burst_bytes"],
+                                 "predicted_bucket_ms": bucketed, "abs_err_bucket_pct": berr,
+                                 "abs_err_bucket_lo": berr_lo, "abs_err_bucket_hi": berr_hi,
                                  "kv_bytes": calculator.kv_cache_bytes(spec, args.context, "fp32"),
                                  "run": f"runs/{tag}", "tc": shaped["tc"]})
                 print(f" {time.perf_counter() - t0:.0f} s", flush=True)
