@@ -166,7 +166,27 @@ def _abs_err(med: float, lo: float, hi: float, pred: float) -> tuple[float, floa
     e, a, b = (med / pred - 1) * 100, (lo / pred - 1) * 100, (hi / pred - 1) * 100
     if np.isnan(a) or np.isnan(b):
         return abs(e), float("nan"), float("nan")
+    a, b = min(a, b), max(a, b)  # a negative prediction turns the interval round
     return abs(e), (0.0 if a <= 0 <= b else min(abs(a), abs(b))), max(abs(a), abs(b))
+
+
+def rejudge(out: Path, why: str) -> None:
+    """Work the errors, their intervals and the verdicts out again from a finished folder's linkbound.csv (its
+    measured medians, intervals and predictions are kept as they are), and say so in meta.json."""
+    t = pd.read_csv(out / "linkbound.csv")
+    for col in ("", "_hooked", "_bucket"):
+        pred = f"predicted{col}_ms"
+        if pred not in t:
+            continue
+        errs = [_abs_err(r.exposed_ms, r.exposed_lo, r.exposed_hi, getattr(r, pred)) for r in t.itertuples()]
+        t[f"abs_err{col}_pct"], t[f"abs_err{col}_lo"], t[f"abs_err{col}_hi"] = zip(*errs)
+    t.to_csv(out / "linkbound.csv", index=False)
+    goals.evaluate(goals.for_study("linkbound"), t, keys=("rate_gbps", "mode")).to_csv(out / "goals.csv", index=False)
+    meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
+    meta.setdefault("rejudged", []).append({"utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                            "commit": provenance.git_state(ROOT).get("commit"), "why": why})
+    _write_meta(out, meta)
+    draw(out)
 
 
 def draw(out: Path) -> None:
@@ -248,7 +268,15 @@ def main(argv: list[str] | None = None) -> int:
                    "<UTC>-<commit>/)")
     p.add_argument("--redraw", default=None, metavar="DIR", help="only write summary.md and linkbound.png again in "
                    "the finished result folder DIR")
+    p.add_argument("--rejudge", default=None, metavar="DIR", help="work the errors and verdicts out again in the "
+                   "finished result folder DIR from its linkbound.csv (with --why)")
+    p.add_argument("--why", default="", help="with --rejudge: why, for meta.json")
     args = p.parse_args(argv)
+    if args.rejudge:
+        if not args.why:
+            raise SystemExit("--rejudge needs --why: meta.json says why a folder's verdicts were worked out again")
+        rejudge(Path(args.rejudge), args.why)
+        return 0
     if args.redraw:
         draw(Path(args.redraw))
         return 0
