@@ -67,7 +67,8 @@ def _parse_list(text: str, name: str) -> list[float]:
 def _disagg(nodes, out: Path, model: Path, args, tag: str) -> dict:
     """One `kvlab disagg` run across the two namespaces (rank 0, decode, in node 0; rank 1, prefill, in node 1)."""
     common = ["-m", "kvlab", "disagg", "--backend", "gloo", "--model", str(model), "--kv-dtype", "fp32",
-              "--context", str(args.context), "--device", "cpu", "--decode-device", "cpu", "--mode", "bulk,layerwise", "--repeats", str(args.repeats_now), "--warmup", "1",
+              "--context", str(args.context), "--device", "cpu", "--decode-device", "cpu", "--mode", "bulk,layerwise",
+              "--repeats", str(args.repeats_now), "--warmup", "1",
               "--decode-tokens", "4", "--timeout", "600", "--quiet"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLAB_", "GLOO_", "MASTER_"))}
     env.update(KVLAB_CONTROL_KEY=secrets.token_hex(32), PYTHONPATH=str(ROOT),
