@@ -71,7 +71,8 @@ def _disagg(nodes, out: Path, model: Path, args, tag: str) -> dict:
               "--repeats", str(args.repeats_now), "--warmup", "1",
               "--decode-tokens", "4", "--timeout", "600", "--quiet"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLAB_", "GLOO_", "MASTER_"))}
-    env.update(KVLAB_CONTROL_KEY=secrets.token_hex(32), PYTHONPATH=str(ROOT),
+    env.update(KVLAB_CONTROL_KEY=secrets.token_hex(32),
+               PYTHONPATH=os.pathsep.join(x for x in (str(ROOT), env.get("PYTHONPATH")) if x),
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
     procs, logs = [], []
     for rank, (ns, _, _) in enumerate(nodes):
