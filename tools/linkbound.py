@@ -87,8 +87,13 @@ def _disagg(nodes, out: Path, model: Path, args, tag: str) -> dict:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+    out.mkdir(parents=True, exist_ok=True)
+    for rank, log in enumerate(logs):  # torchrun's and the worker's output, each rank's, kept with the run
+        (out / f"torchrun-rank{rank}.log").write_text(log, encoding="utf-8")
     if any(p.returncode for p in procs):
-        tail = "\n".join(log[-2000:] for log in logs)
+        said = [ln for log in logs for ln in log.splitlines()
+                if ("Error" in ln or "error:" in ln) and "torch/distributed/elastic" not in ln]
+        tail = "\n".join(said[-12:])
         raise RuntimeError(f"kvlab disagg ({tag}) failed: return codes {[p.returncode for p in procs]}\n{tail}")
     return json.loads((out / "summary.json").read_text())
 
