@@ -235,9 +235,14 @@ def draw(out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "linkbound.png", dpi=130)
     plt.close(fig)
+    commit = str(meta["git"]["commit"])[:10]
+    where = f"host {meta['host']['node']} ({meta['host']['cpus']} CPUs)"
+    if (out / "device.json").exists():  # a run on a lent machine: what ran there is recorded beside it
+        dev = json.loads((out / "device.json").read_text(encoding="utf-8"))
+        commit, where = dev["code_commit"], f"{dev['host']} (device.json)"
     lines = [f"# The link-bound regime: {out.name}", "",
-             f"Written by tools/linkbound.py from linkbound.csv and goals.csv; host {meta['host']['node']} "
-             f"({meta['host']['cpus']} CPUs), commit {str(meta['git']['commit'])[:10]}, status {meta['status']}.", "",
+             f"Written by tools/linkbound.py from linkbound.csv and goals.csv; {where}, commit {commit}, "
+             f"status {meta['status']}.", "",
              "| Mbit/s | mode | per-layer ratio | exposed ms [95 %] | model ms (error) | model, hook release ms (error) "
              "| model, hook and bucket ms (error) |", "|---|---|---|---|---|---|---|"]
     for r in t.itertuples():
