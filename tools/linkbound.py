@@ -329,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
             layer_bytes = calculator.kv_cache_bytes(spec, args.context, "fp32") / spec.layers
             compute_layer_s = prefill_ms / 1e3 / spec.layers
             rates = {r: layer_bytes * 8 / netns.payload_share() / (r * compute_layer_s) for r in ratios}
+            for r, rate in rates.items():  # every rate checked before the first shaped run
+                netns.check_rate(rate, f"the rate for ratio {r:g} (this host's prefill: {prefill_ms:.1f} ms)")
             meta.update(calibration={"colocated_prefill_ms": prefill_ms, "layer_bytes": layer_bytes,
                                      "rates_bps": {str(k): v for k, v in rates.items()}})
             _write_meta(out, meta)
@@ -363,6 +365,11 @@ def main(argv: list[str] | None = None) -> int:
                                  "kv_bytes": calculator.kv_cache_bytes(spec, args.context, "fp32"),
                                  "run": f"runs/{tag}", "tc": shaped["tc"]})
                 print(f" {time.perf_counter() - t0:.0f} s", flush=True)
+    except ValueError as err:  # a rate the shaper cannot set: one line, the folder says it stopped
+        meta.update(status="stopped", stopped_by=f"ValueError: {err}",
+                    stopped_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        _write_meta(out, meta)
+        raise SystemExit(f"tools/linkbound.py: {err}") from None
     except BaseException as err:
         meta.update(status="stopped", stopped_by=f"{type(err).__name__}: {str(err)[:300]}",
                     stopped_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"))
