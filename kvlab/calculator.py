@@ -108,7 +108,7 @@ def _positive_float(name: str, value: Any) -> float:
 def kv_bytes_per_token(model: Any, kv_dtype: Any = "bf16") -> int:
     """KV bytes one token adds to the cache, summed over the attention layers (no sliding-window cap).
 
-    Standard attention: ``layers · 2 (K and V) · kv_heads · head_dim · bytes``.
+    Standard attention: ``attention layers · 2 (K and V) · kv_heads · head_dim · bytes``.
     MLA: ``layers · (kv_lora_rank + qk_rope_head_dim) · bytes`` — one compressed latent and the
     shared RoPE key, not separate K and V. ``llama-2-7b`` in bf16: 32·2·32·128·2 = 524288.
     A hybrid's state layers add nothing per token (:func:`recurrent_state_bytes` is their fixed state), and a
@@ -468,11 +468,12 @@ def tp_transfer_time_s(model: Any, tokens: int, link_: Any, tp: int = 1, kv_dtyp
     """Seconds to hand one sequence's KV to decode when each of ``tp`` GPUs sends its shard over
     its own NIC (a rail-optimised fabric: GPU i of every node on the same leaf), in parallel.
 
-    = :func:`transfer_time_s` of :attr:`TPShard.bytes_per_gpu` over one ``link_``; ``copies``
+    = :func:`transfer_time_s` of :attr:`TPShard.bytes_per_gpu` (plus ``1/tp`` of a hybrid's
+    :func:`recurrent_state_bytes`, as :func:`handoff_estimate` sends it) over one ``link_``; ``copies``
     separate copies per GPU.
     """
     shard = tp_shard_bytes(model, tokens, tp, kv_dtype)
-    return transfer_time_s(shard.bytes_per_gpu, link_, copies)
+    return transfer_time_s(shard.bytes_per_gpu + recurrent_state_bytes(model) / shard.tp, link_, copies)
 
 
 # ---- the whole handoff ------------------------------------------------------------------------

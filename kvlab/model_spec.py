@@ -156,11 +156,11 @@ class ModelSpec:
         state = set(self.state_layers)
         return tuple(i for i in range(self.layers) if i not in state)
 
-    def require_kv_only(self, what: str = "this path") -> None:
+    def require_kv_only(self, what: str = "kvlab's transfers") -> None:
         """Refuse a hybrid where kvlab moves or builds KV layer by layer: its state layers hold no K and V."""
         if self.state_layers:
             raise ValueError(f"{self.name} is a hybrid: {len(self.state_layers)} of its {self.layers} layers keep a "
-                             f"recurrent state, not KV; {what} moves attention KV only (the calculator bills both: "
+                             f"recurrent state, not KV; {what} move attention KV only (the calculator bills both: "
                              f"kvlab calc {self.name})")
 
     @property
@@ -194,7 +194,7 @@ class ModelSpec:
         qk_rope_head_dim]`` (one latent vector per token). A hybrid is refused (``require_kv_only``): the buffer
         has a K and V for every layer.
         """
-        self.require_kv_only("a contiguous KV buffer")
+        self.require_kv_only("kvlab's contiguous KV buffers")
         if self.attention == "mla":
             return (self.layers, 1, batch, 1, tokens, self.kv_elements_per_token_layer)
         return (self.layers, 2, batch, self.kv_heads, tokens, self.head_dim)

@@ -444,15 +444,24 @@ def test_sweep_runs_one_run_per_point(toy_project, kvlab_dirs, tmp_path, capsys)
 def test_calc_prints_the_calculator_answer(capsys):
     assert kvlab("calc", "llama-2-7b", "--tokens", "8192", "--link", "100G") == 0
     rows = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines())
-    assert rows["kv_bytes_per_token"] == "524,288 (512 KiB)"
-    assert rows["kv_bytes"] == "4,294,967,296 (4 GiB)"
+    assert rows["kv_bytes_per_token"] == "524,288 (512 KiB) at this prompt"
+    assert rows["kv_bytes_per_token_uncapped"] == "524,288 (512 KiB)"
+    assert rows["kv_bytes"] == "4,294,967,296 (4 GiB)" and rows["state_bytes"] == "0"
     assert rows["link"] == "100G" and rows["link_bound"] == "True"
     assert kvlab("calc", "llama-3.1-8b", "--tokens", "8192", "--kv-dtype", "fp8", "--tp", "2",
                  "--tflops", "300") == 0
     rows = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines())
-    assert rows["kv_bytes_per_token"] == "65,536 (64 KiB)"
+    assert rows["kv_bytes_per_token"] == "65,536 (64 KiB) at this prompt"
     assert rows["kv_bytes_per_gpu"] == "268,435,456 (256 MiB)"
     assert rows["tp"] == "2"
+    # a sliding-window model at 8k: a token costs about half the uncapped figure; a hybrid's state has its row
+    assert kvlab("calc", "gpt-oss-20b", "--tokens", "8k") == 0
+    rows = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines())
+    assert (rows["kv_bytes_per_token"], rows["kv_bytes_per_token_uncapped"]) == (
+        "24,960 (24.38 KiB) at this prompt", "49,152 (48 KiB)")
+    assert kvlab("calc", "qwen3-next-80b-a3b", "--tokens", "8k") == 0
+    rows = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines())
+    assert rows["state_bytes"] == "77,856,768 (74.25 MiB)"
 
 
 def test_calc_says_when_a_prompt_is_longer_than_the_model_holds(capsys):

@@ -140,7 +140,7 @@ def test_paths_that_move_kv_refuse_a_hybrid_in_one_line():
     msg = str(err.value)
     assert msg.startswith("model = 'jamba-mini-1.5': jamba-mini-1.5 is a hybrid: 28 of its 32 layers keep a "
                           "recurrent state") and "\n" not in msg and "kvlab calc jamba-mini-1.5" in msg
-    with pytest.raises(ValueError, match="contiguous KV buffer moves attention KV only"):
+    with pytest.raises(ValueError, match="contiguous KV buffers move attention KV only"):
         models.get("bamba-9b").kv_shape(8)
     assert models.kv_model_ref("qwen2.5-7b") == "qwen2.5-7b"
 
@@ -156,3 +156,19 @@ def test_kv_table_shows_the_figure_at_the_prompt_beside_the_uncapped_one():
     assert t.loc["qwen3-next-80b-a3b", "cache_bytes"] == calculator.cache_bytes(q, 8192)
     assert t.loc["llama-3.1-8b", "kv_bytes_per_token_at_prompt"] == t.loc["llama-3.1-8b", "kv_bytes_per_token"]
     assert math.isclose(t.loc["llama-3.1-8b", "state_bytes"], 0)
+
+
+def test_the_tp_transfer_and_the_fabric_simulator_carry_the_state_too():
+    """Every figure that moves a hybrid's cache adds its state: the TP transfer time, and the bytes the fabric
+    simulator's requests send (each state layer its state, beside the attention layers' KV)."""
+    from kvlab.fabric.topology import TopologyConfig
+    from kvlab.fabric.workload import SimConfig, draw
+
+    s = models.get("bamba-9b")
+    state, kv = calculator.recurrent_state_bytes(s), calculator.kv_cache_bytes(s, 2048)
+    assert calculator.tp_transfer_time_s(s, 2048, "400G", tp=2) == pytest.approx((kv + state) / 2 / 50e9)
+    topo = TopologyConfig(gpus=8, gpus_per_node=8, nodes_per_leaf=1)
+    w = draw(SimConfig(topology=topo, prefill_workers=4, decode_workers=4, model="bamba-9b", requests=3,
+                       prompt="fixed", prompt_tokens=2048))
+    assert w.layer_bytes.sum(axis=1).tolist() == [kv + state]
+    assert w.layer_bytes[0, list(s.state_layers)].tolist() == calculator.state_layer_bytes(s)[:1] * len(s.state_layers)

@@ -250,12 +250,14 @@ def draw(cfg: SimConfig) -> Workload:
     factor = cfg.fp8_factor if cfg.fp8 else 1.0
     rate = cfg.tflops * 1e12
     spec = models.get(cfg.model)  # once: looking a name up costs more than the arithmetic below
+    # a hybrid's state layers send their fixed state instead of KV (an FP8 wire shrinks the KV only)
+    state = np.asarray(calculator.state_layer_bytes(spec), float)
     prefill_s, layer_end, layer_bytes = [], [], []
     for t in uniq.tolist():
         fl = calculator.prefill_flops(spec, t)
         layer_end.append(np.cumsum(fl.per_layer()) / rate)
         prefill_s.append(fl.total / rate)
-        layer_bytes.append(np.asarray(calculator.kv_layer_bytes(spec, t, cfg.kv_dtype), float) * factor)
+        layer_bytes.append(np.asarray(calculator.kv_layer_bytes(spec, t, cfg.kv_dtype), float) * factor + state)
     prefill = np.asarray(prefill_s)
     ends = np.asarray(layer_end)
     ends[:, -1] = prefill  # the last layer ends exactly when prefill does (no cumsum rounding)

@@ -31,16 +31,18 @@ def kv_shown(kv: pd.DataFrame) -> pd.DataFrame:
 
 def kv_lines(kv: pd.DataFrame) -> list[str]:
     """The spread of KV bytes per token across the table's models, and which ones a sliding window caps."""
-    big = kv.loc[kv["kv_bytes_per_token"].idxmax()]
-    small = kv.loc[kv["kv_bytes_per_token"].idxmin()]
-    capped = kv[kv["sliding_layers"] > 0]
     tokens = int(kv["tokens"].iloc[0])
-    text = (f"Per token, **{big.model}** stores the most ({big.kv_per_token}) and **{small.model}** the least "
-            f"({small.kv_per_token}), a {big.kv_bytes_per_token / small.kv_bytes_per_token:.0f}× spread. ")
+    # runs since the hybrid bill rank by what a token costs at the prompt's length (windows full), as the table leads
+    col, label, how = (("kv_bytes_per_token_at_prompt", "kv_per_token_at_prompt", f"At {tokens:,} tokens, per token")
+                       if "kv_bytes_per_token_at_prompt" in kv else ("kv_bytes_per_token", "kv_per_token", "Per token"))
+    big, small = kv.loc[kv[col].idxmax()], kv.loc[kv[col].idxmin()]
+    capped = kv[kv["sliding_layers"] > 0]
+    text = (f"{how}, **{big.model}** stores the most ({getattr(big, label)}) and **{small.model}** the least "
+            f"({getattr(small, label)}), a {getattr(big, col) / getattr(small, col):.0f}× spread. ")
     if len(capped):
         text += ("Sliding windows cap " + ", ".join(f"{r.model} ({r.sliding_layers} of {r.layers} layers)"
                                                    for r in capped.itertuples())
-                 + f": at {tokens:,} tokens their caches hold fewer bytes than per-token × tokens.")
+                 + f": at {tokens:,} tokens their caches hold fewer bytes than the uncapped figure × tokens.")
     hybrids = hybrid_lines(kv)
     return [text.rstrip(), *(["", *hybrids] if hybrids else [])]
 
