@@ -54,7 +54,10 @@ def _run(*argv: str) -> str:
 
 def kill_all_in(ns: str) -> None:
     """SIGKILL every process in namespace `ns` (torchrun starts its workers in sessions of their own, so killing
-    torchrun alone would leave them), and wait until none is left: a namespace lives on while a process holds it."""
+    torchrun alone would leave them), and wait until none is left: a namespace lives on while a process holds it.
+    RuntimeError, naming them, if some are still there after 5 s (deleting its name would then hide a namespace
+    that lives on, with its veth and qdisc)."""
+    pids: list[str] = []
     for _ in range(50):
         pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
         if not pids:
@@ -63,6 +66,8 @@ def kill_all_in(ns: str) -> None:
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(pid), signal.SIGKILL)
         time.sleep(0.1)
+    raise RuntimeError(f"namespace {ns}: processes {', '.join(pids)} outlived SIGKILL for 5 s; it is left in place "
+                       f"(remove it with: ip netns del {ns})")
 
 
 def _sigterm(signum, frame):  # SIGTERM unwinds like Ctrl-C, so the finally below removes what was made
@@ -98,11 +103,26 @@ def namespaces(tag: str = ""):
             _run("ip", "-n", ns, "link", "set", "lo", "up")
         yield nodes
     finally:
-        for ns in made:
-            kill_all_in(ns)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        # a second Ctrl-C or SIGTERM must not cut the clean-up short: both wait until it is done
+        held = {}
         with contextlib.suppress(ValueError):
-            signal.signal(signal.SIGTERM, old)
+            held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            left = []
+            for ns in made:
+                try:
+                    kill_all_in(ns)
+                except RuntimeError as err:
+                    left.append(str(err))
+                    continue
+                subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            if left:
+                raise RuntimeError("; ".join(left))
+        finally:
+            with contextlib.suppress(ValueError):
+                for sig, handler in held.items():
+                    signal.signal(sig, handler)
+                signal.signal(signal.SIGTERM, old)
 
 
 def check_rate(rate_bps, name: str = "rate") -> float:

@@ -47,7 +47,9 @@ def test_the_bucket_model_by_hand():
     assert linkbound.bucket_exposure(c, n, 0.8, 1e8, 5e5) == pytest.approx((1e6 - 5e5) / 1e8 - 0.2 * 0.05)
 
 
-def test_the_hook_fires_after_the_qkv_projections():
+def test_the_hook_points_share_of_a_layer():
+    """ready_share's arithmetic only (where kvlab disagg's hook fires is kvlab.hooks' to test): the q, k and v
+    projections' FLOPs over the layer's."""
     spec = models.from_hf_config(linkbound.MODEL)
     share = linkbound.ready_share(spec, 1024)
     qkv = 2 * 1024 * 256 * (4 + 2 * 2) * 64  # hidden 256; 4 query and 2 KV heads of 64
@@ -103,3 +105,30 @@ def test_the_error_interval_of_a_negative_prediction():
     assert err == pytest.approx(1.5, abs=0.1) and lo == 0.0 and hi == pytest.approx(9.7, abs=0.1)
     err, lo, hi = linkbound._abs_err(110.0, 108.0, 112.0, 100.0)
     assert (round(err, 6), round(lo, 6), round(hi, 6)) == (10.0, 8.0, 12.0)
+
+
+_HOLD = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from kvlab import netns
+with netns.namespaces("sig") as nodes:
+    print(" ".join(ns for ns, _, _ in nodes), flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_stopped_run_removes_its_namespaces(sig):
+    """A run stopped by SIGTERM or Ctrl-C (SIGINT) leaves none of its namespaces behind."""
+    import signal
+
+    why = _netns_ok()
+    if why:
+        pytest.skip(why)
+    repo = str(Path(__file__).resolve().parent.parent)
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD.format(repo=repo)], stdout=subprocess.PIPE, text=True)
+    names = set(proc.stdout.readline().split())
+    assert len(names) == 2 and names <= _listed()
+    proc.send_signal(getattr(signal, sig))
+    assert proc.wait(timeout=30) != 0
+    assert not names & _listed()

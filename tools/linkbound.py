@@ -74,22 +74,24 @@ def _disagg(nodes, out: Path, model: Path, args, tag: str) -> dict:
     env.update(KVLAB_CONTROL_KEY=secrets.token_hex(32),
                PYTHONPATH=os.pathsep.join(x for x in (str(ROOT), env.get("PYTHONPATH")) if x),
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
-    procs, logs = [], []
+    logs_dir = out.parent / "logs"  # beside the run folder, which kvlab disagg makes itself (and never reuses)
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    procs, paths = [], [logs_dir / f"{out.name}-rank{rank}.log" for rank in range(2)]
     for rank, (ns, _, _) in enumerate(nodes):
         argv = ["torchrun", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank), "--master-addr",
                 nodes[0][2], "--master-port", str(PORT), *common, *(["--out", str(out)] if rank == 0 else [])]
-        procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *argv], cwd=ROOT, env=env, text=True,
-                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        with open(paths[rank], "w", encoding="utf-8") as log:  # each rank's output straight to its file: no pipe
+            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *argv], cwd=ROOT, env=env, text=True,
+                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + args.timeout
     try:
         for p in procs:
-            logs.append(p.communicate(timeout=args.timeout)[0])
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    out.mkdir(parents=True, exist_ok=True)
-    for rank, log in enumerate(logs):  # torchrun's and the worker's output, each rank's, kept with the run
-        (out / f"torchrun-rank{rank}.log").write_text(log, encoding="utf-8")
+    logs = [path.read_text(encoding="utf-8", errors="replace") for path in paths]
     if any(p.returncode for p in procs):
         said = [ln for log in logs for ln in log.splitlines()
                 if ("Error" in ln or "error:" in ln) and "torch/distributed/elastic" not in ln]
