@@ -162,15 +162,23 @@ def evidence_runs() -> list[str]:
     return sorted({r for entry in manifest()["blocks"].values() for r in _runs(entry)})
 
 
+def _run_label(f: Path) -> str:
+    """A committed run's name in the provenance table: its folder's; for a run kept inside a probe's result folder
+    (data/probes/<probe>/<result>/[runs/]<run>/), the result folder's and its own."""
+    parts = f.parent.relative_to(_data()).parts  # (study, run) or (probes, probe, result, …, run)
+    outer = [p for p in parts[2:-1] if p != "runs"]
+    return "/".join([*outer, parts[-1]])
+
+
 def provenance_table(prefix: str = "") -> str:
     """Every committed run by provenance status (kvlab.provenance): can a reader get the code that ran?"""
     rows = {}
     for f in _committed_runs():
         st = provenance.status(read_json(f), f.parent)[0]
-        rows.setdefault(st, []).append(f"{f.parent.parent.name}/{f.parent.name}")
+        rows.setdefault(st, []).append(_run_label(f))
     order = ["verified", "diff", "clean", "unverified", "dirty", "mismatch", "unknown", "no commit"]
     out = [{"status": st, "code can be rebuilt": "yes" if st in provenance.PUBLISHABLE else "**no**",
-            "runs": len(rows[st]), "which": ", ".join(r.split("/")[1] for r in rows[st])}
+            "runs": len(rows[st]), "which": ", ".join(rows[st])}
            for st in order if st in rows]
     total = sum(len(v) for v in rows.values())
     bad = sum(len(v) for st, v in rows.items() if st not in provenance.PUBLISHABLE)
@@ -187,8 +195,47 @@ def provenance_table(prefix: str = "") -> str:
             + (f" ({', '.join(p.split('/')[1] for p in cannot)}).\n" if cannot else ".\n"))
 
 
+def _probe_goal_files() -> list[Path]:
+    """goals.csv of every probe or tool result git tracks (data/probes/<probe>/<result>/goals.csv)."""
+    root = repo_root()
+    try:
+        done = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--", "data/probes/*/*/goals.csv"],
+                              capture_output=True, text=True, timeout=60, check=True)
+        return sorted(root / p for p in done.stdout.split("\0") if p and p.count("/") == 4)
+    except (OSError, subprocess.SubprocessError):
+        return sorted(_data().glob("probes/*/*/goals.csv"))
+
+
+def probe_verdicts(prefix: str = "") -> str:
+    """The goals judged by tools and probes that are not a study's runs (tools/page_latency.py, fabric_speed.py,
+    linkbound.py …), as each result's goals.csv recorded them: goal, result folder, host (its meta.json, or the
+    device.json beside it for a lent machine), where (the row's own keys), value, verdict."""
+    rows = []
+    for f in _probe_goal_files():
+        g = pd.read_csv(f)
+        if g.empty:
+            continue
+        meta = read_json(f.parent / "meta.json") if (f.parent / "meta.json").exists() else {}
+        if (f.parent / "device.json").exists():
+            host = read_json(f.parent / "device.json").get("host", "")
+        else:
+            h = meta.get("host", {})
+            host = (f"{h.get('cpus', '?')} CPUs" + (f" ({h['node']})" if h.get("node") else "")) if h else "—"
+        keys = [c for c in g.columns[2:list(g.columns).index("value")]]
+        rel = f.parent.relative_to(repo_root()).as_posix()
+        for r in g.itertuples(index=False):
+            where = ", ".join(f"{getattr(r, k) * 1e3:,.2f} Mbit/s" if k == "rate_gbps" else
+                              f"{k} {getattr(r, k):.4g}" if isinstance(getattr(r, k), float) else
+                              f"{k} {getattr(r, k)}" for k in keys)
+            rows.append({"goal": f"{r.id}: {r.goal}", "result": f"[{f.parent.parent.name}/{f.parent.name}]"
+                         f"({prefix}{rel}/)", "host": host, "where": where or "—", "value vs goal": r.value,
+                         "verdict": f"**{r.verdict}**" if r.verdict != "met" else r.verdict})
+    return md_table(pd.DataFrame(rows))
+
+
 # blocks about the runs rather than tables of results
-META_BLOCKS = {"verdicts": verdicts, "verdict_counts": verdict_counts, "provenance": provenance_table,
+META_BLOCKS = {"verdicts": verdicts, "verdict_counts": verdict_counts, "probe_verdicts": probe_verdicts,
+               "provenance": provenance_table,
                "reliability_campaigns": lambda prefix: reliability.campaigns(prefix, manifest(), goals_of),
                "reliability_sigstop": reliability.sigstop, "reliability_cases": reliability.cases}
 # blocks that need the commits of the runs (to check their code): a shallow clone lacks them
