@@ -283,7 +283,8 @@ def param_count(cfg: Mapping[str, Any]) -> tuple[int, int]:
     architecture has them: Qwen2's q/k/v, ``attention_bias``), the MLP (a gated MLP — every
     registry architecture uses one), MoE routers and experts (Mixtral ``num_local_experts``;
     DeepSeek ``n_routed_experts`` + ``n_shared_experts``, dense for the first
-    ``first_k_dense_replace`` layers), RMSNorm weights (2 per layer, 4 for Gemma-2); the final
+    ``first_k_dense_replace`` layers), RMSNorm weights (2 per layer, 4 for Gemma-2 and -3, and Gemma-3's and
+    Qwen3's per-head q and k norms); the final
     norm; ``lm_head`` unless tied (``tie_word_embeddings``, or the config class's default when
     config.json leaves it out: Gemma ties). Not counted: buffers (rotary tables,
     DeepSeek's router score-correction bias) and DeepSeek's multi-token-prediction module.
@@ -321,6 +322,8 @@ def param_count(cfg: Mapping[str, Any]) -> tuple[int, int]:
         hd = int(d.get("head_dim") or hidden // heads)
         q_out, kv_out = heads * hd, kv * hd
         attn = hidden * q_out + 2 * hidden * kv_out + q_out * hidden
+        if mt in ("gemma3", "gemma3_text", "qwen3", "qwen3_moe"):
+            attn += 2 * hd  # q_norm and k_norm: an RMSNorm over each head's width
         if mt == "qwen2":
             attn += q_out + 2 * kv_out  # q/k/v carry a bias, o_proj does not
         elif d.get("attention_bias"):

@@ -466,8 +466,9 @@ REGISTRY: dict[str, dict[str, Any]] = {
     },
     "bamba-9b": {
         # A Mamba-2 hybrid: attention at layers 9, 18 and 27. The shape fields are those of the authors' training config
-        # (fms-fsdp `mamba_9.8b`) as transformers' conversion script writes them; token ids and the position limit,
-        # which kvlab does not use, are left out rather than guessed. Its authors state 9.78B parameters.
+        # (fms-fsdp `mamba_9.8b`) as transformers' conversion script writes them, with the position limit it writes
+        # (BambaConfig's default; the model was trained at 4k); token ids, which kvlab does not use, are left out
+        # rather than guessed. Its authors state 9.78B parameters.
         "repo": "ibm-ai-platform/Bamba-9B",
         "config": {
             "architectures": ["BambaForCausalLM"],
@@ -487,6 +488,7 @@ REGISTRY: dict[str, dict[str, Any]] = {
             "mamba_n_groups": 1,
             "mamba_n_heads": 128,
             "mamba_proj_bias": False,
+            "max_position_embeddings": 262144,
             "model_type": "bamba",
             "num_attention_heads": 32,
             "num_hidden_layers": 32,

@@ -158,6 +158,6 @@ def test_kvlab_analyse_redraws_every_figure_of_the_notebook(tmp_path):
     assert meta["figures"] == [f"{n}.html" if n == "calculator_page" else f"{n}.png" for n in study.FIGURES]
     assert (out / "calculator_page.html").is_file()  # the interactive page, beside the pictures
     assert all(issues == [] for issues in meta["readability"].values())
-    assert meta["findings"][0].startswith("Per token, **llama-2-7b** stores the most (512 KiB)")
+    assert meta["findings"][0].startswith("At 8,192 tokens, per token, **llama-2-7b** stores the most (512 KiB)")
     assert {"kv.csv", "ratio_summary.csv", "tp_summary.csv", "exposure_summary.csv", "timelines.csv"} == set(
         meta["tables"])

@@ -97,8 +97,10 @@ def test_computed_params_match_published(name):
     s = models.get(name)
     pub = models.REGISTRY[name]["published"]
     assert s.params == pytest.approx(pub["params"], rel=0.01)
-    # DeepSeek's "37B activated" is a rounded figure; the config gives 37.55B.
-    assert s.active_params == pytest.approx(pub.get("active_params", pub["params"]), rel=0.02)
+    # DeepSeek's "37B activated" is a rounded figure; the config gives 37.55B. A MoE whose page counts active
+    # parameters another way (gpt-oss leaves out the embedding; Qwen3-Next rounds to 3B) has no active figure here.
+    if "active_params" in pub or not s.is_moe:
+        assert s.active_params == pytest.approx(pub.get("active_params", pub["params"]), rel=0.02)
     assert "computed from the config" in s.source and "published" in s.source
 
 
