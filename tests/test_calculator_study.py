@@ -17,12 +17,12 @@ from kvlab.studies import calculator as study
 from kvlab.studies.calculator import calcviz
 
 DATA = Path(__file__).resolve().parent.parent / "data"
-PUBLISHED = DATA / "calculator" / "20261203-153047-cpu"
+PUBLISHED = DATA / "calculator" / "20261203-153916-cpu"
 
 
 @pytest.fixture(scope="module")
 def published():
-    return studies.analyse_run(PUBLISHED, where="calculator/20261203-153047-cpu")
+    return studies.analyse_run(PUBLISHED, where="calculator/20261203-153916-cpu")
 
 
 @pytest.mark.parametrize("params, says", [

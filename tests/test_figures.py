@@ -22,7 +22,7 @@ DATA = Path(__file__).resolve().parent.parent / "data"
 def _calculator(name):
     from kvlab import studies
 
-    analysis = studies.analyse_run(DATA / "calculator/20261203-153047-cpu")  # its tables, as the notebook reads them
+    analysis = studies.analyse_run(DATA / "calculator/20261203-153916-cpu")  # its tables, as the notebook reads them
     return studies.get("calculator").figures(analysis, [name])[name]
 
 
