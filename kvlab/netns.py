@@ -103,10 +103,9 @@ def namespaces(tag: str = ""):
             _run("ip", "-n", ns, "link", "set", "lo", "up")
         yield nodes
     finally:
-        # a second Ctrl-C or SIGTERM must not cut the clean-up short: both wait until it is done
-        held = {}
-        with contextlib.suppress(ValueError):
-            held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        # a second Ctrl-C or SIGTERM must not cut the clean-up short: both are held back until it is done (and
+        # delivered then)
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
             left = []
             for ns in made:
@@ -119,10 +118,9 @@ def namespaces(tag: str = ""):
             if left:
                 raise RuntimeError("; ".join(left))
         finally:
-            with contextlib.suppress(ValueError):
-                for sig, handler in held.items():
-                    signal.signal(sig, handler)
+            with contextlib.suppress(ValueError, TypeError):  # TypeError: a handler C code set (getsignal: None)
                 signal.signal(signal.SIGTERM, old)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def check_rate(rate_bps, name: str = "rate") -> float:
@@ -157,15 +155,22 @@ def payload_share(mtu: int = 1500) -> float:
 
 
 def sweep() -> list[str]:
-    """Remove kvlab's namespaces whose making process is gone (a SIGKILLed run's); returns their names."""
+    """Remove kvlab's namespaces whose making process is gone (a SIGKILLed run's); returns their names.
+    RuntimeError, naming them, for those whose processes outlive SIGKILL (the others are removed all the same)."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    gone = []
+    gone, left = [], []
     for line in out.splitlines():
         name = line.split()[0] if line.split() else ""
         m = re.match(rf"^{re.escape(PREFIX)}[01]-(\d+)(?:-|$)", name)
         if not m or os.path.exists(f"/proc/{m.group(1)}"):
             continue
-        kill_all_in(name)
+        try:
+            kill_all_in(name)
+        except RuntimeError as err:
+            left.append(str(err))
+            continue
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
         gone.append(name)
+    if left:
+        raise RuntimeError(f"removed {', '.join(gone) or 'none'}; " + "; ".join(left))
     return gone

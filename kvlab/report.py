@@ -212,15 +212,19 @@ def probe_verdicts(prefix: str = "") -> str:
     device.json beside it for a lent machine), where (the row's own keys), value, verdict."""
     rows = []
     for f in _probe_goal_files():
-        g = pd.read_csv(f)
-        if g.empty:
+        try:
+            g = pd.read_csv(f)
+        except pd.errors.EmptyDataError:
+            continue
+        if g.empty or "value" not in g.columns:
             continue
         meta = read_json(f.parent / "meta.json") if (f.parent / "meta.json").exists() else {}
         if (f.parent / "device.json").exists():
             host = read_json(f.parent / "device.json").get("host", "")
         else:
             h = meta.get("host", {})
-            host = (f"{h.get('cpus', '?')} CPUs" + (f" ({h['node']})" if h.get("node") else "")) if h else "—"
+            cpus = h.get("cpus", h.get("node_cpus", "?"))
+            host = (f"{cpus} CPUs" + (f" ({h['node']})" if h.get("node") else "")) if h else "—"
         keys = [c for c in g.columns[2:list(g.columns).index("value")]]
         rel = f.parent.relative_to(repo_root()).as_posix()
         for r in g.itertuples(index=False):

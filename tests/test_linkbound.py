@@ -108,7 +108,8 @@ def test_the_error_interval_of_a_negative_prediction():
 
 
 _HOLD = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job may start with SIGINT ignored
 sys.path.insert(0, {repo!r})
 from kvlab import netns
 with netns.namespaces("sig") as nodes:
@@ -127,8 +128,13 @@ def test_a_stopped_run_removes_its_namespaces(sig):
         pytest.skip(why)
     repo = str(Path(__file__).resolve().parent.parent)
     proc = subprocess.Popen([sys.executable, "-c", _HOLD.format(repo=repo)], stdout=subprocess.PIPE, text=True)
-    names = set(proc.stdout.readline().split())
-    assert len(names) == 2 and names <= _listed()
-    proc.send_signal(getattr(signal, sig))
-    assert proc.wait(timeout=30) != 0
-    assert not names & _listed()
+    try:
+        names = set(proc.stdout.readline().split())
+        assert len(names) == 2 and names <= _listed()
+        proc.send_signal(getattr(signal, sig))
+        assert proc.wait(timeout=30) != 0
+        assert not names & _listed()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -106,3 +106,23 @@ def test_the_one_gpu_tables_read_runs_whose_code_can_be_rebuilt():
     for p in used:
         d = REPO / "data" / p
         assert provenance.status(read_json(d / "run.json"), d)[0] in provenance.PUBLISHABLE, p
+
+
+def test_a_run_is_named_with_the_probe_result_it_is_kept_in():
+    data = report._data()
+    assert report._run_label(data / "handoff" / "20261201-051641-h200" / "run.json") == "20261201-051641-h200"
+    assert report._run_label(data / "probes" / "p" / "r1" / "run.json") == "r1"
+    assert report._run_label(data / "probes" / "p" / "r1" / "ipc2" / "run.json") == "r1/ipc2"
+    assert report._run_label(data / "probes" / "p" / "r1" / "runs" / "rate-1" / "run.json") == "r1/rate-1"
+
+
+def test_the_tools_goals_table_has_a_row_for_every_committed_goal_check():
+    import pandas as pd
+
+    files = report._probe_goal_files()
+    assert any("linkbound" in str(f) for f in files) and any("page_latency" in str(f) for f in files)
+    rows = [ln for ln in report.probe_verdicts().splitlines()[2:] if ln.startswith("|")]
+    assert len(rows) == sum(len(pd.read_csv(f)) for f in files)
+    # what a goals.csv says is what the table says, row for row (a verdict written by hand would differ)
+    said = [v for f in files for v in pd.read_csv(f)["verdict"]]
+    assert [r.rsplit("|", 2)[1].strip().strip("*") for r in rows] == said

@@ -19,7 +19,8 @@ prefill. Layer-wise: the pipelined exposure. Nothing is fitted to the shaped run
 The model is kvlab-linkbound, an 8-layer Qwen2-shaped config written into the result folder (random weights):
 kvlab-tiny's two layers leave nothing to pipeline. Writes linkbound.csv (issue 30's columns, plus the error and
 its interval), goals.csv (kvlab.goals' linkbound goals), meta.json (host, commit, status: running until done, so a
-stopped run says so) and runs/ (each `kvlab disagg` run folder). Needs root and iproute2; a CPU host.
+stopped run says so) and runs/ (each `kvlab disagg` run folder, and in runs/logs/ each rank's torchrun output).
+Needs root and iproute2; a CPU host.
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ def _disagg(nodes, out: Path, model: Path, args, tag: str) -> dict:
     try:
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"kvlab disagg ({tag}) took longer than --timeout {args.timeout:g} s; its output: "
+                           f"{', '.join(map(str, paths))}") from None
     finally:
         for p in procs:
             if p.poll() is None:
@@ -190,10 +194,17 @@ def rejudge(out: Path, why: str) -> None:
         errs = [_abs_err(r.exposed_ms, r.exposed_lo, r.exposed_hi, getattr(r, pred)) for r in t.itertuples()]
         t[f"abs_err{col}_pct"], t[f"abs_err{col}_lo"], t[f"abs_err{col}_hi"] = zip(*errs)
     t.to_csv(out / "linkbound.csv", index=False)
-    goals.evaluate(goals.for_study("linkbound"), t, keys=("rate_gbps", "mode")).to_csv(out / "goals.csv", index=False)
+    before = pd.read_csv(out / "goals.csv")
+    judged = goals.evaluate(goals.for_study("linkbound"), t, keys=("rate_gbps", "mode"))
+    judged.to_csv(out / "goals.csv", index=False)
+    key = ["id", "rate_gbps", "mode"]
+    both = before.merge(judged, on=key, how="outer", suffixes=("_before", "_after"))
+    changed = [f"{r.id} {r.rate_gbps * 1e3:.2f} Mbit/s {r.mode}: {r.verdict_before} → {r.verdict_after}"
+               for r in both.itertuples() if r.verdict_before != r.verdict_after]
     meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
     meta.setdefault("rejudged", []).append({"utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                                            "commit": provenance.git_state(ROOT).get("commit"), "why": why})
+                                            "commit": provenance.git_state(ROOT).get("commit"), "why": why,
+                                            "verdicts_changed": changed})
     _write_meta(out, meta)
     draw(out)
 

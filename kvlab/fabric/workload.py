@@ -3,7 +3,8 @@
 Every size comes from :mod:`kvlab.calculator`: a request of ``T`` prompt tokens needs
 ``prefill_flops(model, T).total / (tflops · 1e12)`` seconds of prefill, split over layers by each
 layer's share of the FLOPs (``PrefillFlops.per_layer``), and hands ``kv_layer_bytes(model, T, kv_dtype)``
-bytes per layer to decode (times ``fp8_factor`` with ``fp8``).
+bytes per layer to decode (times ``fp8_factor`` with ``fp8``), plus a hybrid's state on its state layers
+(``state_layer_bytes``, which an FP8 wire does not shrink).
 """
 
 from __future__ import annotations
