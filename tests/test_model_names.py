@@ -85,7 +85,7 @@ def test_calc_takes_a_config_json_or_a_model_folder(tmp_path, capsys):
         assert cli.main(["calc", str(ref), "--tokens", "8k", "--link", "100G"]) == 0
         rows = _rows(capsys.readouterr().out)
         assert rows["model"] == "Llama-3.2-1B"
-        assert rows["kv_bytes_per_token"] == f"{16 * 2 * 8 * 64 * 2:,} (32 KiB)"
+        assert rows["kv_bytes_per_token"] == f"{16 * 2 * 8 * 64 * 2:,} (32 KiB) at this prompt"
         assert rows["kv_bytes"] == f"{16 * 2 * 8 * 64 * 2 * 8192:,} (256 MiB)"
     # a registry model's own config gives the registry model's numbers
     same = tmp_path / "mine"
