@@ -70,6 +70,21 @@ def kill_all_in(ns: str) -> None:
                        f"(remove it with: ip netns del {ns})")
 
 
+def _remove(names) -> tuple[list[str], list[str]]:
+    """Kill what runs in each namespace and delete it: (the names removed, what kill_all_in said of the others,
+    which are left in place)."""
+    gone, left = [], []
+    for ns in names:
+        try:
+            kill_all_in(ns)
+        except RuntimeError as err:
+            left.append(str(err))
+            continue
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        gone.append(ns)
+    return gone, left
+
+
 def _sigterm(signum, frame):  # SIGTERM unwinds like Ctrl-C, so the finally below removes what was made
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -107,14 +122,7 @@ def namespaces(tag: str = ""):
         # delivered then)
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
-            left = []
-            for ns in made:
-                try:
-                    kill_all_in(ns)
-                except RuntimeError as err:
-                    left.append(str(err))
-                    continue
-                subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            _, left = _remove(made)
             if left:
                 raise RuntimeError("; ".join(left))
         finally:
@@ -158,19 +166,13 @@ def sweep() -> list[str]:
     """Remove kvlab's namespaces whose making process is gone (a SIGKILLed run's); returns their names.
     RuntimeError, naming them, for those whose processes outlive SIGKILL (the others are removed all the same)."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    gone, left = [], []
+    stale = []
     for line in out.splitlines():
         name = line.split()[0] if line.split() else ""
         m = re.match(rf"^{re.escape(PREFIX)}[01]-(\d+)(?:-|$)", name)
-        if not m or os.path.exists(f"/proc/{m.group(1)}"):
-            continue
-        try:
-            kill_all_in(name)
-        except RuntimeError as err:
-            left.append(str(err))
-            continue
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        gone.append(name)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            stale.append(name)
+    gone, left = _remove(stale)
     if left:
         raise RuntimeError(f"removed {', '.join(gone) or 'none'}; " + "; ".join(left))
     return gone

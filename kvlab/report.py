@@ -145,16 +145,22 @@ def verdict_counts(prefix: str = "") -> str:
 def _committed_runs() -> list[Path]:
     """run.json of every run git tracks under data/ (a checkout's own, ignored CPU runs are not published);
     every run.json under data/ where git cannot say. A trained model's folder (data/models/) is not a run."""
-    root = repo_root()
-    try:
-        done = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--", "data/*/*/run.json"],
-                              capture_output=True, text=True, timeout=60, check=True)
-        tracked = [root / p for p in done.stdout.split("\0") if p and not p.startswith(f"data/{MODELS}/")]
-        if tracked:
-            return sorted(tracked)
-    except (OSError, subprocess.SubprocessError):
-        pass
+    tracked = [repo_root() / p for p in _git_tracked("data/*/*/run.json") or ()
+               if not p.startswith(f"data/{MODELS}/")]
+    if tracked:
+        return sorted(tracked)
     return sorted(p for p in _data().glob("*/*/run.json") if p.parent.parent.name != MODELS)
+
+
+def _git_tracked(pattern: str) -> list[str] | None:
+    """The paths git tracks that match `pattern` (git's pathspec: `*` crosses folders), relative to the
+    repository; None where git cannot say."""
+    try:
+        done = subprocess.run(["git", "-C", str(repo_root()), "ls-files", "-z", "--", pattern],
+                              capture_output=True, text=True, timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [p for p in done.stdout.split("\0") if p]
 
 
 def evidence_runs() -> list[str]:
@@ -197,13 +203,10 @@ def provenance_table(prefix: str = "") -> str:
 
 def _probe_goal_files() -> list[Path]:
     """goals.csv of every probe or tool result git tracks (data/probes/<probe>/<result>/goals.csv)."""
-    root = repo_root()
-    try:
-        done = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--", "data/probes/*/*/goals.csv"],
-                              capture_output=True, text=True, timeout=60, check=True)
-        return sorted(root / p for p in done.stdout.split("\0") if p and p.count("/") == 4)
-    except (OSError, subprocess.SubprocessError):
+    tracked = _git_tracked("data/probes/*/*/goals.csv")
+    if tracked is None:
         return sorted(_data().glob("probes/*/*/goals.csv"))
+    return sorted(repo_root() / p for p in tracked if p.count("/") == 4)
 
 
 def probe_verdicts(prefix: str = "") -> str:
