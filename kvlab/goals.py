@@ -371,6 +371,11 @@ _RESHARD = [
          "pred_err_abs_pct", "<=", 10.0, unit=" %", digits=1, declared=_RESHARD_DECLARED,
          applies=lambda r, t: r.context == 32768,
          note="|measured ÷ predicted − 1|, the prediction from this run's d2d_same ceiling (point values)"),
+    Goal("tp_reshard.tp_decode", "tp_reshard", "TP decode: 20 tokens identical to the colocated decode in every (P, D) "
+         "run", "decode_mismatch_all", "<=", 0, digits=0, applies=lambda r, t: bool(getattr(r, "first_row", False)),
+         declared="issue 28, 2026-12-02 (written down as a goal on 2026-12-03, before any run of the decode check)",
+         note="(P, D, layout) runs of the decode check whose tokens differed from the colocated decode at any step: "
+              "kvlab.tp_decode, D processes over gloo on the CPU"),
 ]
 
 # issue 29: fixed before any run of the wire study (the issue's thresholds: 18.7 ms is 55 % of bf16's 34 ms over

@@ -44,7 +44,7 @@ from .kvcache import KVBuffer, layout_for
 from .paged import BlockPool, BlockTable, PoolSpec
 from .steps import decode, make_prompt, model_device, prefill, text_config
 
-__all__ = ["IMPLS", "RowParallel", "transformers_supported", "shard_model", "logits_tolerance", "compare", "run"]
+__all__ = ["IMPLS", "RowParallel", "transformers_supported", "shard_model", "logits_tolerance", "compare", "check_pair", "run"]
 
 IMPLS = ("auto", "transformers", "kvlab")
 
@@ -235,6 +235,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_pair(model, prefill_tp: int, decode_tp: int, context: int = 128, steps: int = 20) -> reshard.Plan:
+    """The re-shard plan of `model` from `prefill_tp` to `decode_tp` ranks, refused in one line (ValueError) where
+    reshard.plan refuses it or the prompt and its steps pass the model's positions: what `run` checks first."""
+    pl = reshard.plan(model, prefill_tp, decode_tp)
+    if pl.spec.max_positions and context + steps > pl.spec.max_positions:
+        raise ValueError(f"context={context} + steps={steps} exceeds {pl.model}'s {pl.spec.max_positions} positions")
+    return pl
+
+
 def run(model: str = "kvlab-tiny", prefill_tp: int = 1, decode_tp: int = 2, context: int = 128, steps: int = 20,
         src_layout: str = "hnd", dst_layout: str = "hnd", method: str = "fused", impl: str = "auto",
         block_size: int = 16, dtype: str = "float32", seed: int = 0, backend: str = "gloo",
@@ -248,15 +257,13 @@ def run(model: str = "kvlab-tiny", prefill_tp: int = 1, decode_tp: int = 2, cont
     backend, NCCL with fewer GPUs than decode ranks, a context past the model's positions, impl="transformers" where
     it does not apply.
     """
-    pl = reshard.plan(model, prefill_tp, decode_tp)
+    pl = check_pair(model, prefill_tp, decode_tp, context, steps)
     if method not in reshard.METHODS or impl not in IMPLS or backend not in ("gloo", "nccl"):
         raise ValueError(f"method={method!r}, impl={impl!r}, backend={backend!r}: valid methods "
                          f"{list(reshard.METHODS)}, impls {list(IMPLS)}, backends ['gloo', 'nccl']")
     if backend == "nccl" and torch.cuda.device_count() < decode_tp:
         raise ValueError(f"backend='nccl' needs one GPU per decode rank: decode_tp={decode_tp}, "
                          f"{torch.cuda.device_count()} GPU(s) here; use backend='gloo'")
-    if pl.spec.max_positions and context + steps > pl.spec.max_positions:
-        raise ValueError(f"context={context} + steps={steps} exceeds {pl.model}'s {pl.spec.max_positions} positions")
     full = models.build(model, device="cpu", dtype=dtype, seed=seed)
     ok, why = transformers_supported(full, decode_tp)
     if impl == "transformers" and not ok and decode_tp > 1:

@@ -63,7 +63,11 @@ def test_a_cpu_run_writes_the_reshard_table_judges_its_goals_and_is_analysed_aga
     r21 = table[(table.prefill_tp == 2) & (table.decode_tp == 1)]
     assert set(r14.bytes) == {2 * int(r21.bytes.iloc[0])}
     g = pd.read_csv(out / "goals.csv")
-    assert g.id.tolist() == ["tp_reshard.exact"] and g.verdict.tolist() == ["met"]  # the rest are judged at 32k
+    # the rest are judged at 32k; the decode check ran both pairs on both layouts, D processes over gloo
+    assert g.id.tolist() == ["tp_reshard.exact", "tp_reshard.tp_decode"] and g.verdict.tolist() == ["met", "met"]
+    dc = pd.read_csv(out / "decode_check.csv")
+    assert len(dc) == 4 and dc.tokens_match.all() and dc.passed.all() and set(dc.decode_tp) == {1, 4}
+    assert "decode (kvlab, gloo): tokens equal" in printed
     again = analyse.analyse(out, tmp_path / "again")
     pd.testing.assert_frame_equal(pd.read_csv(again / "reshard.csv"), table)
     assert json.loads((again / "analysis.json").read_text())["figures"] == ["reshard_pct.png"]
@@ -102,3 +106,11 @@ def test_the_shape_goals_judge_only_the_qwen_shape_and_the_calculator_goal_every
         g = goals.evaluate(goals.for_study("tp_reshard"), study.summarise(rows, model),
                            keys=("layout", "mode", "context"))
         assert set(g.id) == judged | {"tp_reshard.exact", "tp_reshard.calculator"}, model
+
+
+def test_a_pair_the_decode_checks_model_cannot_split_is_refused_naming_decode_check():
+    with pytest.raises(ValueError, match=r"decode_check = 'kvlab-tiny': TP 1-8: .*decode_check = \"\" to skip") as err:
+        study.check({"model": "llama-3.1-8b", "context": "256", "pairs": "1-8", "device": "cpu"})
+    assert "\n" not in str(err.value)
+    assert study.check({"model": "llama-3.1-8b", "context": "256", "pairs": "1-8", "device": "cpu",
+                       "decode_check": ""}).decode_check == ""

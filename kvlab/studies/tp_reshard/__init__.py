@@ -11,6 +11,10 @@ the same path and layout (one whole-row copy per rank, what kvlab disagg's ipc p
 ranks' pools sit on one device in one process (kvlab.paged.reshard_bench), so the times are the kernels' and copies'
 own, with no link and no process between ranks. The calculator's prediction (reshard.predict over the d2d_same
 ceiling this run measured) stands beside each.
+
+Then decode with TP on the decode side (`decode_check`, kvlab.tp_decode): per (pair, layout) a small model's cache is
+re-sharded by the fused mover into D pools and D processes decode from them together over gloo on the CPU, compared
+with the colocated decode (tokens equal at every step, logits within the reduction-order tolerance, shards exact).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from ... import calculator, ceilings, ceilings_fit, devices, goals, models, plots
+from ... import calculator, ceilings, ceilings_fit, devices, goals, models, plots, tp_decode
 from ...disagg.config import kv_dtype_name
 from ...intervals import ratio_ci
 from ...paged import reshard, reshard_bench
@@ -37,7 +41,7 @@ __all__ = ["NAME", "NOTEBOOK", "TITLE", "QUESTION", "FIGURES", "PARAMS", "Config
            "figures", "BLOCKS", "goal_table", "parse_pairs", "summarise"]
 
 NAME = "tp_reshard"
-NOTEBOOK = None
+NOTEBOOK = "06_tp_reshard"
 TITLE = "Re-sharding between different TP"
 QUESTION = ("What does handing a paged cache from P prefill ranks to D decode ranks cost beside moving it between "
             "equal TP on the same path, and does the calculator predict it?")
@@ -50,6 +54,8 @@ CPU_MODEL, CPU_CONTEXT, CPU_PAIRS, CPU_REPEATS = "kvlab-tiny", "256", "2-1,1-2,1
 METHODS = ("fused", "torch-index", "staging")  # block-slices is a host loop: predicted, not timed, at 32k
 CEILING_SIZES = {"gpu": "64K,1M,16M,256M,1G", "cpu": "64K,1M"}
 CEILING_PATH = {"gpu": "d2d_same", "cpu": "h2h"}  # a copy within the device every rank's pool is on
+# the decode check: D processes decode together on the CPU (gloo) from the re-sharded pools of a prompt this long
+DECODE_CONTEXT, DECODE_STEPS = 128, 20
 _PAIR = re.compile(r"^\s*(\d+)\s*[-:>x→]+\s*(\d+)\s*$")
 
 
@@ -98,6 +104,9 @@ PARAMS = (
     Param("repeats", "int", 0, f"timed rounds per (pair, layout), every mover once a round in rotated order; 0: "
           f"{GPU_REPEATS} on a GPU, {CPU_REPEATS} on a CPU", at_least(0)),
     Param("seed", "int", 0, "seed of the block tables and the data", at_least(0)),
+    Param("decode_check", "str", "kvlab-tiny", f"model (random weights) whose {DECODE_CONTEXT}-token cache each pair "
+          f"re-shards, then decodes {DECODE_STEPS} tokens with D ranks together (CPU, gloo) against the colocated "
+          "decode; \"\" skips it", lambda v, n: None if v == "" else models.kv_model_ref(v, n)),
 )
 
 
@@ -116,11 +125,13 @@ class Config:
     device: torch.device
     repeats: int
     seed: int
+    decode_check: str = ""
 
     def resolved(self) -> dict:
         return {"model": self.model, "context": self.context, "pairs": [list(p) for p in self.pairs],
                 "layouts": self.layouts, "methods": self.methods, "block_size": self.block_size,
                 "kv_dtype": self.kv_dtype, "device": str(self.device), "repeats": self.repeats, "seed": self.seed,
+                "decode_check": self.decode_check, "decode_context": DECODE_CONTEXT, "decode_steps": DECODE_STEPS,
                 "ceiling_sizes": CEILING_SIZES["gpu" if self.device.type == "cuda" else "cpu"],
                 "ceiling_path": CEILING_PATH["gpu" if self.device.type == "cuda" else "cpu"]}
 
@@ -143,6 +154,12 @@ def check(params) -> Config:
             reshard.plan(spec, a, b)
         except ValueError as err:
             raise ValueError(f"pairs: {a}-{b} for {spec.name}: {err}") from None
+    for a, b in pairs if p["decode_check"] else ():
+        try:
+            tp_decode.check_pair(p["decode_check"], a, b)
+        except ValueError as err:
+            raise ValueError(f"decode_check = {p['decode_check']!r}: TP {a}-{b}: {err}; give another model, or "
+                             "decode_check = \"\" to skip the decode check") from None
     kv = kv_dtype_name(p["kv_dtype"], "kv_dtype")
     # every rank's pools (both sides, replicas and the same-TP destination) live on the one device, in whole blocks;
     # about eight caches at the most (a CPU run's temporaries included)
@@ -157,7 +174,7 @@ def check(params) -> Config:
     split = lambda s: [v.strip() for v in str(s).split(",") if v.strip()]  # noqa: E731
     return Config(model=spec.name, context=ctx[0], pairs=pairs, layouts=split(p["layouts"]),
                   methods=split(p["methods"]), block_size=p["block_size"], kv_dtype=kv, device=dev, repeats=repeats,
-                  seed=p["seed"])
+                  seed=p["seed"], decode_check=p["decode_check"])
 
 
 def measure(cfg: Config, run: Run) -> None:
@@ -165,7 +182,8 @@ def measure(cfg: Config, run: Run) -> None:
     input), then
     every (pair, layout) by reshard_bench.bench (a progress bar over them): reshard_rows.csv, one row per (pair,
     layout, mover, round), the same-TP yardstick as mover "same-tp" (decode_tp = P; `pair` says whose yardstick it
-    is), with the calculator's predicted_ms."""
+    is), with the calculator's predicted_ms. Then, unless decode_check is "", the decode check (`decode_checks`):
+    decode_check.csv."""
     run.update(resolved=cfg.resolved())
     kind = "gpu" if cfg.device.type == "cuda" else "cpu"
     sizes = ceilings.resolve_sizes(CEILING_SIZES[kind], cfg.device)
@@ -184,6 +202,27 @@ def measure(cfg: Config, run: Run) -> None:
         rows += [dict(r, pair=f"{a}-{b}") for r in got]  # the same-TP rows (decode_tp = P) belong to this pair
     bar.close()
     run.save_table(pd.DataFrame(rows), "reshard_rows")
+    if cfg.decode_check:
+        run.save_table(decode_checks(cfg), "decode_check")
+
+
+def decode_checks(cfg: Config) -> pd.DataFrame:
+    """Per (pair, layout): kvlab.tp_decode.run of `cfg.decode_check` (random weights, fp32, CPU): prefill, re-shard
+    P → D by the fused mover, D processes decode DECODE_STEPS tokens together over gloo; one row each, with the
+    rule that judged it."""
+    out = []
+    jobs = [(pair, layout) for pair in cfg.pairs for layout in cfg.layouts]
+    for (a, b), layout in tqdm(jobs, desc="TP decode", unit="pair"):
+        r = tp_decode.run(cfg.decode_check, a, b, context=DECODE_CONTEXT, steps=DECODE_STEPS, src_layout=layout,
+                          dst_layout=layout, method="fused", dtype="float32", seed=cfg.seed, backend="gloo")
+        out.append({"model": cfg.decode_check, "prefill_tp": a, "decode_tp": b, "pool_layout": layout,
+                    "context": DECODE_CONTEXT, "steps": DECODE_STEPS, "impl": r["impl"], "backend": "gloo",
+                    "device": "cpu", "tokens_match": bool(r["tokens_match"]),
+                    "logits_max_abs_diff": float(r["logits_max_abs_diff"]),
+                    "logits_tolerance": float(r["logits_tolerance"]), "logits_equal": bool(r["logits_equal"]),
+                    "shards_exact": bool(r["shards_exact"]), "poison_left": int(r["poison_left"]),
+                    "replica_bytes": int(sum(r["replica_bytes"])), "passed": bool(r["passed"]), "rule": r["rule"]})
+    return pd.DataFrame(out)
 
 
 def summarise(rows: pd.DataFrame, model: str = "") -> pd.DataFrame:
@@ -229,7 +268,10 @@ def analyse(record: dict, tables: dict) -> Analysis:
     row and the values the docs quote."""
     model = str((record.get("resolved") or {}).get("model", ""))
     s = summarise(tables["reshard_rows"], model)
-    g = goals.evaluate_run(NAME, record, s, keys=("layout", "mode", "context"))
+    dc = tables.get("decode_check")
+    if dc is not None and len(dc) and len(s):  # the decode goal's metric: (pair, layout) runs whose tokens differed
+        s["decode_mismatch_all"] = int((~dc["tokens_match"].astype(bool)).sum())
+    g = goals.evaluate_run(NAME, record, s, keys=("layout", "mode", "context"), measured_only=True)
     findings, values = [], {}
     for r in s.itertuples():
         pct = f"{r.pct_of_same_tp:.1f} % [{r.pct_lo:.1f}, {r.pct_hi:.1f}]"
@@ -240,7 +282,27 @@ def analyse(record: dict, tables: dict) -> Analysis:
                         f"{r.pieces_per_decode_rank:,} pieces per decode rank{pred}"
                         f"{'' if r.verified else ' — a shard did not check out'}.")
     findings += calculator_findings(s, tables.get("ceilings"), values)
-    return Analysis(NAME, record, raw=dict(tables), tables={"reshard": s}, goals=g, findings=findings, values=values)
+    findings += decode_findings(dc, values)
+    out = {"reshard": s} | ({"decode_check": dc} if dc is not None and len(dc) else {})
+    return Analysis(NAME, record, raw=dict(tables), tables=out, goals=g, findings=findings, values=values)
+
+
+def decode_findings(dc: pd.DataFrame | None, values: dict) -> list[str]:
+    """One line on the decode check: how many (pair, layout) runs gave the colocated tokens and passed the whole rule,
+    the largest logit difference beside its tolerance, the replicas' bytes. Fills `values`."""
+    if dc is None or not len(dc):
+        return []
+    ok, passed = int(dc["tokens_match"].astype(bool).sum()), int(dc["passed"].astype(bool).sum())
+    worst = dc.loc[(dc["logits_max_abs_diff"] / dc["logits_tolerance"]).idxmax()]
+    values.update({"decode.tokens_match": f"{ok} of {len(dc)}", "decode.passed": f"{passed} of {len(dc)}"})
+    r = dc.iloc[0]
+    return [f"- Decode with TP on the decode side ({r.model}, random weights, {int(r.context)}-token prompt, "
+            f"{int(r.steps)} greedy steps, D processes over gloo on the CPU): {ok} of {len(dc)} (P, D, layout) runs "
+            f"gave the colocated tokens at every step, {passed} passed the whole rule (logits within the "
+            f"reduction-order tolerance, shards exact, no poison); the largest logit difference against its "
+            f"tolerance was {worst.logits_max_abs_diff:.2e} of {worst.logits_tolerance:.2e} (TP {int(worst.prefill_tp)} "
+            f"→ {int(worst.decode_tp)}, {worst.pool_layout}). Random weights make equal tokens weak evidence of "
+            "accuracy; here they check that every rank decoded from the right shard."]
 
 
 def calculator_findings(s: pd.DataFrame, ceil: pd.DataFrame | None, values: dict) -> list[str]:

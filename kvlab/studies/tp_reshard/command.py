@@ -1,11 +1,13 @@
 """`kvlab reshard`: the re-shard study from the command line — check, measure, analyse and write a tp_reshard run
-(ceilings.csv, reshard_rows.csv, the analysis's reshard.csv, run.json), then print one line per (pair, layout,
-mover)."""
+(ceilings.csv, reshard_rows.csv, decode_check.csv, the analysis's reshard.csv, run.json), then print one line per
+(pair, layout, mover) and per decode check."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping, Sequence
+
+import pandas as pd
 
 from ...study import Analysis, add_options, run_command, run_from_args
 from .. import tp_reshard as face
@@ -15,7 +17,9 @@ __all__ = ["add_arguments", "run", "run_args", "main"]
 # what `kvlab reshard --help` says above its options
 DESCRIPTION = """Move a paged cache from P prefill ranks' pools to D decode ranks' (fused Triton kernel, torch indexing,
     staging), each checked bit for bit on poisoned pools, then timed beside the same cache moved between equal TP on
-    the same device, with the calculator's prediction. Writes ceilings.csv, reshard_rows.csv, reshard.csv, run.json.
+    the same device, with the calculator's prediction; then D processes decode together from each re-sharded cache of a
+    small model (CPU, gloo) against the colocated decode. Writes ceilings.csv, reshard_rows.csv, decode_check.csv,
+    reshard.csv, run.json.
 
 Example: kvlab reshard --model kvlab-tiny --context 256 --pairs 2-1,1-2 --layouts hnd --repeats 3 --out /tmp/kvlab-reshard"""
 
@@ -40,6 +44,10 @@ def run_args(args: argparse.Namespace) -> int:
         print(f"TP {r.prefill_tp}→{r.decode_tp} {r.pool_layout:4} {r.method:12} {r.ms_median:9.3f} ms "
               f"({r.ms_min:.3f}–{r.ms_max:.3f})  {r.pct_of_same_tp:5.1f} % of same TP [{r.pct_lo:.1f}, {r.pct_hi:.1f}]"
               f"{pred}  shards {'exact' if r.verified else 'WRONG'}")
+    for r in analysis.tables.get("decode_check", pd.DataFrame()).itertuples():
+        print(f"TP {r.prefill_tp}→{r.decode_tp} {r.pool_layout:4} decode ({r.impl}, {r.backend}): tokens "
+              f"{'equal' if r.tokens_match else 'DIFFER'}, logits within {r.logits_max_abs_diff:.1e} "
+              f"(tolerance {r.logits_tolerance:.1e}) — {'passed' if r.passed else 'FAILED'}")
     for g in analysis.goals.itertuples():
         print(f"goal {g.id} ({g.mode}, {g.layout}): {g.value} — {g.verdict}")
     print(f"run: {path}")
