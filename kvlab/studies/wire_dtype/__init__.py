@@ -36,7 +36,7 @@ __all__ = ["NAME", "NOTEBOOK", "TITLE", "QUESTION", "FIGURES", "PARAMS", "Config
            "figures", "BLOCKS", "goal_table", "summarise", "breakeven"]
 
 NAME = "wire_dtype"
-NOTEBOOK = None
+NOTEBOOK = "07_wire_dtype"
 TITLE = "FP8 on the wire"
 QUESTION = ("How much of the bf16 time does a paged cache sent as FP8 with its scales take, quantize and dequantize "
             "included, and below which link bandwidth does FP8 win?")
