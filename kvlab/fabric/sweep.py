@@ -20,7 +20,7 @@ from kvlab import calculator
 from kvlab.fabric.sim import simulate
 from kvlab.fabric.workload import SimConfig
 
-__all__ = ["AXIS_ALIASES", "points", "run_point", "sweep"]
+__all__ = ["AXIS_ALIASES", "points", "run_point", "run_points", "sweep"]
 
 # Short axis names a sweep may use beside the config's own field names.
 AXIS_ALIASES = {"link": "nic_gbit_s", "policy": "send", "oversub": "oversubscription"}
@@ -89,6 +89,16 @@ def sweep(base: SimConfig, grid: Mapping[str, Sequence[Any]], *, scheduler: str 
         DataFrame: ``point`` (index in the grid), the axis values as given, then the summary's columns.
     """
     todo = points(base, grid)  # every point validated before any worker starts
+    return run_points(todo, scheduler=scheduler, n_workers=n_workers, processes=processes, progress=progress)
+
+
+def run_points(todo: Sequence[tuple[Mapping[str, Any], SimConfig]], *, scheduler: str | None = None,
+               n_workers: int | None = None, processes: bool = True, progress: bool = True) -> pd.DataFrame:
+    """Simulate each ``(labels, config)`` of ``todo`` on Dask; one row per point, in order: ``point``, its labels,
+    then the summary's columns. What :func:`sweep` runs after building its grid; a caller with points that are not
+    one grid's product (a study's variants) gives them here. The other arguments as for :func:`sweep`."""
+    if not todo or not all(isinstance(c, SimConfig) for _, c in todo):
+        raise ValueError("todo: expected a non-empty list of (labels, SimConfig) pairs")
     if scheduler is not None and (not isinstance(scheduler, str) or not scheduler.strip()):
         raise ValueError(f"scheduler={scheduler!r}: expected a Dask scheduler address such as 'tcp://host:8786'")
     if n_workers is not None and (isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1):

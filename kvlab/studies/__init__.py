@@ -7,10 +7,11 @@
     paged_transfer    04_paged_transfer    a paged cache's blocks moved by every transport, against one copy
     disagg            05_disagg            prefill and decode as two processes, and faults across them
     swapin            (kvlab swapin)       a paged cache from pinned host memory back into a GPU pool
-    tp_reshard        (kvlab reshard)      a paged cache from P prefill ranks to D decode ranks (different TP)
-    wire_dtype        (kvlab wire)         a paged cache sent as FP8 with its scales, beside bf16
+    tp_reshard        06_tp_reshard        a paged cache from P prefill ranks to D decode ranks (different TP), decoded
+    wire_dtype        07_wire_dtype        a paged cache sent as FP8 with its scales, beside bf16
     wire_accuracy     (kvlab wire-accuracy) what the FP8 wire does to greedy decoding and perplexity (trained weights)
     contention        (kvlab contention)   N transfers sharing one path, and the fabric simulator validated on them
+    congestion        08_congestion        a cluster's fabric simulated: where layer-wise stops hiding the transfer
 
 `get(name)` imports a study when it is asked for: each pulls in torch and more, and `kvlab --help` must not wait.
 No study imports another; the library imports no study (import-linter contracts in pyproject.toml).
@@ -29,7 +30,8 @@ from ..study import Analysis
 
 __all__ = ["NAMES", "get", "of_notebook", "has_face", "analyse_run"]
 
-NAMES = ("calculator", "link_ceilings", "handoff", "overlap_timeline", "paged_transfer", "disagg", "swapin", "tp_reshard", "wire_dtype", "wire_accuracy", "contention")
+NAMES = ("calculator", "link_ceilings", "handoff", "overlap_timeline", "paged_transfer", "disagg", "swapin", "tp_reshard", "wire_dtype", "wire_accuracy", "contention",
+         "congestion")
 
 
 def get(name: str) -> ModuleType:
