@@ -260,9 +260,15 @@ def analyse(record: dict, tables: dict) -> Analysis:
         lo = lowest.loc[(r.link, r.variant)]
         values[f"{r.link}.{r.variant}.knee"] = _knee_words(r)
         findings.append(f"- {r.link}, {r.variant}: {_knee_words(r)} (p99 exposed transfer > {sig(r.threshold_ms)} ms, "
-                        f"{KNEE_SHARE:.0%} of the median prompt's prefill). At load {lo.load:g} the median exposed "
+                        f"{100 * KNEE_SHARE:.0f} % of the median prompt's prefill). At load {lo.load:g} the median exposed "
                         f"transfer is {sig(lo.transfer_exposed_p50_ms)} ms simulated, {sig(lo.calc_exposed_ms)} ms by "
                         "the calculator for the median prompt alone.")
+    for link, g in k.groupby("link", sort=False):  # the answer: how far each modifier moves layer-wise's knee
+        base = g[g["variant"] == "layerwise"]
+        moved = g[g["variant"].str.startswith("layerwise+")]
+        if len(base) and len(moved):
+            parts = "; ".join(f"{r.variant}: {_knee_words(r)}" for r in moved.itertuples())
+            findings.append(f"- On {link}, layer-wise: {_knee_words(base.iloc[0])}; {parts}.")
     return Analysis(NAME, record, raw=dict(tables), tables={"congestion": t, "knees": k}, findings=findings,
                     values=values)
 
@@ -297,7 +303,7 @@ def figures(a: Analysis) -> dict:
                 top.scatter([kr.knee_load], [y], s=90, facecolors="none", edgecolors=colors[v], linewidths=1.6,
                             zorder=3)
         thr = k[k["link"] == link]["threshold_ms"].iloc[0]
-        top.axhline(thr, color="0.4", lw=0.9, ls=":", label=f"knee: {KNEE_SHARE:.0%} of prefill" if j == 0 else None)
+        top.axhline(thr, color="0.4", lw=0.9, ls=":", label=f"knee: {100 * KNEE_SHARE:.0f} % of prefill" if j == 0 else None)
         top.set_yscale("log")
         bottom.set_yscale("log")
         top.set_title(f"{link} NIC per GPU")
