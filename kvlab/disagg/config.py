@@ -10,6 +10,7 @@ from ..parse import name_list, suggest, token_list
 from .backends import BACKENDS, backend
 from .faults import KINDS, POLICIES
 from .nixl_link import DESCS
+from .wire_codec import check_wire
 
 __all__ = ["DisaggConfig", "MODES", "LAYOUTS", "KV_DTYPES", "check", "kv_dtype_name", "norm_device",
            "DECODE", "PREFILL", "from_params"]
@@ -70,6 +71,8 @@ class DisaggConfig:
     decode_memory_gib: float = 0.0  # cap on the decode process's allocator while it serves (0: none)
     in_order: bool = False  # gloo: match sends to receives in order, as NCCL does (every unit tag 0), so NCCL's
     # fault protocol (a dropped layer holds back the layers behind it) runs on a CPU
+    wire_dtype: str = "bf16"  # what crosses: the cache as it is (bf16), or FP8 with its scales (kvlab.disagg.wire_codec)
+    wire_scales: str = "per-token-head"  # fp8: per-token-head (dynamic), per-head or per-tensor (from the request)
 
     def spec(self):
         """The model's ModelSpec: a registry name's, or read from the config.json / model folder `model` names."""
@@ -235,10 +238,32 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
     if cfg.bench and not b.can_bench:
         raise ValueError(f"bench times the send alone with backend "
                          f"{', '.join(n for n, x in BACKENDS.items() if x.can_bench)}; got {cfg.backend!r}")
+    _wire_ok(cfg)
     _memory_cap_ok(cfg.decode_memory_gib, dec)
     if cfg.drop_layer >= spec.layers:
         raise ValueError(f"drop_layer = {cfg.drop_layer}: {spec.name} has layers 0 … {spec.layers - 1}")
     return cfg
+
+
+def _wire_ok(cfg: DisaggConfig) -> None:
+    """--wire-dtype / --wire-scales: valid names, and an FP8 wire only where it has run — gloo (its sends are the
+    tensors the wire makes; ipc and nixl write into the decode side's bf16 destination themselves, and nccl has not
+    run it on two GPUs), a contiguous bf16 cache (a paged one over FP8: `kvlab wire`, notebook 07)."""
+    check_wire(cfg.wire_dtype, cfg.wire_scales)
+    if cfg.wire_dtype == "bf16":
+        if cfg.wire_scales != _DEFAULTS["wire_scales"]:
+            raise ValueError(f"wire-scales = {cfg.wire_scales!r} sets up an FP8 wire; add --wire-dtype fp8 or leave "
+                             "it out")
+        return
+    if cfg.backend != "gloo":
+        raise ValueError(f"wire-dtype = 'fp8' runs over backend gloo so far; got {cfg.backend!r} (ipc and nixl write "
+                         "into the decode side's bf16 cache themselves, nccl has not run it on two GPUs)")
+    if tuple(cfg.layouts) != ("contiguous",):
+        raise ValueError(f"wire-dtype = 'fp8' moves a contiguous cache; got layout {','.join(cfg.layouts)}: give "
+                         "--layout contiguous (a paged cache over FP8: kvlab wire, notebook 07)")
+    if cfg.kv_dtype != "bfloat16":
+        raise ValueError(f"wire-dtype = 'fp8' quantizes a bf16 cache; got kv-dtype {cfg.kv_dtype!r}: give "
+                         "--kv-dtype bf16")
 
 
 def _memory_cap_ok(gib, decode: str) -> None:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from ..kvcache import KVBuffer, layout_for
+from ..paged.wire import kv_rel_err
 from ..steps import decode, make_prompt, prefill
 from ..timing import sync_device
 from .backends import BACKENDS
@@ -22,6 +23,7 @@ from .faults import run_campaign
 from .group import host_id, init_group, now_ns, pool_for
 from .memory import DecodeMemory
 from .protocol import Control, IncompleteCacheError, LandedLayers
+from .wire_codec import wire_codec
 
 __all__ = ["DecodeWorker"]
 
@@ -39,6 +41,8 @@ class DecodeWorker:
         self.generation = 0  # of the prefill process now serving; a new one after each death (kill faults)
         self.peer_dead = False  # the launcher recorded the current prefill process's death
         self.mem = DecodeMemory(dev, cfg.decode_memory_gib)  # its phases, its cap, what an out-of-memory says
+        self.wire = wire_codec(cfg)  # FP8 on the wire (contiguous only), or None
+        self.wire_ref: dict = {}
 
     def count_done(self) -> None:
         """One more request finished: the launcher's progress bar reads it (`progress`, signed like every value)."""
@@ -65,9 +69,19 @@ class DecodeWorker:
         return n
 
     def reference(self, context: int):
+        """(cache, first token, tokens, logits) of the colocated run a moved cache must reproduce exactly. With an FP8
+        wire: the cache passed through quantize → dequantize (kvlab.disagg.wire_codec) and its decode; the bf16
+        decode's tokens and the round trip's largest relative error are kept beside it (`self.wire_ref`)."""
         ids = make_prompt(self.model.config.vocab_size, context, self.dev, seed=self.cfg.seed)
         ref = KVBuffer(layout_for(self.model, context, dtype=self.cfg.kv_dtype), self.dev)
         first = prefill(self.model, ids, ref).argmax(-1).view(1)
+        if self.wire is not None:
+            bf16_toks, _ = decode(self.model, ref, first, self.cfg.decode_tokens)
+            before = ref.data.clone()
+            self.wire.roundtrip(ref.data)
+            err = max(r["max_rel_err"] for r in kv_rel_err(before, ref.data))
+            self.wire_ref = {"bf16_tokens": bf16_toks.cpu(), "kv_max_rel_err": err}
+            del before
         toks, logits = decode(self.model, ref, first, self.cfg.decode_tokens)
         return ref, int(first[0]), toks, logits
 
@@ -102,7 +116,7 @@ class DecodeWorker:
         mem.cap_on()
         with mem.phase("destination", **where):
             if layout == "contiguous":
-                sink, table = Sink(buffer=KVBuffer(ref[0].layout, self.dev)), None
+                sink, table = Sink(buffer=KVBuffer(ref[0].layout, self.dev), wire=self.wire), None
             else:
                 pool, table = pool_for(self.model, context, self.cfg, self.dev, seed=self.cfg.seed + 2)
                 sink = Sink(pool=pool, block_ids=table.ids.tolist())
@@ -240,6 +254,11 @@ class DecodeWorker:
             logits_equal=bool(torch.equal(logits.cpu(), ref_logits.cpu())),
             bytes_equal=bool(torch.equal(cache.data, ref_buf.data)),
             poison_left=int(cache.count_poison()), same_host=same)
+        if self.wire is not None:  # the lossy wire against the bf16 decode: measured, not required
+            bf16 = self.wire_ref["bf16_tokens"]
+            row.update(wire_dtype="fp8", wire_scales=self.wire.scales,
+                       token_agreement=float((toks.cpu().view(-1) == bf16.view(-1)).float().mean()),
+                       kv_max_rel_err=self.wire_ref["kv_max_rel_err"])
         if "link" in done:  # nixl: what it took to post the request's transfers
             row.update(descriptors=done["link"]["descriptors"], transfers=done["link"]["transfers"],
                        post_ms=done["link"]["post_ms"])

@@ -57,10 +57,13 @@ class Rows:
         return cls(layers, num_blocks, list(block_ids), device)
 
 class Source:
-    """The prefill side's cache: a KVBuffer (contiguous) or a pool and its table's block ids (paged)."""
+    """The prefill side's cache: a KVBuffer (contiguous) or a pool and its table's block ids (paged). `wire`: a
+    kvlab.disagg.wire_codec.WireCodec when the cache crosses as FP8 with its scales (contiguous only), else None."""
 
-    def __init__(self, buffer: KVBuffer | None = None, pool: BlockPool | None = None, block_ids=None):
-        self.buffer, self.pool = buffer, pool
+    def __init__(self, buffer: KVBuffer | None = None, pool: BlockPool | None = None, block_ids=None, wire=None):
+        if wire is not None and buffer is None:
+            raise ValueError("an FP8 wire moves a contiguous cache; a paged pool crosses as it is")
+        self.buffer, self.pool, self.wire = buffer, pool, wire
         self.layers = buffer.layout.layers if buffer is not None else pool.spec.layers
         self.rows = Rows.for_pool(pool, block_ids) if pool is not None else None
         self.device = buffer.device if buffer is not None else pool.device
@@ -69,8 +72,25 @@ class Source:
     def paged(self) -> bool:
         return self.pool is not None
 
+    def truth(self, unit: tuple[int, ...]) -> torch.Tensor:
+        """What the decode side must hold for `unit` once it has landed (a layer-wise checksum's input): the unit's
+        own bytes, or with an FP8 wire what dequantizing its wire bytes gives (a new bf16 tensor)."""
+        if self.wire is None:
+            return self.view(unit)
+        data = self.buffer.data
+        out = torch.empty_like(data[unit[0]:unit[-1] + 1]) if len(unit) > 1 else torch.empty_like(data[unit[0]])
+        if len(unit) == 1:
+            self.wire.decode(self.wire.encode(data[unit[0]]), out)
+        else:
+            for k, i in enumerate(unit):
+                self.wire.decode(self.wire.encode(data[i]), out[k])
+        return out
+
     def view(self, unit: tuple[int, ...]) -> torch.Tensor:
-        """The unit's bytes as one contiguous tensor (paged: gathered rows, a new tensor)."""
+        """The unit's bytes as one contiguous tensor (paged: gathered rows, a new tensor; an FP8 wire: its e4m3
+        bytes and scales, kvlab.disagg.wire_codec, a new uint8 tensor)."""
+        if self.wire is not None:
+            return self.wire.encode_layers(self.buffer.data, unit)
         if not self.paged:
             return self.buffer.data if len(unit) == self.layers else self.buffer.data[unit[0]]
         rows = self.rows.of(unit)
@@ -81,15 +101,20 @@ class Source:
         return out
 
     def nbytes(self, unit: tuple[int, ...]) -> int:
+        if self.wire is not None:
+            return sum(self.wire.layer_bytes(self.buffer.data[i]) for i in unit)
         if not self.paged:
             return self.view(unit).nbytes
         return len(self.rows.of(unit)) * self.pool.rows.shape[1] * self.pool.rows.element_size()
 
 class Sink:
-    """The decode side's destination: a KVBuffer, or a pool and the block ids this request owns there."""
+    """The decode side's destination: a KVBuffer, or a pool and the block ids this request owns there. `wire`: the
+    WireCodec whose bytes land here (received into a staging tensor, dequantized into the buffer by `settle`)."""
 
-    def __init__(self, buffer: KVBuffer | None = None, pool: BlockPool | None = None, block_ids=None):
-        self.buffer, self.pool = buffer, pool
+    def __init__(self, buffer: KVBuffer | None = None, pool: BlockPool | None = None, block_ids=None, wire=None):
+        if wire is not None and buffer is None:
+            raise ValueError("an FP8 wire lands in a contiguous cache; a paged pool receives rows as they are")
+        self.buffer, self.pool, self.wire = buffer, pool, wire
         self.layers = buffer.layout.layers if buffer is not None else pool.spec.layers
         self.block_ids = list(block_ids) if block_ids is not None else None
         self.rows = Rows.for_pool(pool, self.block_ids) if pool is not None else None
@@ -100,6 +125,11 @@ class Sink:
     @property
     def paged(self) -> bool:
         return self.pool is not None
+
+    @property
+    def staged(self) -> bool:
+        """Does a received unit land in a staging tensor that `settle` must put in place (paged, an FP8 wire)?"""
+        return self.paged or self.wire is not None
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -114,7 +144,10 @@ class Sink:
 
     def landing_view(self, unit: tuple[int, ...], host: bool = False) -> torch.Tensor:
         """Where a received unit is written: the buffer itself (contiguous), else a staging tensor that
-        `settle(unit)` scatters into the pool. host=True: a host tensor (gloo with a GPU destination)."""
+        `settle(unit)` scatters into the pool (an FP8 wire: uint8 wire bytes `settle` dequantizes). host=True: a host
+        tensor (gloo with a GPU destination)."""
+        if self.wire is not None:
+            return self._wire_view(unit, host)
         if not self.paged and not host:
             return self.buffer.data if len(unit) == self.layers else self.buffer.data[unit[0]]
         if self._staging is None or self._staging.device.type != ("cpu" if host else self.device.type):
@@ -129,8 +162,22 @@ class Sink:
             return self._staging[unit[0] * n:(unit[0] + 1) * n]
         return self._staging[unit[0]]
 
+    def _wire_view(self, unit: tuple[int, ...], host: bool) -> torch.Tensor:
+        """The slice of a uint8 staging tensor (every layer's wire bytes, in order) where `unit`'s wire bytes land."""
+        data = self.buffer.data
+        if self._staging is None or self._staging.device.type != ("cpu" if host else self.device.type):
+            self._offsets = [0]
+            for i in range(self.layers):
+                self._offsets.append(self._offsets[-1] + self.wire.layer_bytes(data[i]))
+            self._staging = torch.empty(self._offsets[-1], dtype=torch.uint8, device="cpu" if host else self.device,
+                                        pin_memory=host and torch.cuda.is_available())
+        return self._staging[self._offsets[unit[0]]:self._offsets[unit[-1] + 1]]
+
     def settle(self, unit: tuple[int, ...], staged: torch.Tensor | None) -> None:
         """Put a unit received into `staged` (a landing_view) where decode reads it."""
+        if self.wire is not None:
+            self.wire.decode_layers(staged.to(self.device, non_blocking=True), self.buffer.data, unit)
+            return
         if self.paged:
             staged, rows = staged.to(self.device, non_blocking=True), self.rows.of(unit)
             if self.device.type != "cuda":

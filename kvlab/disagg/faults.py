@@ -99,8 +99,8 @@ def plan(n: int, layers: int, seed: int = 0, kinds=DEFAULT_KINDS) -> list[dict]:
 
 def _sink_checksums(sink, layers) -> dict[int, str]:
     layers = list(layers)
-    views = [sink.landing_view((i,)) if not sink.paged else sink.pool.rows.index_select(0, sink.rows.of((i,)))
-             for i in layers]
+    views = [sink.buffer.data[i] if not sink.paged else sink.pool.rows.index_select(0, sink.rows.of((i,)))
+             for i in layers]  # where decode reads each layer (an FP8 wire's: dequantized)
     return dict(zip(layers, checksums(views)))
 
 

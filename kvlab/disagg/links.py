@@ -166,7 +166,7 @@ class DistLink:
         deadline = time.monotonic() + t
         while self._recvs:
             unit, work, view = self._next(request, deadline, f"did not arrive within {t:g} s")
-            if sink.paged or self.host_staged:
+            if sink.staged or self.host_staged:
                 sink.settle(unit, view)
             _sync(sink.device)  # landed = visible on the decode device
             for i in unit:

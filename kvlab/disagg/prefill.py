@@ -23,6 +23,7 @@ from .faults import checksums
 from .group import host_id, now_ns, pool_for
 from .links import event_ms
 from .protocol import Control
+from .wire_codec import wire_codec
 
 __all__ = ["PrefillWorker"]
 
@@ -42,7 +43,8 @@ class PrefillWorker:
             ids = make_prompt(self.model.config.vocab_size, context, self.dev, seed=self.cfg.seed)
             self._filled.clear()
             if layout == "contiguous":
-                src = Source(buffer=KVBuffer(layout_for(self.model, context, dtype=self.cfg.kv_dtype), self.dev))
+                src = Source(buffer=KVBuffer(layout_for(self.model, context, dtype=self.cfg.kv_dtype), self.dev),
+                             wire=wire_codec(self.cfg))
                 table = None
             else:
                 pool, table = pool_for(self.model, context, self.cfg, self.dev, seed=self.cfg.seed + 1)
@@ -136,12 +138,14 @@ class PrefillWorker:
         return out
 
     def checksums(self, src: Source) -> dict:
-        """Every layer's checksum of the true source (kvlab.disagg.faults.checksum), and its cost in ms."""
+        """Every layer's checksum of what the decode side must hold (kvlab.disagg.faults.checksum), and its cost in
+        ms."""
         sync_device(self.dev)
         t0 = now_ns()
-        sums = checksums([src.view((i,)) for i in range(src.layers)])  # ends in tolist(): the device is done
+        # what the decode side must hold (an FP8 wire's: dequantized); ends in tolist(): the device is done
+        sums = checksums([src.truth((i,)) for i in range(src.layers)])
         return {"checksums": sums, "checksum_ms": (now_ns() - t0) / 1e6,
-                "checksum_bytes": sum(src.nbytes((i,)) for i in range(src.layers))}
+                "checksum_bytes": sum(src.truth((i,)).nbytes for i in range(src.layers))}
 
     def resend(self, n: int, msg: dict, src: Source) -> dict:
         """Send the layers `msg["layers"]` again (a retry of a request whose other layers landed)."""

@@ -126,6 +126,15 @@ def build(got: dict, cfg: DisaggConfig, seconds: float, run_dir, launcher: dict 
         "seconds": round(seconds, 3),
         "configs": summarise(rows, cfg),
     }
+    if cfg.wire_dtype == "fp8":  # what the lossy wire saved and what it did to the decode (measured, not required);
+        agree = [r["token_agreement"] for r in moved if "token_agreement" in r]  # a bf16 run writes none of these
+        summary.update(
+            wire_dtype=cfg.wire_dtype, wire_scales=cfg.wire_scales, bf16_bytes=moved[0]["kv_bytes"] if moved else 0,
+            wire_bytes_ratio=summary["bytes_moved"] / moved[0]["kv_bytes"] if moved else None,
+            token_agreement=min(agree) if agree else None,
+            kv_max_rel_err=max((r["kv_max_rel_err"] for r in moved if "kv_max_rel_err" in r), default=None),
+            rule=("FP8 wire: bytes, tokens and logits equal the colocated decode from the same cache passed through "
+                  "quantize → dequantize; token_agreement (the lowest of any request) is against the bf16 decode"))
     if got.get("memory"):  # GPU: the decode process's memory by phase (kvlab.disagg.memory)
         summary["decode_memory"] = got["memory"]
     if got["bench"]:

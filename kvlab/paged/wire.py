@@ -48,7 +48,8 @@ from ..kvcache import KVBuffer
 from .pools import BlockPool, BlockTable, PoolSpec, positive_int
 
 __all__ = ["E4M3_MAX", "SCALE_MODES", "E4M3_NAN", "BF16_NAN", "check_mode", "check_modes", "wire_bytes", "raw_bytes",
-           "scale_shape", "WirePacket", "empty_packet", "check_static_scales", "calibrate_scales", "layer_range",
+           "scale_shape", "WirePacket", "empty_packet", "check_static_scales", "calibrate_scales", "layer_range", "dynamic_scale",
+           "quantize_layer", "dequantize_layer",
            "quantize_gather_reference", "dequantize_scatter_reference", "kv_rel_err", "causal_attention", "attn_out_rel_err",
            "breakeven_gbps"]
 
@@ -279,7 +280,7 @@ def _per_layer_wire(pool: BlockPool, ids: torch.Tensor, layer: int) -> torch.Ten
     return blocks.reshape(2, -1, pool.spec.kv_heads, pool.spec.head_dim)
 
 
-def _dynamic_scale(xf: torch.Tensor) -> torch.Tensor:
+def dynamic_scale(xf: torch.Tensor) -> torch.Tensor:
     """fl32(amax / 448) over the last dim, 1 where amax = 0, NaN as 0x7FC00000 (module doc); tensor / tensor,
     elementwise IEEE."""
     amax = xf.abs().amax(-1)
@@ -363,7 +364,7 @@ def quantize_gather_reference(pool: BlockPool, table, scales_mode: str, static_s
     for i, layer in enumerate(range(lo, hi)):
         x = _per_layer_wire(pool, ids, layer)               # [2, S, H, D]
         if static is None:
-            scale = _dynamic_scale(x.float())               # [2, S, H]
+            scale = dynamic_scale(x.float())               # [2, S, H]
             out.scales[i].copy_(scale)
         else:
             scale = static[layer].reshape(2, 1, -1)         # [2, 1, H] or [2, 1, 1]

@@ -67,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="cap the decode process's allocator at this many GiB while it serves (its weights, the reference it "
              "keeps, its destination, every request); past it a real out-of-memory stops the run with one line "
              "naming the request and step (default 0: no cap; a GPU decode device only)")
+    add("--wire-dtype", default="bf16",
+        help="what crosses: bf16 (the cache as it is) or fp8 (e4m3 with its scales, quantized by the sender and "
+             "dequantized on arrival; gloo, contiguous, bf16 cache) (default bf16)")
+    add("--wire-scales", default="per-token-head",
+        help="fp8: per-token-head (dynamic), per-head or per-tensor (from the request's own amax) "
+             "(default per-token-head)")
     add("--out", default=None, help="run folder (default: a new data/disagg/<run_id>/)")
     add("--quiet", action="store_true", help="no progress bar")
     return parser
@@ -85,7 +91,8 @@ def run_args(args: argparse.Namespace) -> int:
         decode_tokens=args.decode_tokens, timeout_s=args.timeout, bench=args.bench, port=args.port,
         faults=args.faults, policy=args.policy, retries=args.retries, fault_timeout_s=args.fault_timeout,
         fault_kinds=args.fault_kinds, nixl_descs=args.nixl_descs, block_order=args.block_order,
-        seed=args.seed, decode_memory_gib=args.decode_memory_gib, in_order=args.in_order)
+        seed=args.seed, decode_memory_gib=args.decode_memory_gib, in_order=args.in_order,
+        wire_dtype=args.wire_dtype, wire_scales=args.wire_scales)
     try:
         summary = disagg.run(cfg, args.out or "", progress=not args.quiet)
     except (disagg.DisaggError, disagg.IncompleteCacheError, TimeoutError) as err:
@@ -100,6 +107,10 @@ def run_args(args: argparse.Namespace) -> int:
     print(f"{summary['backend']}: {summary['requests']} requests, {fmt_bytes(summary['bytes_moved'])} a request, "
           f"tokens {'match' if summary['tokens_match'] else 'DIFFER'}, logits "
           f"{'equal' if summary['logits_equal'] else 'DIFFER'}, poison left {summary['poison_left']}")
+    if summary.get("wire_dtype") == "fp8":
+        print(f"  FP8 wire, {summary['wire_scales']} scales: {summary['wire_bytes_ratio']:.3f}× the bf16 bytes, "
+              f"checked against the colocated decode through quantize → dequantize; token agreement with bf16 "
+              f"{summary['token_agreement']:.3f}, largest K/V relative error {summary['kv_max_rel_err']:.3g}")
     for c in summary["configs"]:
         ex = f", exposed {c['exposed_ms']:.3f} ms" if c.get("exposed_ms") is not None else ""
         print(f"  {c['layout']:10} {c['mode']:9} {c['context']:>6} tokens: TTFT {c['ttft_ms']:.2f} ms"

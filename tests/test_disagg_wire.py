@@ -1,0 +1,128 @@
+"""FP8 on the wire between two processes (`kvlab disagg --wire-dtype fp8`, issue 29): the codec's bytes and
+bits, issue 29's CPU contract over gloo, a fault campaign through the lossy wire, and the refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+
+from conftest import cpu_env as _env
+from conftest import kvlab_command
+from kvlab import calculator, models
+from kvlab.disagg.endpoints import Sink, Source
+from kvlab.disagg.wire_codec import WireCodec
+from kvlab.kvcache import KVBuffer, KVLayout
+from kvlab.paged.wire import dequantize_layer, quantize_layer
+
+
+def _buffer(layers=2, heads=2, tokens=24, dim=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    buf = KVBuffer(KVLayout(layers, 1, heads, tokens, dim, torch.bfloat16))
+    buf.data.copy_((torch.randn(buf.data.shape, generator=g) * 4).to(torch.bfloat16))
+    return buf
+
+
+@pytest.mark.parametrize("mode, scales", [("per-token-head", 2 * 24 * 2), ("per-head", 2 * 2), ("per-tensor", 2)])
+def test_a_layer_crosses_as_one_byte_an_element_and_four_a_scale_and_comes_back_by_the_rule(mode, scales):
+    buf = _buffer()
+    codec = WireCodec(mode)
+    x = buf.data[1]
+    wire = codec.encode(x)
+    assert wire.dtype == torch.uint8 and wire.numel() == codec.layer_bytes(x) == x.numel() + 4 * scales
+    out = torch.empty_like(x)
+    codec.decode(wire, out)
+    # the rule by hand, for per-tensor: one scale per side = amax / 448 over the whole side
+    if mode == "per-tensor":
+        c = x[:, 0].permute(0, 2, 1, 3).float()                      # [2, T, H, D]
+        scale = (c.abs().amax(dim=(1, 2, 3)) / 448).view(2, 1, 1)
+        want = dequantize_layer(quantize_layer(c, scale), scale)
+        assert torch.equal(out[:, 0].permute(0, 2, 1, 3), want)
+    err = ((out.float() - x.float()).abs() / x.float().abs().clamp_min(1e-3)).max()
+    assert 0 < float(err) < 0.07  # e4m3 keeps 3 mantissa bits: at most half an ulp of 2^-3, relative
+    flipped = wire.clone()
+    flipped[0] ^= 0xFF  # a corrupt byte on the wire changes what lands, so a checksum of what decode reads sees it
+    again = torch.empty_like(x)
+    codec.decode(flipped, again)
+    assert not torch.equal(again, out)
+
+
+def test_source_and_sink_move_the_wire_bytes_and_land_what_the_round_trip_gives():
+    buf = _buffer(layers=3)
+    codec = WireCodec("per-token-head")
+    src = Source(buffer=buf, wire=codec)
+    sink = Sink(buffer=KVBuffer(buf.layout), wire=codec)
+    sink.poison()
+    unit = (0, 1, 2)
+    assert src.nbytes(unit) == src.view(unit).numel() == sum(codec.layer_bytes(buf.data[i]) for i in unit)
+    landing = sink.landing_view(unit)
+    landing.copy_(src.view(unit))
+    sink.settle(unit, landing)
+    ref = buf.data.clone()
+    codec.roundtrip(ref)
+    assert torch.equal(sink.buffer.data, ref) and sink.buffer.count_poison() == 0
+    assert torch.equal(src.truth((1,)), ref[1])
+    with pytest.raises(ValueError, match="contiguous"):
+        Sink(pool=object(), wire=codec)
+
+
+@pytest.fixture(scope="module")
+def contract_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wire") / "run"
+    done = kvlab_command(["disagg", "--backend", "gloo", "--model", "kvlab-tiny", "--context", "128", "--wire-dtype",
+                          "fp8", "--wire-scales", "per-head", "--out", str(out)], _env(out.parent))
+    return done, out
+
+
+def test_issue_29s_cpu_contract(contract_run):
+    done, out = contract_run
+    assert done.returncode == 0, done.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    bf16 = calculator.kv_cache_bytes(models.get("kvlab-tiny"), 128, "bf16")  # what the bf16 run moves
+    assert s["wire_dtype"] == "fp8" and s["wire_scales"] == "per-head" and s["bf16_bytes"] == bf16
+    assert s["bytes_moved"] <= 0.53 * bf16 and s["wire_bytes_ratio"] == s["bytes_moved"] / bf16
+    assert 0 <= s["token_agreement"] <= 1 and 0 < s["kv_max_rel_err"] < 0.07
+    assert s["tokens_match"] and s["logits_equal"] and s["bytes_equal"] and s["poison_left"] == 0
+    assert "quantize → dequantize" in s["rule"] and "FP8 wire, per-head scales" in done.stdout
+    rows = pd.read_csv(out / "requests.csv")
+    moved = rows[rows["mode"] != "colocated"]
+    assert set(moved["mode"]) == {"bulk", "layerwise"} and (moved["bytes_moved"] == s["bytes_moved"]).all()
+
+
+def test_a_fault_campaign_through_an_fp8_wire_decodes_nothing_partial_and_recovers(tmp_path):
+    out = tmp_path / "run"
+    done = kvlab_command(["disagg", "--backend", "gloo", "--model", "kvlab-tiny", "--context", "128", "--wire-dtype",
+                          "fp8", "--mode", "layerwise", "--repeats", "1", "--faults", "3", "--policy", "retry",
+                          "--quiet", "--out", str(out)], _env(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["faults_injected"] == 3 and s["decoded_from_partial"] == 0 and s["undetected"] == 0
+    assert s["recovered"] == 3  # drop, delay, corrupt: each retried and then identical to its reference
+    faults = pd.read_csv(out / "faults.csv")
+    assert set(faults["kind"]) == {"drop", "delay", "corrupt"}
+    assert faults.loc[faults["kind"] == "corrupt", "detected_by"].iloc[0] == "checksum"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--wire-dtype", "fp4"], "--wire-dtype 'fp4' is not valid; valid: bf16, fp8"),
+    (["--wire-dtype", "fp8", "--wire-scales", "per-row"], "--wire-scales 'per-row' is not valid"),
+    (["--wire-scales", "per-head"], "wire-scales = 'per-head' sets up an FP8 wire; add --wire-dtype fp8"),
+    (["--wire-dtype", "fp8", "--layout", "paged"], "wire-dtype = 'fp8' moves a contiguous cache"),
+    (["--wire-dtype", "fp8", "--kv-dtype", "fp32"], "wire-dtype = 'fp8' quantizes a bf16 cache"),
+    (["--wire-dtype", "fp8", "--backend", "ipc"], None),  # no GPU here: ipc is refused first, in one line
+])
+def test_bad_wire_input_is_one_line_before_anything_is_written(argv, says, tmp_path):
+    done = kvlab_command(["disagg", *argv, "--out", str(tmp_path / "run")], _env(tmp_path))
+    lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+    assert done.returncode == 2 and len(lines) == 1 and (says is None or says in lines[0]), done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("backend", ["ipc", "nccl", "nixl"])
+def test_an_fp8_wire_is_refused_off_gloo_naming_why(backend):
+    from kvlab.disagg.config import DisaggConfig, _wire_ok
+
+    with pytest.raises(ValueError, match=f"runs over backend gloo so far; got '{backend}'"):
+        _wire_ok(DisaggConfig(backend=backend, wire_dtype="fp8"))
