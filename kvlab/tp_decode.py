@@ -83,9 +83,29 @@ def _shape(model) -> tuple[int, int, int, int]:
         cfg.hidden_size // heads, cfg.intermediate_size
 
 
+def _tp_api() -> str | None:
+    """None where transformers' apply_tensor_parallelism(model, tp_mesh, tp_plan) shards a built model's weights as
+    kvlab calls it (transformers 5.2x); else why not. transformers 5.17 (the GPU image's) has
+    apply_tensor_parallelism(model, tp_mesh): it makes placeholders for a checkpoint loader to fill, which would
+    drop the weights a random-weight model already holds."""
+    import inspect
+
+    import transformers
+    from transformers.integrations import tensor_parallel
+
+    fn = getattr(tensor_parallel, "apply_tensor_parallelism", None)
+    if fn is None or len(inspect.signature(fn).parameters) < 3:
+        return (f"transformers {transformers.__version__} has no apply_tensor_parallelism(model, tp_mesh, tp_plan) "
+                "that shards a built model's weights")
+    return None
+
+
 def transformers_supported(model, decode_tp: int) -> tuple[bool, str]:
     """Can transformers' own tensor-parallel plan split `model` over `decode_tp` ranks? Returns (ok, why)."""
     heads, kv, _, _ = _shape(model)
+    takes = _tp_api()
+    if takes is not None:
+        return False, takes
     if not getattr(model, "supports_tp_plan", False) or not model.tp_plan:
         return False, f"{type(model).__name__} has no tensor-parallel plan in transformers"
     if heads % decode_tp or kv % decode_tp:

@@ -107,3 +107,16 @@ def test_refused_before_any_process_starts(kw, match):
 def test_shard_model_refuses_an_unknown_split():
     with pytest.raises(ValueError, match="impl"):
         tp_decode.shard_model(None, impl="megatron")
+
+
+def test_a_transformers_without_the_plan_taking_api_falls_back_to_kvlabs_split(monkeypatch):
+    """transformers 5.17 (the GPU image's) has apply_tensor_parallelism(model, tp_mesh): placeholders for a loader,
+    which would drop random weights. There "auto" takes kvlab's own split, and "transformers" is refused."""
+    from transformers.integrations import tensor_parallel
+
+    monkeypatch.setattr(tensor_parallel, "apply_tensor_parallelism", lambda model, tp_mesh: model)
+    model = models.build("kvlab-tiny", device="cpu", dtype="float32")
+    ok, why = tp_decode.transformers_supported(model, 2)
+    assert not ok and "apply_tensor_parallelism(model, tp_mesh, tp_plan)" in why
+    out = tp_decode.run("kvlab-tiny", 1, 2, context=64, steps=8)
+    assert out["impl"] == "kvlab" and out["passed"]
