@@ -2,6 +2,7 @@
 analyses of the runs its block lists, and the goal rows the verdicts table shows (`goal_table`).
 
     ttft            per run, layout, mode and context: TTFT over colocated, exposed, decodes ≠ colocated
+    wire            what crossed (bf16, or FP8 with its scales): bytes against bf16's, TTFT, exposed, token agreement
     bench           the bulk send alone against a copy of the same bytes in the prefill process
     nixl            descriptors, transfers, posting time and the UCX transport of a nixl run
     faults          a fault campaign by policy and kind: detection, outcome, time to each decision
@@ -45,6 +46,29 @@ def ttft(analyses: list[Analysis], link, **_) -> str:
                                                         f"{r.ttft_extra_ms_hi:+.2f}]",
                          "exposed ms [95 %]": f"{r.exposed_ms:+.3f} [{r.exposed_ms_lo:+.3f}, {r.exposed_ms_hi:+.3f}]",
                          "decodes ≠ colocated": int(r.mismatched)})
+    return md_table(pd.DataFrame(rows))
+
+
+def wire(analyses: list[Analysis], link, **_) -> str:
+    """What crossed the wire (kvlab disagg --wire-dtype): per run, mode and context — the wire's dtype and scales, the
+    bytes a request against the bf16 cache's, the decode side's TTFT and exposed time, decodes that differed from
+    their reference (an FP8 wire's: the colocated cache through quantize → dequantize), and the FP8 decode's token
+    agreement with the bf16 decode (measured, not required)."""
+    rows = []
+    for a in analyses:
+        s = a.record["summary"]
+        fp8 = s.get("wire_dtype") == "fp8"
+        for r in a.tables["summary"].itertuples():
+            if r.mode == "colocated":
+                continue
+            rows.append({"run": link(a.where), "backend": _devices(s),
+                         "wire": f"fp8, {s['wire_scales']} scales" if fp8 else "bf16",
+                         "bytes a request": f"{s['bytes_moved']:,}",
+                         "× bf16": f"{s['wire_bytes_ratio']:.3f}" if fp8 else "1",
+                         "mode": r.mode, "context": ctx_label(r.context), "TTFT ms": sig(r.ttft_ms),
+                         "exposed ms [95 %]": f"{r.exposed_ms:+.3f} [{r.exposed_ms_lo:+.3f}, {r.exposed_ms_hi:+.3f}]",
+                         "decodes ≠ reference": int(r.mismatched),
+                         "token agreement with bf16": f"{s['token_agreement']:.2f}" if fp8 else "—"})
     return md_table(pd.DataFrame(rows))
 
 
@@ -190,7 +214,7 @@ def decode_oom(analyses: list[Analysis], link, **_) -> str:
     return md_table(pd.DataFrame(rows))
 
 
-BLOCKS = {"ttft": ttft, "bench": bench, "nixl": nixl, "faults": faults, "checksum_cost": checksum_cost,
+BLOCKS = {"ttft": ttft, "wire": wire, "bench": bench, "nixl": nixl, "faults": faults, "checksum_cost": checksum_cost,
           "decode_memory": decode_memory, "decode_oom": decode_oom}
 
 
