@@ -44,7 +44,7 @@ from .kvcache import KVBuffer, layout_for
 from .paged import BlockPool, BlockTable, PoolSpec
 from .steps import decode, make_prompt, model_device, prefill, text_config
 
-__all__ = ["IMPLS", "RowParallel", "transformers_supported", "shard_model", "logits_tolerance", "compare", "check_pair", "run"]
+__all__ = ["IMPLS", "RowParallel", "transformers_supported", "shard_model", "logits_tolerance", "compare", "check_pair", "run", "run_ranks"]
 
 IMPLS = ("auto", "transformers", "kvlab")
 
@@ -333,18 +333,25 @@ def run(model: str = "kvlab-tiny", prefill_tp: int = 1, decode_tp: int = 2, cont
     return out
 
 
-def _spawn(world: int, folder: str, timeout_s: float, start_method: str) -> list[dict]:
-    """Start `world` decode ranks, wait for them (a rank that fails raises here, and the others are stopped by
-    torch.multiprocessing), stop them all at the deadline; their outputs, in rank order."""
+def run_ranks(target, world: int, folder: str, timeout_s: float, start_method: str, what: str = "ranks") -> None:
+    """Start `world` processes of `target(rank, world, port, folder)` (a free port for their group), wait for them
+    (a rank that fails raises here, and torch.multiprocessing stops the others), stop them all at the deadline
+    (TimeoutError naming `what`). Used by `run` and by kvlab.disagg.tp_handoff."""
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(_rank_main, args=(world, _free_port(), folder), nprocs=world, join=False,
+    ctx = mp.start_processes(target, args=(world, _free_port(), folder), nprocs=world, join=False,
                              start_method=start_method)
-    deadline = time.monotonic() + timeout_s + 60  # + start-up: each process imports torch and transformers
+    limit = timeout_s + 60  # + start-up: each process imports torch and transformers and builds its model
+    deadline = time.monotonic() + limit
     while not ctx.join(timeout=0.5):
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 if p.is_alive():
                     p.terminate()
-            raise TimeoutError(f"{world} decode ranks did not finish within {timeout_s + 60:g} s")
+            raise TimeoutError(f"{world} {what} did not finish within {limit:g} s")
+
+
+def _spawn(world: int, folder: str, timeout_s: float, start_method: str) -> list[dict]:
+    """Start `world` decode ranks (run_ranks) and read their outputs, in rank order."""
+    run_ranks(_rank_main, world, folder, timeout_s, start_method, "decode ranks")
     return [torch.load(Path(folder) / f"out{r}.pt", weights_only=True) for r in range(world)]

@@ -73,6 +73,8 @@ class DisaggConfig:
     # fault protocol (a dropped layer holds back the layers behind it) runs on a CPU
     wire_dtype: str = "bf16"  # what crosses: the cache as it is (bf16), or FP8 with its scales (kvlab.disagg.wire_codec)
     wire_scales: str = "per-token-head"  # fp8: per-token-head (dynamic), per-head or per-tensor (from the request)
+    prefill_tp: int = 1  # prefill ranks, each its own process holding its KV-head shard (kvlab.disagg.tp_handoff)
+    decode_tp: int = 1  # decode ranks, each its own process, decoding together with TP
 
     def spec(self):
         """The model's ModelSpec: a registry name's, or read from the config.json / model folder `model` names."""
@@ -163,7 +165,7 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
     # workers, after the run folder exists (a seed past 2**32 - 1 is refused by numpy's generators there)
     for name, low, high in (("block_size", 1, None), ("repeats", 1, 10_000_000), ("warmup", 0, 10_000),
                             ("decode_tokens", 1, _MAX_DECODE_TOKENS), ("bench_repeats", 3, 100_000),
-                            ("seed", 0, 2**32 - 1), ("threads", 0, 4096)):
+                            ("seed", 0, 2**32 - 1), ("threads", 0, 4096), ("prefill_tp", 1, 64), ("decode_tp", 1, 64)):
         v = getattr(cfg, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
             raise ValueError(f"{name.replace('_', '-')} = {v!r}: give an int ≥ {low}"

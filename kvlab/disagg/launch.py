@@ -23,6 +23,7 @@ import pandas as pd
 from .. import results, runfolder
 from .backends import BACKENDS
 from .config import DECODE, DisaggConfig, check
+from . import tp_handoff
 from .memory import DecodeOutOfMemory
 from .protocol import KEY_ENV, Control, ControlIntegrityError, new_key, run_key, unverified
 from .summary import build as summary_of
@@ -152,6 +153,15 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True, r
     and DisaggError when a worker fails (the run folder then says it stopped; each worker's output is in
     <run>/worker-<role>.log)."""
     check(cfg)
+    if cfg.prefill_tp > 1 or cfg.decode_tp > 1:  # P + D processes, the cache re-sharded between them
+        from torch.multiprocessing.spawn import ProcessException
+
+        try:
+            return tp_handoff.run_tp(cfg, out, progress)
+        except ProcessException as err:  # a rank failed: its error, in one line (the run folder says it stopped)
+            lines = [ln for ln in str(err).splitlines() if ln.strip()]
+            raise DisaggError(f"a rank of TP {cfg.prefill_tp} → {cfg.decode_tp} failed: "
+                              f"{lines[-1] if lines else type(err).__name__}") from err
     if under_torchrun():
         if cfg.faults and "kill" in cfg.fault_kinds:
             raise ValueError("fault-kinds: kill needs kvlab's own launcher, which starts the successor of a killed "

@@ -125,6 +125,14 @@ def analyse(record: dict, tables: dict) -> Analysis:
                                                                                    f"[{r.pct_lo:.1f}, {r.pct_hi:.1f}]")
         if summary.get("backend") == "nixl":
             out["nixl"] = nixl_table(req)
+    ranks = tables.get("ranks")
+    if ranks is not None and len(ranks) and "decode_tp" in summary:  # P + D processes (kvlab.disagg.tp_handoff)
+        out["ranks"] = ranks
+        findings.append(f"TP {summary['prefill_tp']} → {summary['decode_tp']} over gloo ({summary['impl']} split): "
+                        f"tokens {'equal' if summary['tokens_match'] else 'DIFFERENT'} at every step, logits within "
+                        f"{summary['logits_max_abs_diff']:.2e} of a {summary['logits_tolerance']:.2e} tolerance, shards "
+                        f"{'exact' if summary['shards_exact'] else 'NOT exact'}, {summary['poison_left']} poison left; "
+                        f"{sum(summary['replica_bytes']):,} bytes of replicas — {summary['rule']}")
     if faults is not None and len(faults):
         out["fault_summary"] = fault_table(faults)
         cost = checksum_table(faults)

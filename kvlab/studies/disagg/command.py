@@ -73,6 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--wire-scales", default="per-token-head",
         help="fp8: per-token-head (dynamic), per-head or per-tensor (from the request's own amax) "
              "(default per-token-head)")
+    add("--prefill-tp", type=int, default=1,
+        help="prefill ranks, each its own process holding its KV-head shard (gloo, CPU, contiguous) (default 1)")
+    add("--decode-tp", type=int, default=1,
+        help="decode ranks, each its own process receiving the heads it needs, decoding together with TP (default 1)")
     add("--out", default=None, help="run folder (default: a new data/disagg/<run_id>/)")
     add("--quiet", action="store_true", help="no progress bar")
     return parser
@@ -92,7 +96,7 @@ def run_args(args: argparse.Namespace) -> int:
         faults=args.faults, policy=args.policy, retries=args.retries, fault_timeout_s=args.fault_timeout,
         fault_kinds=args.fault_kinds, nixl_descs=args.nixl_descs, block_order=args.block_order,
         seed=args.seed, decode_memory_gib=args.decode_memory_gib, in_order=args.in_order,
-        wire_dtype=args.wire_dtype, wire_scales=args.wire_scales)
+        wire_dtype=args.wire_dtype, wire_scales=args.wire_scales, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
     try:
         summary = disagg.run(cfg, args.out or "", progress=not args.quiet)
     except (disagg.DisaggError, disagg.IncompleteCacheError, TimeoutError) as err:
@@ -103,6 +107,15 @@ def run_args(args: argparse.Namespace) -> int:
         return 143 if isinstance(err, runfolder.Terminated) else 130
     if not summary:  # the prefill rank under torchrun: rank 0 reports
         return 0
+    if "decode_tp" in summary:  # P + D processes (kvlab.disagg.tp_handoff)
+        print(f"TP {summary['prefill_tp']} → {summary['decode_tp']} ({summary['processes']} processes, gloo, "
+              f"{summary['impl']} split): tokens {'match' if summary['tokens_match'] else 'DIFFER'}, logits within "
+              f"{summary['logits_max_abs_diff']:.1e} (tolerance {summary['logits_tolerance']:.1e}), shards "
+              f"{'exact' if summary['shards_exact'] else 'WRONG'}, poison left {summary['poison_left']}")
+        for r, (b, rep, n) in enumerate(zip(summary["bytes_per_decode_rank"], summary["replica_bytes"],
+                                            summary["pieces_per_decode_rank"])):
+            print(f"  decode rank {r}: {fmt_bytes(b)} in {n} piece(s){' (a replica)' if rep else ''}")
+        return 0 if summary["passed"] else 1
     ok = summary["tokens_match"] and summary["logits_equal"] and summary["poison_left"] == 0
     print(f"{summary['backend']}: {summary['requests']} requests, {fmt_bytes(summary['bytes_moved'])} a request, "
           f"tokens {'match' if summary['tokens_match'] else 'DIFFER'}, logits "
