@@ -94,7 +94,7 @@ def _tp_api() -> str | None:
     from transformers.integrations import tensor_parallel
 
     fn = getattr(tensor_parallel, "apply_tensor_parallelism", None)
-    if fn is None or len(inspect.signature(fn).parameters) < 3:
+    if fn is None or "tp_plan" not in inspect.signature(fn).parameters:
         return (f"transformers {transformers.__version__} has no apply_tensor_parallelism(model, tp_mesh, tp_plan) "
                 "that shards a built model's weights")
     return None
@@ -201,6 +201,9 @@ def logits_tolerance(model, context: int, steps: int, dtype: torch.dtype | None 
     dtype = dtype or next(model.parameters()).dtype
     u = torch.finfo(dtype).eps / 2
     k = max(cfg.hidden_size, heads * hd, inter, hd, context + steps)
+    if k * u >= 0.1:  # Higham's γ_k needs k·u ≪ 1: in bf16 (u = 2^-9) past ~50 terms the bound says nothing
+        raise ValueError(f"a {dtype} decode sums up to {k:,} terms: the reduction-order bound needs k·u < 0.1 (here "
+                         f"{k * u:.2f}); decode in float32")
     gamma = k * u / (1 - k * u)
     r = 12 * cfg.num_hidden_layers + 1
     g = float(model.model.norm.weight.detach().abs().max())
@@ -261,6 +264,10 @@ def check_pair(model, prefill_tp: int, decode_tp: int, context: int = 128, steps
     pl = reshard.plan(model, prefill_tp, decode_tp)
     if pl.spec.max_positions and context + steps > pl.spec.max_positions:
         raise ValueError(f"context={context} + steps={steps} exceeds {pl.model}'s {pl.spec.max_positions} positions")
+    s = pl.spec
+    if decode_tp > 1 and (s.attention == "mla" or s.is_moe or s.intermediate_size % decode_tp):
+        raise ValueError(f"decode_tp={decode_tp}: {s.name} needs a split kvlab's TP decode does not make (MLA, MoE "
+                         f"experts, or an intermediate_size of {s.intermediate_size:,} the ranks do not divide)")
     return pl
 
 
@@ -343,12 +350,16 @@ def run_ranks(target, world: int, folder: str, timeout_s: float, start_method: s
                              start_method=start_method)
     limit = timeout_s + 60  # + start-up: each process imports torch and transformers and builds its model
     deadline = time.monotonic() + limit
-    while not ctx.join(timeout=0.5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            raise TimeoutError(f"{world} {what} did not finish within {limit:g} s")
+    try:
+        while not ctx.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world} {what} did not finish within {limit:g} s")
+    finally:  # the deadline, a failed rank, Ctrl-C or SIGTERM here: no rank outlives the call
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+        for p in ctx.processes:
+            p.join(5)
 
 
 def _spawn(world: int, folder: str, timeout_s: float, start_method: str) -> list[dict]:

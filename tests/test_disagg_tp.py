@@ -30,7 +30,7 @@ def test_issue_28s_cpu_contract(p, d, tmp_path):
     replicas = max(d - spec.kv_heads, 0)  # two ranks per head at D = 4: the second of each pair is a replica
     assert sum(1 for b in s["replica_bytes"] if b) == replicas
     assert sum(s["bytes_per_decode_rank"]) - sum(s["replica_bytes"]) == cache  # each head lands once, replicas aside
-    assert s["pieces_per_decode_rank"] == [p if p > d else 1] * d  # P > D: one piece from each prefill rank
+    assert s["pieces_per_decode_rank"] == [max(p // d, 1)] * d  # P > D: a piece from each of its P/D prefill ranks
     # one rank: no split; more ranks than KV heads: kvlab's own; else transformers' plan where the installed
     # transformers can apply it to a built model (5.2x), kvlab's where it cannot (5.17)
     assert s["impl"] in (("none",) if d == 1 else ("kvlab",) if d > spec.kv_heads else ("transformers", "kvlab"))
@@ -50,6 +50,9 @@ def test_issue_28s_cpu_contract(p, d, tmp_path):
     (["--decode-tp", "2", "--faults", "2"], "leave out or change --faults"),
     (["--decode-tp", "2", "--model", "llama-3.1-70b"], "more than this machine holds"),
     (["--decode-tp", "0"], "decode-tp = 0: give an int ≥ 1"),
+    (["--decode-tp", "2", "--kv-dtype", "bf16"], "give --kv-dtype float32"),
+    (["--decode-tp", "2", "--repeats", "5"], "leave out or change --repeats"),
+    (["--decode-tp", "2", "--weights", "/nonexistent/ckpt"], "weights"),
 ])
 def test_bad_tp_input_is_one_line_before_anything_is_written(argv, says, tmp_path):
     done = kvlab_command(["disagg", "--kv-dtype", "float32", *argv, "--out", str(tmp_path / "run")], _env(tmp_path))

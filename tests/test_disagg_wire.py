@@ -82,8 +82,11 @@ def test_issue_29s_cpu_contract(contract_run):
     s = json.loads((out / "summary.json").read_text())
     bf16 = calculator.kv_cache_bytes(models.get("kvlab-tiny"), 128, "bf16")  # what the bf16 run moves
     assert s["wire_dtype"] == "fp8" and s["wire_scales"] == "per-head" and s["bf16_bytes"] == bf16
-    assert s["bytes_moved"] <= 0.53 * bf16 and s["wire_bytes_ratio"] == s["bytes_moved"] / bf16
-    assert 0 <= s["token_agreement"] <= 1 and 0 < s["kv_max_rel_err"] < 0.07
+    # a hand count: per layer one byte an element, and per-head scales: 4 bytes for each of 2 sides × KV heads
+    spec = models.get("kvlab-tiny")
+    hand = spec.layers * (2 * 128 * spec.kv_heads * spec.head_dim + 4 * 2 * spec.kv_heads)
+    assert s["bytes_moved"] == hand <= 0.53 * bf16 and s["wire_bytes_ratio"] == hand / bf16
+    assert 0 < s["kv_max_rel_err"] < 0.07 and "token_agreement" in s
     assert s["tokens_match"] and s["logits_equal"] and s["bytes_equal"] and s["poison_left"] == 0
     assert "quantize → dequantize" in s["rule"] and "FP8 wire, per-head scales" in done.stdout
     rows = pd.read_csv(out / "requests.csv")
@@ -111,12 +114,11 @@ def test_a_fault_campaign_through_an_fp8_wire_decodes_nothing_partial_and_recove
     (["--wire-scales", "per-head"], "wire-scales = 'per-head' sets up an FP8 wire; add --wire-dtype fp8"),
     (["--wire-dtype", "fp8", "--layout", "paged"], "wire-dtype = 'fp8' moves a contiguous cache"),
     (["--wire-dtype", "fp8", "--kv-dtype", "fp32"], "wire-dtype = 'fp8' quantizes a bf16 cache"),
-    (["--wire-dtype", "fp8", "--backend", "ipc"], None),  # no GPU here: ipc is refused first, in one line
 ])
 def test_bad_wire_input_is_one_line_before_anything_is_written(argv, says, tmp_path):
     done = kvlab_command(["disagg", *argv, "--out", str(tmp_path / "run")], _env(tmp_path))
     lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
-    assert done.returncode == 2 and len(lines) == 1 and (says is None or says in lines[0]), done.stderr
+    assert done.returncode == 2 and len(lines) == 1 and says in lines[0], done.stderr
     assert not (tmp_path / "run").exists()
 
 

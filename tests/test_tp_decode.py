@@ -120,3 +120,10 @@ def test_a_transformers_without_the_plan_taking_api_falls_back_to_kvlabs_split(m
     assert not ok and "apply_tensor_parallelism(model, tp_mesh, tp_plan)" in why
     out = tp_decode.run("kvlab-tiny", 1, 2, context=64, steps=8)
     assert out["impl"] == "kvlab" and out["passed"]
+
+
+def test_a_bf16_decode_has_no_reduction_order_bound_and_says_so():
+    """Higham's γ_k = k·u / (1 − k·u) needs k·u ≪ 1: bf16's u = 2^-9 over kvlab-tiny's sums gives k·u > 0.1."""
+    model = models.build("kvlab-tiny", device="cpu", dtype="bfloat16")
+    with pytest.raises(ValueError, match="reduction-order bound needs k·u < 0.1.*decode in float32"):
+        tp_decode.logits_tolerance(model, 128, 20)

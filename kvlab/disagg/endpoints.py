@@ -86,6 +86,12 @@ class Source:
                 self.wire.decode(self.wire.encode(data[i]), out[k])
         return out
 
+    def truth_nbytes(self, unit: tuple[int, ...]) -> int:
+        """The bytes of `truth(unit)`, counted without making it."""
+        if self.wire is None:
+            return self.nbytes(unit)
+        return sum(self.buffer.data[i].nbytes for i in unit)
+
     def view(self, unit: tuple[int, ...]) -> torch.Tensor:
         """The unit's bytes as one contiguous tensor (paged: gathered rows, a new tensor; an FP8 wire: its e4m3
         bytes and scales, kvlab.disagg.wire_codec, a new uint8 tensor)."""

@@ -154,6 +154,8 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True, r
     <run>/worker-<role>.log)."""
     check(cfg)
     if cfg.prefill_tp > 1 or cfg.decode_tp > 1:  # P + D processes, the cache re-sharded between them
+        if under_torchrun():
+            raise ValueError("--prefill-tp/--decode-tp start their own P + D processes; run them without torchrun")
         from torch.multiprocessing.spawn import ProcessException
 
         try:

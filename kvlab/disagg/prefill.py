@@ -145,7 +145,7 @@ class PrefillWorker:
         # what the decode side must hold (an FP8 wire's: dequantized); ends in tolist(): the device is done
         sums = checksums([src.truth((i,)) for i in range(src.layers)])
         return {"checksums": sums, "checksum_ms": (now_ns() - t0) / 1e6,
-                "checksum_bytes": sum(src.truth((i,)).nbytes for i in range(src.layers))}
+                "checksum_bytes": sum(src.truth_nbytes((i,)) for i in range(src.layers))}
 
     def resend(self, n: int, msg: dict, src: Source) -> dict:
         """Send the layers `msg["layers"]` again (a retry of a request whose other layers landed)."""

@@ -32,12 +32,12 @@ from .. import models, results, runfolder
 from ..kvcache import KVBuffer, KVLayout, layout_for
 from ..paged import reshard
 from ..steps import decode, make_prompt, prefill
-from ..tp_decode import compare, logits_tolerance, run_ranks, shard_model
+from ..tp_decode import check_pair, compare, logits_tolerance, run_ranks, shard_model
 from .config import DisaggConfig
 
 __all__ = ["check_tp", "run_tp", "RULE"]
 
-RULE = ("TP decode: tokens equal to the colocated decode at every step, logits within the reduction-order tolerance, "
+RULE = ("TP decode: the first token and the tokens of every step equal to the colocated decode's, logits within the reduction-order tolerance, "
         "every shard byte-exact against the colocated cache's head slice, no poison left")
 _FIRST_TAG = 1 << 20  # the first token's send, beside the pieces' tags (their index in the decode rank's plan)
 
@@ -47,16 +47,26 @@ def check_tp(cfg: DisaggConfig) -> reshard.Plan:
     gloo on a CPU, a contiguous cache, one context, no bench, faults, FP8 wire or memory cap; P + D processes this
     machine can hold. ValueError, one line, before any process starts."""
     p, d = cfg.prefill_tp, cfg.decode_tp
+    default = {f: DisaggConfig.__dataclass_fields__[f].default for f in ("repeats", "warmup", "threads", "drop_layer",
+                                                                        "in_order", "weights")}
     bad = [(flag, why) for flag, why in (
         ("--backend", cfg.backend != "gloo"), ("--layout", tuple(cfg.layouts) != ("contiguous",)),
         ("--device", cfg.devices() != ("cpu", "cpu")), ("--context", len(cfg.contexts) != 1),
         ("--bench", cfg.bench), ("--faults", cfg.faults), ("--wire-dtype", cfg.wire_dtype != "bf16"),
         ("--decode-memory-gib", cfg.decode_memory_gib),
-        ("--mode", tuple(cfg.modes) not in (("bulk", "layerwise"), ("bulk",))), ("--port", cfg.port)) if why]
+        ("--mode", tuple(cfg.modes) not in (DisaggConfig.__dataclass_fields__["modes"].default, ("bulk",))),
+        ("--port", cfg.port), ("--weights", cfg.weights != default["weights"]),
+        ("--repeats", cfg.repeats != default["repeats"]), ("--warmup", cfg.warmup != default["warmup"]),
+        ("--threads", cfg.threads != default["threads"]), ("--drop-layer", cfg.drop_layer != default["drop_layer"]),
+        ("--in-order", cfg.in_order != default["in_order"])) if why]
     if bad:
-        raise ValueError(f"--prefill-tp {p} --decode-tp {d} runs over gloo on a CPU, one context, a contiguous cache "
-                         f"sent in bulk (one send a piece) so far; leave out or change {', '.join(f for f, _ in bad)}")
-    pl = reshard.plan(cfg.spec(), p, d)
+        raise ValueError(f"--prefill-tp {p} --decode-tp {d} runs one request over gloo on a CPU (--device cpu), one "
+                         f"context, a contiguous cache sent in bulk (one send a piece), random weights, so far; leave "
+                         f"out or change {', '.join(f for f, _ in bad)}")
+    if cfg.kv_dtype != "float32":
+        raise ValueError(f"--prefill-tp {p} --decode-tp {d}: kv-dtype {cfg.kv_dtype!r}; the TP decode is judged by a "
+                         "float32 reduction-order tolerance (kvlab.tp_decode.logits_tolerance): give --kv-dtype float32")
+    pl = check_pair(cfg.spec(), p, d, cfg.contexts[0], cfg.decode_tokens)  # the plan, and the TP decode's split
     if pl.attention == "mla":
         raise ValueError(f"{pl.model} keeps an MLA latent: its re-shard is measured by kvlab reshard; "
                          "--prefill-tp/--decode-tp move KV heads")
@@ -193,7 +203,8 @@ def run_tp(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True
                                                             .bytes_per_decode_rank),
                    "heads_per_decode_rank": [r["heads"] for r in dec], "notes": list(pl.notes),
                    "seconds": round(time.monotonic() - t0, 3), "rule": RULE}
-        summary["passed"] = (summary["tokens_match"] and summary["logits_within_tolerance"] and summary["shards_exact"]
+        summary["passed"] = (summary["tokens_match"] and summary["first_token_match"]
+                             and summary["logits_within_tolerance"] and summary["shards_exact"]
                              and summary["poison_left"] == 0)
         run.save_table(pd.DataFrame([{k: v for k, v in r.items() if k not in ("tokens", "logits_tolerance_rule")}
                                      for r in ranks]), "ranks")

@@ -85,11 +85,14 @@ def _links(value, name):
     got = [v.strip() for v in str(value).split(",") if v.strip()]
     if not got:
         raise ValueError(f"{name} = {value!r}: give link rates such as 100G,400G")
+    rates = []
     for v in got:
         try:
-            calculator.link(v)
+            rates.append(calculator.link(v).gbit_per_s)
         except ValueError as err:
             raise ValueError(f"{name}: {v!r}: {err}") from None
+    if len(set(rates)) != len(rates):
+        raise ValueError(f"{name} = {value!r}: a link rate is given twice; give each once")
 
 
 def _model(value, name):
@@ -201,7 +204,7 @@ def check(params) -> Config:
 def single_flow(cfg: Config) -> pd.DataFrame:
     """The calculator's one prompt on an idle link, per (link, variant): the median prompt's prefill time and its
     exposed transfer (bulk: the whole transfer; layer-wise and deadline: the pipelined backlog), in bf16 or FP8 (the
-    calculator counts FP8 without scales: 0.50 of bf16 where the simulator sends 0.53)."""
+    calculator counts FP8 without its scales, where the simulator sends its `fp8_factor` of the bf16 bytes)."""
     out = []
     for link in cfg.links:
         for variant in cfg.variants:

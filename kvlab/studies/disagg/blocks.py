@@ -58,13 +58,16 @@ def wire(analyses: list[Analysis], link, **_) -> str:
     for a in analyses:
         s = a.record["summary"]
         fp8 = s.get("wire_dtype") == "fp8"
+        req = a.raw["requests"]  # each config's own bytes, from its requests
+        per = {k: g.iloc[0] for k, g in req[req["mode"] != "colocated"].groupby(["layout", "mode", "context"])}
         for r in a.tables["summary"].itertuples():
             if r.mode == "colocated":
                 continue
+            c = per[(r.layout, r.mode, r.context)]
             rows.append({"run": link(a.where), "backend": _devices(s),
                          "wire": f"fp8, {s['wire_scales']} scales" if fp8 else "bf16",
-                         "bytes a request": f"{s['bytes_moved']:,}",
-                         "× bf16": f"{s['wire_bytes_ratio']:.3f}" if fp8 else "1",
+                         "bytes a request": f"{int(c['bytes_moved']):,}",
+                         "× bf16": f"{c['bytes_moved'] / c['kv_bytes']:.3f}",
                          "mode": r.mode, "context": ctx_label(r.context), "TTFT ms": sig(r.ttft_ms),
                          "exposed ms [95 %]": f"{r.exposed_ms:+.3f} [{r.exposed_ms_lo:+.3f}, {r.exposed_ms_hi:+.3f}]",
                          "decodes ≠ reference": int(r.mismatched),

@@ -121,9 +121,11 @@ def run_args(args: argparse.Namespace) -> int:
           f"tokens {'match' if summary['tokens_match'] else 'DIFFER'}, logits "
           f"{'equal' if summary['logits_equal'] else 'DIFFER'}, poison left {summary['poison_left']}")
     if summary.get("wire_dtype") == "fp8":
-        print(f"  FP8 wire, {summary['wire_scales']} scales: {summary['wire_bytes_ratio']:.3f}× the bf16 bytes, "
-              f"checked against the colocated decode through quantize → dequantize; token agreement with bf16 "
-              f"{summary['token_agreement']:.3f}, largest K/V relative error {summary['kv_max_rel_err']:.3g}")
+        num = lambda x, f: "—" if x is None else format(x, f)  # noqa: E731 (JSON has no NaN: summary says None)
+        print(f"  FP8 wire, {summary['wire_scales']} scales: {num(summary['wire_bytes_ratio'], '.3f')}× the bf16 "
+              f"bytes, checked against the colocated decode through quantize → dequantize; token agreement with bf16 "
+              f"{num(summary['token_agreement'], '.3f')}, largest K/V relative error "
+              f"{num(summary['kv_max_rel_err'], '.3g')}")
     for c in summary["configs"]:
         ex = f", exposed {c['exposed_ms']:.3f} ms" if c.get("exposed_ms") is not None else ""
         print(f"  {c['layout']:10} {c['mode']:9} {c['context']:>6} tokens: TTFT {c['ttft_ms']:.2f} ms"

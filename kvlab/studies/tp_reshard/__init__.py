@@ -156,7 +156,7 @@ def check(params) -> Config:
             raise ValueError(f"pairs: {a}-{b} for {spec.name}: {err}") from None
     for a, b in pairs if p["decode_check"] else ():
         try:
-            tp_decode.check_pair(p["decode_check"], a, b)
+            tp_decode.check_pair(p["decode_check"], a, b, DECODE_CONTEXT, DECODE_STEPS)
         except ValueError as err:
             raise ValueError(f"decode_check = {p['decode_check']!r}: TP {a}-{b}: {err}; give another model, or "
                              "decode_check = \"\" to skip the decode check") from None
@@ -269,9 +269,14 @@ def analyse(record: dict, tables: dict) -> Analysis:
     model = str((record.get("resolved") or {}).get("model", ""))
     s = summarise(tables["reshard_rows"], model)
     dc = tables.get("decode_check")
-    if dc is not None and len(dc) and len(s):  # the decode goal's metric: (pair, layout) runs whose tokens differed
-        s["decode_mismatch_all"] = int((~dc["tokens_match"].astype(bool)).sum())
-    g = goals.evaluate_run(NAME, record, s, keys=("layout", "mode", "context"), measured_only=True)
+    keys = ("layout", "mode", "context")
+    g = goals.evaluate_run(NAME, record, s, keys=keys, measured_only=True)
+    if dc is not None and len(dc):  # the decode goal on a row of its own, named for what it judges
+        pairs = ", ".join(dict.fromkeys(f"{a}→{b}" for a, b in zip(dc["prefill_tp"], dc["decode_tp"])))
+        row = pd.DataFrame([{"mode": f"decode check ({dc['model'].iloc[0]}), TP {pairs}",
+                             "layout": ",".join(dict.fromkeys(dc["pool_layout"])), "context": int(dc["context"].iloc[0]),
+                             "first_row": True, "decode_mismatch_all": int((~dc["tokens_match"].astype(bool)).sum())}])
+        g = pd.concat([g, goals.evaluate_run(NAME, record, row, keys=keys, measured_only=True)], ignore_index=True)
     findings, values = [], {}
     for r in s.itertuples():
         pct = f"{r.pct_of_same_tp:.1f} % [{r.pct_lo:.1f}, {r.pct_hi:.1f}]"
