@@ -156,14 +156,10 @@ def run(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True, r
     if cfg.prefill_tp > 1 or cfg.decode_tp > 1:  # P + D processes, the cache re-sharded between them
         if under_torchrun():
             raise ValueError("--prefill-tp/--decode-tp start their own P + D processes; run them without torchrun")
-        from torch.multiprocessing.spawn import ProcessException
-
         try:
             return tp_handoff.run_tp(cfg, out, progress)
-        except ProcessException as err:  # a rank failed: its error, in one line (the run folder says it stopped)
-            lines = [ln for ln in str(err).splitlines() if ln.strip()]
-            raise DisaggError(f"a rank of TP {cfg.prefill_tp} → {cfg.decode_tp} failed: "
-                              f"{lines[-1] if lines else type(err).__name__}") from err
+        except tp_handoff.RankError as err:  # the first rank that failed, in one line (the folder says it stopped)
+            raise DisaggError(str(err)) from err
     if under_torchrun():
         if cfg.faults and "kill" in cfg.fault_kinds:
             raise ValueError("fault-kinds: kill needs kvlab's own launcher, which starts the successor of a killed "

@@ -27,6 +27,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.spawn import ProcessException
 
 from .. import models, results, runfolder
 from ..kvcache import KVBuffer, KVLayout, layout_for
@@ -35,7 +36,7 @@ from ..steps import decode, make_prompt, prefill
 from ..tp_decode import check_pair, compare, logits_tolerance, run_ranks, shard_model
 from .config import DisaggConfig
 
-__all__ = ["check_tp", "run_tp", "RULE"]
+__all__ = ["check_tp", "run_tp", "RULE", "RankError"]
 
 RULE = ("TP decode: the first token and the tokens of every step equal to the colocated decode's, logits within the reduction-order tolerance, "
         "every shard byte-exact against the colocated cache's head slice, no poison left")
@@ -156,6 +157,7 @@ def _rank_main(rank: int, world: int, port: int, folder: str) -> None:
     torch.set_num_threads(1)  # P + D processes share the host's cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=job["timeout_s"]))
+    role = f"decode rank {rank}" if rank < job["decode_tp"] else f"prefill rank {rank - job['decode_tp']}"
     try:
         group = dist.new_group(ranks=list(range(job["decode_tp"])))  # every rank takes part in making it
         if rank < job["decode_tp"]:
@@ -163,14 +165,32 @@ def _rank_main(rank: int, world: int, port: int, folder: str) -> None:
         else:
             out = _prefill_rank(job, rank - job["decode_tp"], world)
         (Path(folder) / f"rank{rank}.json").write_text(json.dumps(out))
+    except BaseException as err:  # when it failed and why, so the launcher can name the first cause, not an echo
+        first = (str(err).strip().splitlines() or [""])[0][:240]
+        (Path(folder) / f"rank{rank}.error").write_text(json.dumps(
+            {"t": time.time(), "rank": role, "error": f"{type(err).__name__}: {first}"}))
+        raise
     finally:
         dist.destroy_process_group()
 
 
+class RankError(RuntimeError):
+    """A rank of a TP run failed; the message names the first rank that failed and its error, in one line."""
+
+
+def _first_failure(folder: str, p: int, d: int) -> str:
+    """The earliest failure the ranks recorded (a peer's later error, such as a closed connection, is its echo)."""
+    found = [json.loads(f.read_text()) for f in Path(folder).glob("rank*.error")]
+    if not found:
+        return "a rank ended without saying why"
+    e = min(found, key=lambda x: x["t"])
+    return f"{e['rank']} failed first: {e['error']}"
+
+
 def run_tp(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True) -> dict:
     """Run `cfg` (prefill_tp, decode_tp) as P + D processes; the summary (also <run>/summary.json). Refused before
-    anything starts: whatever check_tp refuses. A rank that fails raises torch.multiprocessing's error (kvlab.disagg.run
-    turns it into a DisaggError of one line), the deadline a TimeoutError; the run folder then says it stopped."""
+    anything starts: whatever check_tp refuses. A rank that fails raises RankError naming the first rank that failed
+    (kvlab.disagg.run turns it into a DisaggError), the deadline a TimeoutError; the run folder then says it stopped."""
     pl = check_tp(cfg)
     p, d = cfg.prefill_tp, cfg.decode_tp
     params = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()}
@@ -181,8 +201,11 @@ def run_tp(cfg: DisaggConfig, out: str | os.PathLike = "", progress: bool = True
                    "decode_tokens": cfg.decode_tokens, "prefill_tp": p, "decode_tp": d, "timeout_s": cfg.timeout_s}
             (Path(folder) / "job.json").write_text(json.dumps(job))
             t0 = time.monotonic()
-            run_ranks(_rank_main, p + d, folder, cfg.timeout_s, "fork" if os.name == "posix" else "spawn",
-                      f"prefill and decode ranks ({p} + {d})")
+            try:
+                run_ranks(_rank_main, p + d, folder, cfg.timeout_s, "fork" if os.name == "posix" else "spawn",
+                          f"prefill and decode ranks ({p} + {d})")
+            except ProcessException as err:
+                raise RankError(f"TP {p} → {d}: {_first_failure(folder, p, d)}") from err
             ranks = [json.loads((Path(folder) / f"rank{r}.json").read_text()) for r in range(p + d)]
         dec = [r for r in ranks if r["role"] == "decode"]
         agree = all(r["tokens"] == dec[0]["tokens"] for r in dec)
