@@ -95,12 +95,12 @@ def test_readme_shows_the_commands_this_test_runs():
 
 
 def _fresh_outputs(argv: list[str]) -> None:
-    """An example that writes to a fixed folder under /tmp (`--out /tmp/kvlab-disagg`) refuses to overwrite a
+    """An example that writes to a fixed folder under /tmp (`--out /tmp/kvlab-disagg`, `--run-dir`) refuses to overwrite a
     finished run, as it should: clear what an earlier run of this very example left there, so it runs as written."""
     import os
 
     for flag, value in zip(argv, argv[1:]):
-        if flag == "--out" and os.path.realpath(value).startswith("/tmp/") and os.path.isdir(value):
+        if flag in ("--out", "--run-dir") and os.path.realpath(value).startswith("/tmp/") and os.path.isdir(value):
             shutil.rmtree(value, ignore_errors=True)
 
 
