@@ -77,14 +77,9 @@ class Source:
         own bytes, or with an FP8 wire what dequantizing its wire bytes gives (a new bf16 tensor)."""
         if self.wire is None:
             return self.view(unit)
-        data = self.buffer.data
-        out = torch.empty_like(data[unit[0]:unit[-1] + 1]) if len(unit) > 1 else torch.empty_like(data[unit[0]])
-        if len(unit) == 1:
-            self.wire.decode(self.wire.encode(data[unit[0]]), out)
-        else:
-            for k, i in enumerate(unit):
-                self.wire.decode(self.wire.encode(data[i]), out[k])
-        return out
+        out = self.buffer.data[unit[0]:unit[-1] + 1].clone()  # a unit is a run of layers (units())
+        self.wire.roundtrip(out)
+        return out if len(unit) > 1 else out[0]
 
     def truth_nbytes(self, unit: tuple[int, ...]) -> int:
         """The bytes of `truth(unit)`, counted without making it."""

@@ -51,9 +51,14 @@ class WireCodec:
             raise ValueError(f"a layer of a batch-1 contiguous cache [2, 1, H, T, D] is expected, got {tuple(x.shape)}")
         return x[:, 0].permute(0, 2, 1, 3)
 
+    def _scale_shape(self, tokens: int, heads: int) -> tuple[int, int, int]:
+        """The scales of a layer, shaped to broadcast against its canonical [2, T, H]."""
+        return {"per-token-head": (2, tokens, heads), "per-head": (2, 1, heads), "per-tensor": (2, 1, 1)}[self.scales]
+
     def scale_count(self, x: torch.Tensor) -> int:
         _, _, h, t, _ = x.shape
-        return {"per-token-head": 2 * t * h, "per-head": 2 * h, "per-tensor": 2}[self.scales]
+        a, b, c = self._scale_shape(t, h)
+        return a * b * c
 
     def layer_bytes(self, x: torch.Tensor) -> int:
         """Wire bytes of the layer `x` ([2, 1, H, T, D]): one byte an element, four a scale."""
@@ -84,9 +89,7 @@ class WireCodec:
         c = self._canonical(out)
         n = c.numel()
         q = wire[:n].view(c.shape)
-        two, t, h, _ = c.shape
-        shape = {"per-token-head": (two, t, h), "per-head": (two, 1, h), "per-tensor": (two, 1, 1)}[self.scales]
-        scale = wire[n:].contiguous().view(torch.float32).view(shape)
+        scale = wire[n:].contiguous().view(torch.float32).view(self._scale_shape(c.shape[1], c.shape[2]))
         c.copy_(dequantize_layer(q, scale))
 
     def encode_layers(self, data: torch.Tensor, layers) -> torch.Tensor:
