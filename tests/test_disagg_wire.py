@@ -122,9 +122,62 @@ def test_bad_wire_input_is_one_line_before_anything_is_written(argv, says, tmp_p
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("backend", ["ipc", "nccl", "nixl"])
-def test_an_fp8_wire_is_refused_off_gloo_naming_why(backend):
+def test_an_fp8_wire_is_refused_over_nccl_naming_why():
     from kvlab.disagg.config import DisaggConfig, _wire_ok
 
-    with pytest.raises(ValueError, match=f"runs over backend gloo so far; got '{backend}'"):
-        _wire_ok(DisaggConfig(backend=backend, wire_dtype="fp8"))
+    with pytest.raises(ValueError, match="runs over backend gloo, ipc, nixl so far; got 'nccl'"):
+        _wire_ok(DisaggConfig(backend="nccl", wire_dtype="fp8"))
+
+
+def _fp8_contract(out, bf16_bytes):
+    s = json.loads((out / "summary.json").read_text())
+    assert s["wire_dtype"] == "fp8" and s["tokens_match"] and s["logits_equal"] and s["bytes_equal"], s
+    assert s["poison_left"] == 0 and s["bytes_moved"] <= 0.53 * bf16_bytes
+    return s
+
+
+def test_an_fp8_wire_over_nixl_writes_its_bytes_into_the_staging_and_decodes_like_its_reference(tmp_path):
+    """NIXL's one-sided write of the wire bytes (a registered buffer of their own on the prefill side, the decode
+    side's staging tensor registered instead of its cache), dequantized on the notification: CPU agents over UCX."""
+    import os
+
+    from kvlab.paged.nixl import nixl_missing
+
+    if nixl_missing() is not None and not os.environ.get("CI"):
+        pytest.skip(str(nixl_missing()))
+    out = tmp_path / "run"
+    done = kvlab_command(["disagg", "--backend", "nixl", "--model", "kvlab-tiny", "--context", "128", "--wire-dtype",
+                          "fp8", "--wire-scales", "per-head", "--repeats", "2", "--quiet", "--out", str(out)],
+                         _env(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    _fp8_contract(out, calculator.kv_cache_bytes(models.get("kvlab-tiny"), 128, "bf16"))
+    df = pd.read_csv(out / "requests.csv")
+    moved = df[df["mode"] != "colocated"]
+    assert (moved[moved["mode"] == "bulk"]["descriptors"] == 1).all()  # one run of wire bytes a unit
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+@pytest.mark.parametrize("scales", ["per-token-head", "per-head", "per-tensor"])
+def test_an_fp8_wire_over_ipc_on_one_gpu_decodes_like_its_reference(scales, tmp_path):
+    """Two processes on one GPU: the prefill process quantizes on its copy stream into the decode process's staging
+    tensor, which dequantizes before a layer counts as landed; bulk and layer-wise."""
+    from kvlab import disagg
+
+    s = disagg.run(disagg.DisaggConfig(backend="ipc", model="kvlab-tiny", contexts=(128,), repeats=2,
+                                       wire_dtype="fp8", wire_scales=scales), tmp_path / "run", progress=False)
+    assert s["wire_dtype"] == "fp8" and s["wire_scales"] == scales
+    assert s["tokens_match"] and s["logits_equal"] and s["bytes_equal"] and s["poison_left"] == 0
+    bf16 = calculator.kv_cache_bytes(models.get("kvlab-tiny"), 128, "bf16")
+    if scales != "per-token-head":  # kvlab-tiny's head_dim of 16 makes a scale a token and head cost more
+        assert s["bytes_moved"] <= 0.53 * bf16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+def test_a_fault_campaign_through_an_fp8_wire_over_ipc_decodes_nothing_partial(tmp_path):
+    from kvlab import disagg
+
+    s = disagg.run(disagg.DisaggConfig(backend="ipc", model="kvlab-tiny", contexts=(128,), repeats=1, warmup=0,
+                                       modes=("layerwise",), faults=3, policy="retry", wire_dtype="fp8"),
+                   tmp_path / "run", progress=False)
+    assert s["faults_injected"] == 3 and s["decoded_from_partial"] == 0 and s["undetected"] == 0
+    assert s["recovered"] == 3

@@ -247,19 +247,24 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
     return cfg
 
 
+# the backends an FP8 wire has run over (nccl needs two GPUs, which have not been lent since it was written)
+WIRE_BACKENDS = ("gloo", "ipc", "nixl")
+
+
 def _wire_ok(cfg: DisaggConfig) -> None:
     """--wire-dtype / --wire-scales: valid names, and an FP8 wire only where it has run — gloo (its sends are the
-    tensors the wire makes; ipc and nixl write into the decode side's bf16 destination themselves, and nccl has not
-    run it on two GPUs), a contiguous bf16 cache (a paged one over FP8: `kvlab wire`, notebook 07)."""
+    tensors the wire makes), ipc and nixl (one-sided writes of the wire bytes into the decode side's staging
+    tensor); not nccl, which has not run it on two GPUs — on a contiguous bf16 cache (a paged one over FP8:
+    `kvlab wire`, notebook 07)."""
     check_wire(cfg.wire_dtype, cfg.wire_scales)
     if cfg.wire_dtype == "bf16":
         if cfg.wire_scales != _DEFAULTS["wire_scales"]:
             raise ValueError(f"wire-scales = {cfg.wire_scales!r} sets up an FP8 wire; add --wire-dtype fp8 or leave "
                              "it out")
         return
-    if cfg.backend != "gloo":
-        raise ValueError(f"wire-dtype = 'fp8' runs over backend gloo so far; got {cfg.backend!r} (ipc and nixl write "
-                         "into the decode side's bf16 cache themselves, nccl has not run it on two GPUs)")
+    if cfg.backend not in WIRE_BACKENDS:
+        raise ValueError(f"wire-dtype = 'fp8' runs over backend {', '.join(WIRE_BACKENDS)} so far; got "
+                         f"{cfg.backend!r} (nccl has not run it on two GPUs)")
     if tuple(cfg.layouts) != ("contiguous",):
         raise ValueError(f"wire-dtype = 'fp8' moves a contiguous cache; got layout {','.join(cfg.layouts)}: give "
                          "--layout contiguous (a paged cache over FP8: kvlab wire, notebook 07)")

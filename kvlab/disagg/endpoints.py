@@ -67,10 +67,28 @@ class Source:
         self.layers = buffer.layout.layers if buffer is not None else pool.spec.layers
         self.rows = Rows.for_pool(pool, block_ids) if pool is not None else None
         self.device = buffer.device if buffer is not None else pool.device
+        self._offsets = None  # an FP8 wire: where each layer's wire bytes begin (WireCodec.offsets)
+        self._wire_out = None  # an FP8 wire: its bytes in a tensor of their own (wire_out), made on first use
 
     @property
     def paged(self) -> bool:
         return self.pool is not None
+
+    def wire_span(self, unit: tuple[int, ...]) -> tuple[int, int]:
+        """An FP8 wire: the byte range of `unit`'s wire bytes within the whole cache's (where a one-sided write —
+        ipc, nixl — puts them in the decode side's staging tensor)."""
+        if self._offsets is None:
+            self._offsets = self.wire.offsets(self.buffer.data)
+        return self._offsets[unit[0]], self._offsets[unit[-1] + 1]
+
+    @property
+    def wire_out(self) -> torch.Tensor:
+        """An FP8 wire: a uint8 tensor on the source's device that holds the whole cache's wire bytes, made once
+        (a write that needs its bytes in registered memory, nixl, sends from here)."""
+        if self._wire_out is None:
+            self._wire_out = torch.empty(self.wire_span(tuple(range(self.layers)))[1], dtype=torch.uint8,
+                                         device=self.device)
+        return self._wire_out
 
     def truth(self, unit: tuple[int, ...]) -> torch.Tensor:
         """What the decode side must hold for `unit` once it has landed (a layer-wise checksum's input): the unit's
@@ -134,7 +152,10 @@ class Sink:
 
     @property
     def tensor(self) -> torch.Tensor:
-        """What is shared with the prefill process (ipc): the whole destination."""
+        """What is shared with the prefill process (ipc, nixl): the whole destination — with an FP8 wire, the
+        staging tensor its wire bytes land in (settle dequantizes them into the buffer)."""
+        if self.wire is not None:
+            return self.landing_view(tuple(range(self.layers)))
         return self.buffer.data if not self.paged else self.pool.data
 
     def poison(self) -> None:
@@ -167,9 +188,7 @@ class Sink:
         """The slice of a uint8 staging tensor (every layer's wire bytes, in order) where `unit`'s wire bytes land."""
         data = self.buffer.data
         if self._staging is None or self._staging.device.type != ("cpu" if host else self.device.type):
-            self._offsets = [0]
-            for i in range(self.layers):
-                self._offsets.append(self._offsets[-1] + self.wire.layer_bytes(data[i]))
+            self._offsets = self.wire.offsets(data)
             self._staging = torch.empty(self._offsets[-1], dtype=torch.uint8, device="cpu" if host else self.device,
                                         pin_memory=host and torch.cuda.is_available())
         return self._staging[self._offsets[unit[0]]:self._offsets[unit[-1] + 1]]

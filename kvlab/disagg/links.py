@@ -5,8 +5,9 @@ A request's cache crosses in *units*: one unit of every layer (bulk) or one unit
 
     ipc    CUDA IPC: the decode process shares its destination (torch's cudaIpcMemHandle sharing,
            torch.multiprocessing.reductions); the prefill process writes into it with its own copies — one
-           copy engine `copy_` (contiguous) or kvlab's Triton row kernel (paged: rows gathered from the
-           prefill pool and scattered into the decode pool in one pass). Between two GPUs a paged send *pulls*:
+           copy engine `copy_` (contiguous; an FP8 wire: its bytes, quantized on the copy stream, into the
+           decode side's staging tensor, dequantized there before the layer counts as landed) or kvlab's Triton
+           row kernel (paged: rows gathered from the prefill pool and scattered into the decode pool in one pass). Between two GPUs a paged send *pulls*:
            Triton refuses to store to a peer GPU's IPC-mapped pointer ("cannot be accessed from Triton"), so the
            prefill process launches the row kernel on the decode GPU, reading its own pool over NVLink. A notifier thread waits for each
            unit's CUDA event and only then posts ``req{r}/landed/u{k}`` (the unit's layers): the decode side
@@ -228,6 +229,9 @@ class IpcLink:
         for unit in self._plan:
             key = f"req{request}/landed/u{0 if len(unit) > 1 else unit[0]}"  # as send() names it
             layers = control.wait(key, f"request {request}'s layer(s) {span(unit)} to land", timeout_s)
+            if sink.wire is not None:  # FP8 wire bytes in the staging tensor: landed once dequantized into the cache
+                sink.settle(unit, sink.landing_view(unit))
+                _sync(sink.device)
             for i in layers:
                 tracker.mark(request, i)
 
@@ -306,6 +310,10 @@ class IpcLink:
 
     def _copy(self, unit, src: Source, on_stream=None) -> None:
         dst = self._dst[self._tag]
+        if src.wire is not None:  # FP8: the unit's wire bytes, made on this stream, into the decode side's staging
+            a, b = src.wire_span(unit)
+            dst[a:b].copy_(src.view(unit), non_blocking=True)
+            return
         if not src.paged:
             view = dst if len(unit) == src.layers else dst[unit[0]]
             view.copy_(src.buffer.data if len(unit) == src.layers else src.buffer.data[unit[0]], non_blocking=True)
@@ -363,7 +371,9 @@ class IpcLink:
             self._copy(unit, src)
             if corrupt:  # fault injection: flip the first byte of the unit where it landed
                 dst = self._dst[self._tag]
-                if src.paged:
+                if src.wire is not None:
+                    flip_first_byte(dst[src.wire_span(unit)[0]:])
+                elif src.paged:
                     row = dst.view(-1, src.pool.rows.shape[1])[self._dst_rows.of(unit)[0]]
                     flip_first_byte(row)
                 else:

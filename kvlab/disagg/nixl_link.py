@@ -8,7 +8,9 @@ prefill side, while kvlab's prefill side *writes* unit by unit (so that layer-wi
 write carries a NIXL notification, ``req<r>/u<k>:<layers>``, which the decode agent receives once the bytes
 are in its memory (the decode side learns of a layer only then, as with ipc).
 
-Descriptors: a contiguous cache moves one descriptor per unit (all layers, or one layer); a paged cache one
+Descriptors: a contiguous cache moves one descriptor per unit (all layers, or one layer; with an FP8 wire the
+unit's e4m3 bytes and scales, quantized on the prefill stream into a registered buffer of their own and
+dequantized by the decode side from its registered staging tensor once the notification arrives); a paged cache one
 descriptor per row (one block of one layer's K or V), as a block-table transport posts them — or, with
 ``descs="merged"``, one per run of rows adjacent in both pools. Every request records its descriptor count and
 the host time spent building descriptor lists and posting (``initialize_xfer`` + ``transfer``).
@@ -134,6 +136,8 @@ class NixlLink:
         while True:
             self._poll()
             for layers in self._notes.pop(request, []):
+                if sink.wire is not None:  # FP8 wire bytes in the staging tensor: landed once dequantized
+                    sink.settle(tuple(layers), sink.landing_view(tuple(layers)))
                 for i in layers:
                     tracker.mark(request, i)
                 got += 1
@@ -184,13 +188,17 @@ class NixlLink:
         if list(unit) != list(range(unit[0], unit[0] + len(unit))):
             raise ValueError(f"a unit is a run of consecutive layers, got {list(unit)}")
         if not src.paged:
-            layer_bytes = src.buffer.data[0].nbytes
-            off = 0 if len(unit) == src.layers else unit[0] * layer_bytes
-            n = layer_bytes * len(unit)
+            if src.wire is not None:  # FP8: the unit's wire bytes, from the source's wire_out into the staging
+                off, end = src.wire_span(unit)
+                n, first = end - off, src.wire_out.data_ptr() + off
+            else:
+                layer_bytes = src.buffer.data[0].nbytes
+                off = 0 if len(unit) == src.layers else unit[0] * layer_bytes
+                n, first = layer_bytes * len(unit), src.buffer.data.data_ptr() + off
             if off + n > info["nbytes"]:
                 raise ValueError(f"layers {span(unit)} ({off + n:,} bytes in) do not fit the {info['nbytes']:,} bytes "
                                  f"the decode side registered ({self._tag})")
-            base = src.buffer.data.data_ptr() + off if staged is None else staged.data_ptr()
+            base = first if staged is None else staged.data_ptr()
             loc = np.array([[base, n, dev]], dtype=np.int64)
             rem = np.array([[info["addr"] + off, n, info["dev"]]], dtype=np.int64)
             return loc, rem
@@ -218,7 +226,12 @@ class NixlLink:
         """Queue one unit: the poster thread posts its WRITE once the unit's bytes are written (a CUDA event on
         the current stream). corrupt=True (fault injection): the unit leaves with its first byte's bits flipped,
         written from a copy of its own (the source stays true: prefill's attention may still be reading it)."""
-        self._register(src.buffer.data if not src.paged else src.pool.data)
+        if src.wire is not None:  # FP8: quantized on the current stream into registered memory of its own
+            a, b = src.wire_span(unit)
+            src.wire_out[a:b].copy_(src.view(unit), non_blocking=True)
+            self._register(src.wire_out)
+        else:
+            self._register(src.buffer.data if not src.paged else src.pool.data)
         ev = None
         if self.device.type == "cuda":
             ev = torch.cuda.Event()

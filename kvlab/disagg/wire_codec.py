@@ -74,6 +74,14 @@ class WireCodec:
             return dynamic_scale(f.permute(0, 2, 1, 3).reshape(two, h, t * d)).reshape(two, 1, h)
         return dynamic_scale(f.reshape(two, t * h * d)).reshape(two, 1, 1)
 
+    def offsets(self, data: torch.Tensor) -> list[int]:
+        """Where each layer's wire bytes begin in a whole cache's wire bytes (every layer in order, as a bulk send
+        lays them out), and where they end: L + 1 numbers for data [L, 2, 1, H, T, D]."""
+        out = [0]
+        for i in range(data.shape[0]):
+            out.append(out[-1] + self.layer_bytes(data[i]))
+        return out
+
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """The wire bytes of one bf16 layer `x` [2, 1, H, T, D]: a new uint8 tensor of layer_bytes(x)."""
         if x.dtype != torch.bfloat16:
