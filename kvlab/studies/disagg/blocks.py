@@ -49,11 +49,37 @@ def ttft(analyses: list[Analysis], link, **_) -> str:
     return md_table(pd.DataFrame(rows))
 
 
+def _bf16_links(analyses: list[Analysis]) -> dict:
+    """Per (backend and devices, context): the calculator's link fitted on a bf16 run's bulk exposure (bytes over
+    exposed time), the yardstick an FP8 run of the same block is predicted on."""
+    from ... import calculator
+
+    out = {}
+    for a in analyses:
+        s = a.record["summary"]
+        if s.get("wire_dtype") == "fp8":
+            continue
+        req = a.raw["requests"]
+        for r in a.tables["summary"].itertuples():
+            if r.mode != "bulk" or not r.exposed_ms > 0:
+                continue
+            nbytes = int(req[(req["mode"] == "bulk") & (req["context"] == r.context)]["bytes_moved"].iloc[0])
+            out[(_devices(s), r.context)] = calculator.Link.from_GBps(nbytes / r.exposed_ms / 1e6,
+                                                                      name=f"fitted on {a.where}")
+    return out
+
+
 def wire(analyses: list[Analysis], link, **_) -> str:
     """What crossed the wire (kvlab disagg --wire-dtype): per run, mode and context — the wire's dtype and scales, the
     bytes a request against the bf16 cache's, the decode side's TTFT and exposed time, decodes that differed from
     their reference (an FP8 wire's: the colocated cache through quantize → dequantize), and the FP8 decode's token
-    agreement with the bf16 decode (measured, not required)."""
+    agreement with the bf16 decode (measured, not required). Beside an FP8 bulk send, the calculator's exposure for
+    its bytes (calculator.transfer_time_s) over the link a bf16 run of the same block measured (its bytes over its
+    exposed time, same backend, devices and context): the seed's "switch to FP8 and the exposure shrinks" as a
+    prediction, which leaves out what quantizing and dequantizing cost."""
+    from ... import calculator
+
+    fitted = _bf16_links(analyses)
     rows = []
     for a in analyses:
         s = a.record["summary"]
@@ -64,12 +90,15 @@ def wire(analyses: list[Analysis], link, **_) -> str:
             if r.mode == "colocated":
                 continue
             c = per[(r.layout, r.mode, r.context)]
+            lk = fitted.get((_devices(s), r.context)) if fp8 and r.mode == "bulk" else None
             rows.append({"run": link(a.where), "backend": _devices(s),
                          "wire": f"fp8, {s['wire_scales']} scales" if fp8 else "bf16",
                          "bytes a request": f"{int(c['bytes_moved']):,}",
                          "× bf16": f"{c['bytes_moved'] / c['kv_bytes']:.3f}",
                          "mode": r.mode, "context": ctx_label(r.context), "TTFT ms": sig(r.ttft_ms),
                          "exposed ms [95 %]": f"{r.exposed_ms:+.3f} [{r.exposed_ms_lo:+.3f}, {r.exposed_ms_hi:+.3f}]",
+                         "calculator ms (bf16 run's link)":
+                             sig(1e3 * calculator.transfer_time_s(int(c["bytes_moved"]), lk)) if lk else "—",
                          "decodes ≠ reference": int(r.mismatched),
                          "token agreement with bf16": f"{s['token_agreement']:.2f}" if fp8 else "—"})
     return md_table(pd.DataFrame(rows))
