@@ -181,3 +181,23 @@ def test_a_fault_campaign_through_an_fp8_wire_over_ipc_decodes_nothing_partial(t
                    tmp_path / "run", progress=False)
     assert s["faults_injected"] == 3 and s["decoded_from_partial"] == 0 and s["undetected"] == 0
     assert s["recovered"] == 3
+
+
+@pytest.mark.parametrize("mode", ["per-token-head", "per-head", "per-tensor"])
+def test_the_codecs_kernels_give_the_torch_references_bits_both_ways(mode, monkeypatch):
+    """A contiguous layer through kvlab.paged.wire_kernels (Triton's interpreter here, in integer rounding; the
+    GPU's casts on an H200) against the torch reference: the same wire bytes, the same bf16 back — into a view of a
+    larger buffer too, as a one-sided write puts them in the decode side's staging tensor."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    buf = _buffer(layers=2, heads=2, tokens=24, dim=16, seed=3)
+    buf.data[0, 1, 0, 1, 5] = 0  # a zero token-head among the rest
+    ref, fast = WireCodec(mode, backend="torch"), WireCodec(mode, backend="triton")
+    want = ref.encode_layers(buf.data, (0, 1))
+    staging = torch.full((want.numel() + 8,), 0xAB, dtype=torch.uint8)
+    fast.encode_layers_into(buf.data, (0, 1), staging[4:4 + want.numel()])
+    assert torch.equal(staging[4:4 + want.numel()], want) and (staging[:4] == 0xAB).all() and (staging[-4:] == 0xAB).all()
+    a, b = KVBuffer(buf.layout), KVBuffer(buf.layout)
+    ref.decode_layers(want, a.data, (0, 1))
+    fast.decode_layers(staging[4:4 + want.numel()].clone(), b.data, (0, 1))
+    assert torch.equal(a.data.view(torch.int16), b.data.view(torch.int16))

@@ -310,9 +310,12 @@ class IpcLink:
 
     def _copy(self, unit, src: Source, on_stream=None) -> None:
         dst = self._dst[self._tag]
-        if src.wire is not None:  # FP8: the unit's wire bytes, made on this stream, into the decode side's staging
+        if src.wire is not None:  # FP8: the unit's wire bytes, made on this stream, in the decode side's staging
             a, b = src.wire_span(unit)
-            dst[a:b].copy_(src.view(unit), non_blocking=True)
+            if dst.device == src.device:  # one GPU: the quantize kernel writes straight into the staging tensor
+                src.wire.encode_layers_into(src.buffer.data, unit, dst[a:b])
+            else:
+                dst[a:b].copy_(src.view(unit), non_blocking=True)
             return
         if not src.paged:
             view = dst if len(unit) == src.layers else dst[unit[0]]

@@ -228,7 +228,7 @@ class NixlLink:
         written from a copy of its own (the source stays true: prefill's attention may still be reading it)."""
         if src.wire is not None:  # FP8: quantized on the current stream into registered memory of its own
             a, b = src.wire_span(unit)
-            src.wire_out[a:b].copy_(src.view(unit), non_blocking=True)
+            src.wire.encode_layers_into(src.buffer.data, unit, src.wire_out[a:b])
             self._register(src.wire_out)
         else:
             self._register(src.buffer.data if not src.paged else src.pool.data)

@@ -9,7 +9,9 @@ head_dim] (side, token, head, element) and travels as
     scales   float32, per-token-head [2, tokens, kv_heads] | per-head [2, kv_heads] | per-tensor [2]
 
 payload first, then the scales' bytes, in one uint8 tensor (`layer_bytes` long); a bulk send is every layer's in
-layer order. Per-token-head scales are dynamic (amax over head_dim). Per-head and per-tensor scales are static
+layer order. Where Triton runs (a GPU), kvlab.paged.wire_kernels' kernels encode and decode a layer in one pass
+each (a contiguous layer is the one block of an hnd pool of block size T); elsewhere the torch reference does, with
+the same bits. Per-token-head scales are dynamic (amax over head_dim). Per-head and per-tensor scales are static
 within a request: computed by the same rule from the request's own layer (amax over its tokens; and heads, for
 per-tensor) when the layer is sent, so a layer-wise send needs nothing from later layers — the calibration set is
 the request itself, where an engine would calibrate once on other text.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..paged.wire import SCALE_MODES, check_mode, dequantize_layer, dynamic_scale, quantize_layer
+from ..paged.wire_kernels import dequantize_contiguous_layer, quantize_contiguous_layer, wire_backend
 
 __all__ = ["WIRE_DTYPES", "WireCodec", "check_wire", "wire_codec"]
 
@@ -39,10 +42,32 @@ def check_wire(wire_dtype: str, scales: str) -> None:
 
 
 class WireCodec:
-    """Encode a bf16 layer of a contiguous cache into its wire bytes, and decode them back (module doc)."""
+    """Encode a bf16 layer of a contiguous cache into its wire bytes, and decode them back (module doc).
 
-    def __init__(self, scales: str):
+    backend: "auto" (kvlab.paged.wire_kernels' Triton kernels, one pass each way, wherever
+    wire_kernels.wire_backend says they run — a GPU, or a CPU under TRITON_INTERPRET=1 — else the torch
+    reference), "torch" or "triton". Both give the same bits (tests)."""
+
+    def __init__(self, scales: str, backend: str = "auto"):
         self.scales = check_mode(scales)
+        if backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"backend {backend!r} is not valid; use 'auto', 'torch' or 'triton'")
+        self.backend = backend
+        self._which: dict = {}  # device → "triton" | "torch"
+
+    def _kernels(self, t: torch.Tensor) -> bool:
+        """Do the Triton kernels encode and decode tensors on t's device?"""
+        key = str(t.device)
+        if key not in self._which:
+            self._which[key] = wire_backend(t.device, self.backend)[0]
+        return self._which[key] == "triton"
+
+    def _static(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-head [2, H] or per-tensor [2] float32 scales of layer x [2, 1, H, T, D] by the module's rule, from the
+        layer's own amax (exact in bf16; two reductions, nothing waits for the device)."""
+        dims = (1, 3, 4) if self.scales == "per-head" else (1, 2, 3, 4)
+        amax = torch.maximum(x.amax(dim=dims), -x.amin(dim=dims)).float()
+        return dynamic_scale(amax.unsqueeze(-1)).contiguous()
 
     @staticmethod
     def _canonical(x: torch.Tensor) -> torch.Tensor:
@@ -86,16 +111,38 @@ class WireCodec:
         """The wire bytes of one bf16 layer `x` [2, 1, H, T, D]: a new uint8 tensor of layer_bytes(x)."""
         if x.dtype != torch.bfloat16:
             raise ValueError(f"an FP8 wire quantizes a bf16 cache; this one is {x.dtype}")
+        if self._kernels(x):
+            out = torch.empty(self.layer_bytes(x), dtype=torch.uint8, device=x.device)
+            self.encode_into(x, out)
+            return out
         c = self._canonical(x)
         scale = self._scale(c)
         q = quantize_layer(c, scale)                                           # [2, T, H, D] uint8
         s = scale.expand(2, c.shape[1], c.shape[2]) if self.scales == "per-token-head" else scale
         return torch.cat([q.reshape(-1), s.contiguous().reshape(-1).view(torch.uint8)])
 
+    def encode_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """encode(x) written into `out` (uint8, layer_bytes(x) long, on x's device: a view into a larger buffer,
+        such as the decode side's staging tensor); with the kernels, in one pass and no temporary."""
+        n = x.numel()
+        if out.dtype != torch.uint8 or out.numel() != self.layer_bytes(x) or out.device != x.device:
+            raise ValueError(f"an FP8 layer's wire bytes need a uint8 tensor of {self.layer_bytes(x):,} bytes on "
+                             f"{x.device}, got {out.dtype} of {out.numel():,} on {out.device}")
+        if not self._kernels(x):
+            out.copy_(self.encode(x))
+            return
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"an FP8 wire quantizes a bf16 cache; this one is {x.dtype}")
+        static = None if self.scales == "per-token-head" else self._static(x)
+        quantize_contiguous_layer(x, self.scales, out[:n], out[n:].view(torch.float32), static)
+
     def decode(self, wire: torch.Tensor, out: torch.Tensor) -> None:
         """Dequantize one layer's wire bytes into `out` [2, 1, H, T, D] (bf16), in place."""
         c = self._canonical(out)
         n = c.numel()
+        if self._kernels(out) and wire.device == out.device:
+            dequantize_contiguous_layer(wire[:n], wire[n:].view(torch.float32), self.scales, out)
+            return
         q = wire[:n].view(c.shape)
         scale = wire[n:].contiguous().view(torch.float32).view(self._scale_shape(c.shape[1], c.shape[2]))
         c.copy_(dequantize_layer(q, scale))
@@ -104,6 +151,16 @@ class WireCodec:
         """The wire bytes of `layers` of a cache's data [L, 2, 1, H, T, D], in order, one uint8 tensor."""
         parts = [self.encode(data[i]) for i in layers]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def encode_layers_into(self, data: torch.Tensor, layers, out: torch.Tensor) -> None:
+        """encode_layers(data, layers) written into `out` (uint8, on data's device)."""
+        at = 0
+        for i in layers:
+            n = self.layer_bytes(data[i])
+            self.encode_into(data[i], out[at:at + n])
+            at += n
+        if at != out.numel():
+            raise ValueError(f"layers {list(layers)} have {at:,} wire bytes; out holds {out.numel():,}")
 
     def decode_layers(self, wire: torch.Tensor, data: torch.Tensor, layers) -> None:
         """Dequantize the wire bytes of `layers` (as encode_layers wrote them) into `data`'s layers, in place."""
