@@ -49,6 +49,26 @@ def test_a_layer_crosses_as_one_byte_an_element_and_four_a_scale_and_comes_back_
     assert not torch.equal(again, out)
 
 
+def test_a_unit_of_layers_travels_as_its_payloads_then_its_scales_and_lands_as_its_layers_do_one_by_one():
+    """A bulk unit is one packet (every layer's e4m3 bytes, then every layer's scales: one kernel launch each way);
+    it is as long as its layers' bytes, and decodes to what the same layers sent one by one decode to."""
+    buf = _buffer(layers=3)
+    codec = WireCodec("per-token-head")
+    bulk = codec.encode_layers(buf.data, (0, 1, 2))
+    ones = [codec.encode(buf.data[i]) for i in range(3)]
+    n = buf.data[0].numel()
+    assert bulk.numel() == sum(w.numel() for w in ones) == codec.offsets(buf.data)[-1]
+    assert torch.equal(bulk[:3 * n], torch.cat([w[:n] for w in ones]))
+    assert torch.equal(bulk[3 * n:], torch.cat([w[n:] for w in ones]))
+    a, b = KVBuffer(buf.layout), KVBuffer(buf.layout)
+    codec.decode_layers(bulk, a.data, (0, 1, 2))
+    for i, w in enumerate(ones):
+        codec.decode_layers(w, b.data, (i,))
+    assert torch.equal(a.data, b.data)
+    with pytest.raises(ValueError, match="a unit is a run of consecutive layers"):
+        codec.encode_layers(buf.data, (0, 2))
+
+
 def test_source_and_sink_move_the_wire_bytes_and_land_what_the_round_trip_gives():
     buf = _buffer(layers=3)
     codec = WireCodec("per-token-head")

@@ -5,10 +5,10 @@
                         kernel's stores reach through UVA (as kvlab.paged.triton_transports.MappedPinned's do)
     dequantize_scatter  packet (GPU or pinned host, read through UVA) → bf16 blocks of a destination pool
 
-and `bench_wire`, which times them against a plain bf16 copy of the same cache. A layer of a batch-1 contiguous
-cache, [2, 1, H, T, D], is the one block of an hnd pool of block size T, so the same kernels quantize and
-dequantize it in place of a gather (`quantize_contiguous_layer`, `dequantize_contiguous_layer`: the FP8 wire
-between two processes, kvlab.disagg.wire_codec).
+and `bench_wire`, which times them against a plain bf16 copy of the same cache. Layers of a batch-1 contiguous
+cache, [n, 2, 1, H, T, D], are the one block of an n-layer hnd pool of block size T, so the same kernels quantize
+and dequantize them in place of a gather (`quantize_contiguous`, `dequantize_contiguous`: the FP8 wire between two
+processes, kvlab.disagg.wire_codec).
 
 One program takes `pairs` (token, head) pairs of one block of one layer side, each a contiguous head_dim
 vector in both pool layouts (a block is block_size · kv_heads such vectors, token-major in nhd, head-major in
@@ -40,8 +40,8 @@ from .wire import (SCALE_MODES, WirePacket, calibrate_scales, check_mode, check_
                    check_static_scales, dequantize_scatter_reference, empty_packet, layer_range,
                    quantize_gather_reference)
 
-__all__ = ["WireConfig", "wire_backend", "quantize_gather", "dequantize_scatter", "quantize_contiguous_layer",
-           "dequantize_contiguous_layer", "bench_wire"]
+__all__ = ["WireConfig", "wire_backend", "quantize_gather", "dequantize_scatter", "quantize_contiguous",
+           "dequantize_contiguous", "bench_wire"]
 
 _MODE_ID = {"per-token-head": 0, "per-head": 1, "per-tensor": 2}
 
@@ -242,47 +242,47 @@ def dequantize_scatter(packet: WirePacket, dst_pool: BlockPool, dst_table: Block
 
 
 # ---------------------------------------------------------------------------------------------------
-# a layer of a contiguous cache
+# layers of a contiguous cache
 
-_ONE_BLOCK: dict = {}  # (tokens, device) → the one-block table of a contiguous layer (its ids tensor cached there)
+_ONE_BLOCK: dict = {}  # (tokens, device) → the one-block table of contiguous layers (its ids tensor cached there)
 
 
 def _as_pool(x: torch.Tensor) -> tuple[BlockPool, BlockTable]:
-    """A contiguous bf16 layer x [2, 1, H, T, D] as a one-layer hnd pool of one block of T tokens (no copy)."""
-    if x.dim() != 5 or x.shape[0] != 2 or x.shape[1] != 1 or x.dtype != torch.bfloat16 or not x.is_contiguous():
-        raise ValueError(f"a contiguous bf16 layer [2, 1, H, T, D] of a batch-1 cache is expected, got {x.dtype} "
+    """Contiguous bf16 layers x [n, 2, 1, H, T, D] as an n-layer hnd pool of one block of T tokens (no copy)."""
+    if x.dim() != 6 or x.shape[1] != 2 or x.shape[2] != 1 or x.dtype != torch.bfloat16 or not x.is_contiguous():
+        raise ValueError(f"contiguous bf16 layers [n, 2, 1, H, T, D] of a batch-1 cache are expected, got {x.dtype} "
                          f"{tuple(x.shape)} contiguous={x.is_contiguous()}")
-    _, _, h, t, d = x.shape
-    pool = BlockPool(PoolSpec(1, t, h, d, torch.bfloat16, "hnd"), 1, x.device, data=x.unsqueeze(0))
+    n, _, _, h, t, d = x.shape
+    pool = BlockPool(PoolSpec(n, t, h, d, torch.bfloat16, "hnd"), 1, x.device, data=x)
     key = (t, str(x.device))
     if key not in _ONE_BLOCK:
         _ONE_BLOCK[key] = BlockTable([0], t, t)
     return pool, _ONE_BLOCK[key]
 
 
-def _layer_packet(x: torch.Tensor, mode: str, payload: torch.Tensor, scales: torch.Tensor) -> WirePacket:
-    _, _, h, t, d = x.shape
-    lead = {"per-token-head": (2, t, h), "per-head": (2, h), "per-tensor": (2,)}[mode]
-    return WirePacket(payload.view(1, 2, t, h, d), scales.view(1, *lead), mode, t, t, 0)
+def _packet(x: torch.Tensor, mode: str, payload: torch.Tensor, scales: torch.Tensor) -> WirePacket:
+    n, _, _, h, t, d = x.shape
+    lead = {"per-token-head": (n, 2, t, h), "per-head": (n, 2, h), "per-tensor": (n, 2)}[mode]
+    return WirePacket(payload.view(n, 2, t, h, d), scales.view(*lead), mode, t, t, 0)
 
 
-def quantize_contiguous_layer(x: torch.Tensor, mode: str, payload: torch.Tensor, scales: torch.Tensor,
-                              static: torch.Tensor | None = None, config: WireConfig | None = None) -> None:
-    """One layer x [2, 1, H, T, D] (bf16, contiguous) of a batch-1 contiguous cache → `payload` (uint8, 2·T·H·D
-    elements: e4m3 bits [2, T, H, D]) and `scales` (float32: per-token-head 2·T·H, computed in the kernel; per-head
-    2·H or per-tensor 2 elements, copied from `static`, float32 on x's device), in one kernel pass on the current
-    stream of x's device; payload and scales may be views into a larger buffer. Shapes are checked; values are not
-    (nothing here waits for the device: a NaN scale gives NaN codes, as the reference does)."""
+def quantize_contiguous(x: torch.Tensor, mode: str, payload: torch.Tensor, scales: torch.Tensor,
+                        static: torch.Tensor | None = None, config: WireConfig | None = None) -> None:
+    """Layers x [n, 2, 1, H, T, D] (bf16, contiguous) of a batch-1 contiguous cache → `payload` (uint8, its
+    elements' count: e4m3 bits [n, 2, T, H, D]) and `scales` (float32: per-token-head n·2·T·H, computed in the
+    kernel; per-head n·2·H or per-tensor n·2, copied from `static`, float32 on x's device), in one kernel launch on
+    the current stream of x's device; payload and scales may be views into a larger buffer. Shapes are checked;
+    values are not (nothing here waits for the device: a NaN scale gives NaN codes, as the reference does)."""
     check_mode(mode)
     pool, table = _as_pool(x)
-    out = _layer_packet(x, mode, payload, scales)
+    out = _packet(x, mode, payload, scales)
     if (static is None) != (mode == "per-token-head") or \
             (static is not None and (static.dtype != torch.float32 or static.numel() != out.scales.numel())):
         raise ValueError(f"{mode} scales: static must be None for per-token-head, else float32 of "
                          f"{out.scales.numel()} values")
     config = config or WireConfig()
     s = pool.spec
-    d_pad, tp, n_chunks, grid = _launch_shape(s, 1, 1, config)
+    d_pad, tp, n_chunks, grid = _launch_shape(s, 1, s.layers, config)
     quant, _ = _kernels(x.device.type == "cpu")
     quant[(grid,)](pool.data.view(torch.int16), table.tensor(x.device), out.payload, out.scales,
                    static if static is not None else out.scales, 1, 1, 0, n_chunks, BS=s.block_size,
@@ -290,16 +290,16 @@ def quantize_contiguous_layer(x: torch.Tensor, mode: str, payload: torch.Tensor,
                    HW=config.hw_convert(x.device), num_warps=config.num_warps)
 
 
-def dequantize_contiguous_layer(payload: torch.Tensor, scales: torch.Tensor, mode: str, out: torch.Tensor,
-                                config: WireConfig | None = None) -> None:
-    """The inverse of quantize_contiguous_layer: `payload` and `scales` (on out's device) → bf16 into the layer
-    `out` [2, 1, H, T, D], one kernel pass on the current stream."""
+def dequantize_contiguous(payload: torch.Tensor, scales: torch.Tensor, mode: str, out: torch.Tensor,
+                          config: WireConfig | None = None) -> None:
+    """The inverse of quantize_contiguous: `payload` and `scales` (on out's device) → bf16 into the layers `out`
+    [n, 2, 1, H, T, D], one kernel launch on the current stream."""
     check_mode(mode)
     pool, table = _as_pool(out)
-    packet = _layer_packet(out, mode, payload, scales)
+    packet = _packet(out, mode, payload, scales)
     config = config or WireConfig()
     s = pool.spec
-    d_pad, tp, n_chunks, grid = _launch_shape(s, 1, 1, config)
+    d_pad, tp, n_chunks, grid = _launch_shape(s, 1, s.layers, config)
     _, deq = _kernels(out.device.type == "cpu")
     deq[(grid,)](packet.payload, packet.scales, pool.data.view(torch.int16), table.tensor(out.device), 1, 1, 0,
                  n_chunks, BS=s.block_size, H=s.kv_heads, D=s.head_dim, D_PAD=d_pad, TP=tp, HND=True,
