@@ -12,7 +12,7 @@ from .faults import KINDS, POLICIES
 from .nixl_link import DESCS
 from .wire_codec import check_wire
 
-__all__ = ["DisaggConfig", "MODES", "LAYOUTS", "KV_DTYPES", "check", "kv_dtype_name", "norm_device",
+__all__ = ["DisaggConfig", "MODES", "LAYOUTS", "KV_DTYPES", "check", "is_default", "kv_dtype_name", "norm_device",
            "DECODE", "PREFILL", "from_params"]
 
 MODES = ("bulk", "layerwise")
@@ -143,6 +143,11 @@ def _differs(value, default) -> bool:
     return value != default
 
 
+def is_default(cfg: DisaggConfig, name: str) -> bool:
+    """Is option `name` of `cfg` still its default (a list option compared as its names, "a,b" = ("a", "b"))?"""
+    return not _differs(getattr(cfg, name), _DEFAULTS[name])
+
+
 def check(cfg: DisaggConfig) -> DisaggConfig:
     """Every value of `cfg` checked and normalised (lists from text, dtype aliases); ValueError naming the bad
     value and what would be valid. Nothing is started or written."""
@@ -227,7 +232,7 @@ def check(cfg: DisaggConfig) -> DisaggConfig:
     if not cfg.faults:  # the campaign's options, given without a campaign, would be ignored without a word
         given = [flag for flag, name in (("--policy", "policy"), ("--retries", "retries"),
                                          ("--fault-timeout", "fault_timeout_s"), ("--fault-kinds", "fault_kinds"))
-                 if _differs(getattr(cfg, name), _DEFAULTS[name])]
+                 if not is_default(cfg, name)]
         if given:
             raise ValueError(f"{', '.join(given)} set(s) up a fault campaign; add --faults N (N ≥ 1) or leave "
                              f"{'it' if len(given) == 1 else 'them'} out")
@@ -258,7 +263,7 @@ def _wire_ok(cfg: DisaggConfig) -> None:
     `kvlab wire`, notebook 07)."""
     check_wire(cfg.wire_dtype, cfg.wire_scales)
     if cfg.wire_dtype == "bf16":
-        if cfg.wire_scales != _DEFAULTS["wire_scales"]:
+        if not is_default(cfg, "wire_scales"):
             raise ValueError(f"wire-scales = {cfg.wire_scales!r} sets up an FP8 wire; add --wire-dtype fp8 or leave "
                              "it out")
         return

@@ -34,7 +34,7 @@ from ..kvcache import KVBuffer, KVLayout, layout_for
 from ..paged import reshard
 from ..steps import decode, make_prompt, prefill
 from ..tp_decode import check_pair, compare, logits_tolerance, run_ranks, shard_model
-from .config import DisaggConfig
+from .config import DisaggConfig, is_default
 
 __all__ = ["check_tp", "run_tp", "RULE", "RankError"]
 
@@ -48,22 +48,20 @@ def check_tp(cfg: DisaggConfig) -> reshard.Plan:
     gloo on a CPU, a contiguous cache, one context, no bench, faults, FP8 wire or memory cap; P + D processes this
     machine can hold. ValueError, one line, before any process starts."""
     p, d = cfg.prefill_tp, cfg.decode_tp
-    default = {f: DisaggConfig.__dataclass_fields__[f].default for f in ("repeats", "warmup", "threads", "drop_layer",
-                                                                        "in_order", "weights")}
-    bad = [(flag, why) for flag, why in (
+    changed = [flag for flag, name in (("--port", "port"), ("--weights", "weights"), ("--repeats", "repeats"),
+                                       ("--warmup", "warmup"), ("--threads", "threads"),
+                                       ("--drop-layer", "drop_layer"), ("--in-order", "in_order"))
+               if not is_default(cfg, name)]
+    bad = [flag for flag, why in (
         ("--backend", cfg.backend != "gloo"), ("--layout", tuple(cfg.layouts) != ("contiguous",)),
         ("--device", cfg.devices() != ("cpu", "cpu")), ("--context", len(cfg.contexts) != 1),
         ("--bench", cfg.bench), ("--faults", cfg.faults), ("--wire-dtype", cfg.wire_dtype != "bf16"),
         ("--decode-memory-gib", cfg.decode_memory_gib),
-        ("--mode", tuple(cfg.modes) not in (DisaggConfig.__dataclass_fields__["modes"].default, ("bulk",))),
-        ("--port", cfg.port), ("--weights", cfg.weights != default["weights"]),
-        ("--repeats", cfg.repeats != default["repeats"]), ("--warmup", cfg.warmup != default["warmup"]),
-        ("--threads", cfg.threads != default["threads"]), ("--drop-layer", cfg.drop_layer != default["drop_layer"]),
-        ("--in-order", cfg.in_order != default["in_order"])) if why]
+        ("--mode", not is_default(cfg, "modes") and tuple(cfg.modes) != ("bulk",))) if why] + changed
     if bad:
         raise ValueError(f"--prefill-tp {p} --decode-tp {d} runs one request over gloo on a CPU (--device cpu), one "
                          f"context, a contiguous cache sent in bulk (one send a piece), random weights, so far; leave "
-                         f"out or change {', '.join(f for f, _ in bad)}")
+                         f"out or change {', '.join(bad)}")
     if cfg.kv_dtype != "float32":
         raise ValueError(f"--prefill-tp {p} --decode-tp {d}: kv-dtype {cfg.kv_dtype!r}; the TP decode is judged by a "
                          "float32 reduction-order tolerance (kvlab.tp_decode.logits_tolerance): give --kv-dtype float32")
