@@ -59,8 +59,15 @@ def test_a_cpu_run_writes_its_tables_and_validation_and_is_analysed_again_the_sa
                                    "simulated_gbps"]
     assert v.role.tolist() == ["calibrate", "calibrate", "validate"]
     assert set(pd.read_csv(out / "goals.csv").id) == {g.id for g in goals.for_study("contention")}
+    side = pd.read_csv(out / "beside.csv")  # the compute load alone and beside each of the three configurations
+    assert len(side) == (1 + 3) * 3 and (side.compute_ms > 0).all()
+    assert (side[side.path == "alone"].copies_ms == 0).all() and (side[side.path != "alone"].copies_ms > 0).all()
+    assert record["resolved"]["compute"]["matmuls"] >= 1
+    summary = study.beside_summary(side)
+    assert summary.flows.tolist() == [1, 2, 4] and (summary.slowdown_lo <= summary.slowdown).all()
     again = analyse.analyse(out, tmp_path / "again")
     pd.testing.assert_frame_equal(pd.read_csv(again / "contention.csv"), table)
+    pd.testing.assert_frame_equal(pd.read_csv(again / "compute_beside.csv"), summary, check_dtype=False)
     assert json.loads((again / "analysis.json").read_text())["figures"] == ["contention_gbps.png"]
     assert studies.has_face(study) and "contention" in studies.NAMES
 
@@ -79,3 +86,15 @@ def test_the_goals_judge_validate_rows_only_and_the_interval_goal_reads_the_erro
     assert g.loc["contention.sim_each", "path"] == "d2h+h2d"  # only the validate row is judged
     assert g.loc["contention.sim_each", "verdict"] == "missed"  # 10.5 % as a point value
     assert g.loc["contention.sim_each_interval", "verdict"] == "not resolved"  # 9.3 % … 11.7 %: across 10 %
+
+
+def test_the_compute_beside_is_its_median_over_the_median_alone_and_off_writes_none(tmp_path):
+    rows = [dict(path="alone", flows=0, round=r, compute_ms=10.0, copies_ms=0.0) for r in range(9)]
+    rows += [dict(path="d2h", flows=2, round=r, compute_ms=11.0 + (r % 3) * 0.1, copies_ms=20.0) for r in range(9)]
+    t = study.beside_summary(pd.DataFrame(rows))
+    assert t.slowdown.tolist() == pytest.approx([1.11]) and t.copies_over_compute.tolist() == pytest.approx([20 / 11.1])
+    assert t.slowdown_lo.iloc[0] <= 1.11 <= t.slowdown_hi.iloc[0]
+    out = tmp_path / "run"
+    assert main(["contention", "--device", "cpu", "--flows", "1,2", "--size", "1M", "--repeats", "1", "--beside", "off",
+                 "--out", str(out)]) == 0
+    assert not (out / "beside.csv").exists() and (out / "flows.csv").is_file()

@@ -8,7 +8,11 @@ bytes over the time until the last flow lands) against the path's ceiling (one c
 each flow's own rate and Jain's fairness index over them. Then kvlab's fabric simulator (kvlab.fabric.calibrate:
 per-path capacity, per-flow ceiling and a start cost, flows shared max-min fairly) is fitted on the single paths at
 N = 1 and 2 only, and predicts the rest — N = 4, 8 and both directions at once — which it was not fitted to:
-validation.csv as issue 30 asks. On a CPU the same code copies between host buffers on threads (the logic only).
+validation.csv as issue 30 asks. Beside them (`beside`, on by default), what the copies do to a prefill running at
+the same time: a fixed compute load — the matmuls of a Qwen2.5-7B MLP projection at 4k tokens, bf16, on its own
+stream — timed alone and started together with each configuration's copies (beside.csv; the analysis's
+compute_beside.csv: its time against alone, with the ratio's interval, and how long the copies ran against it). On a CPU the same code
+copies between host buffers on threads and multiplies small float32 matrices (the logic only).
 """
 
 from __future__ import annotations
@@ -25,13 +29,13 @@ from tqdm.auto import tqdm
 
 from ... import devices, goals, plots
 from ...fabric import calibrate
-from ...intervals import median_ci
+from ...intervals import median_ci, ratio_ci
 from ...results import Run
 from ...study import Analysis, Param, at_least, check_params, md_table, sig
 from ...ceilings import parse_size
 
 __all__ = ["NAME", "NOTEBOOK", "TITLE", "QUESTION", "FIGURES", "PARAMS", "Config", "check", "measure", "analyse",
-           "figures", "BLOCKS", "goal_table", "jain", "summarise", "validation"]
+           "figures", "BLOCKS", "goal_table", "jain", "summarise", "validation", "beside_summary"]
 
 NAME = "contention"
 NOTEBOOK = None
@@ -45,6 +49,11 @@ GPU_SIZE, CPU_SIZE = "256M", "4M"
 GPU_REPEATS, CPU_REPEATS = 10, 3
 _PATH_NAMES = {"d2h": "GPU → pinned host", "h2d": "pinned host → GPU", "d2h+h2d": "both directions at once",
                "h2h": "host → host (CPU)"}
+
+
+def _on_off(value, name):
+    if value not in ("on", "off"):
+        raise ValueError(f"{name} = {value!r}: give on or off")
 
 
 def _flows(value, name):
@@ -74,6 +83,8 @@ PARAMS = (
           "\"auto\": cuda:0, cpu where there is no GPU (or KVLAB_PRESET set to cpu)", devices.check_device_name),
     Param("repeats", "int", 0, f"timed rounds per configuration, in rotated order; 0: {GPU_REPEATS} on a GPU, "
           f"{CPU_REPEATS} on a CPU", at_least(0)),
+    Param("beside", "str", "on", "on: also time a prefill-like compute load alone and beside each configuration's "
+          "copies (beside.csv); off: the copies only", _on_off),
 )
 
 
@@ -86,10 +97,12 @@ class Config:
     device: torch.device
     repeats: int
     paths: tuple
+    beside: bool = True
 
     def resolved(self) -> dict:
         return {"flows": self.flows, "size_bytes": self.size, "device": str(self.device), "repeats": self.repeats,
-                "paths": list(self.paths)}
+                "paths": list(self.paths), "beside": self.beside,
+                **({"compute": _Compute.describe(self.device)} if self.beside else {})}
 
 
 def check(params) -> Config:
@@ -106,7 +119,78 @@ def check(params) -> Config:
         raise ValueError(f"{max(flows)} flows of {size / 2**20:.0f} MiB need about {need / 2**30:.1f} GiB of host "
                          f"memory and {free / 2**30:.1f} GiB is free; give a smaller --size or fewer --flows")
     return Config(flows=flows, size=size, device=dev, repeats=p["repeats"] or (GPU_REPEATS if gpu else CPU_REPEATS),
-                  paths=GPU_PATHS if gpu else CPU_PATHS)
+                  paths=GPU_PATHS if gpu else CPU_PATHS, beside=p["beside"] == "on")
+
+
+class _Compute:
+    """The prefill-like load: `STEPS` matmuls x @ w, on a GPU the shape of a Qwen2.5-7B MLP projection at 4k tokens
+    (x [4096, 3584], w [3584, 18944], bf16: about 0.56 TFLOP a matmul), on a CPU small float32 ones (the logic only)."""
+
+    STEPS = 8
+    GPU_SHAPE, CPU_SHAPE = (4096, 3584, 18944), (128, 128, 128)
+
+    def __init__(self, dev: torch.device):
+        gpu = dev.type == "cuda"
+        m, k, n = self.GPU_SHAPE if gpu else self.CPU_SHAPE
+        dtype = torch.bfloat16 if gpu else torch.float32
+        g = torch.Generator(device=dev).manual_seed(0)
+        self.x = torch.randn(m, k, device=dev, dtype=dtype, generator=g)
+        self.w = torch.randn(k, n, device=dev, dtype=dtype, generator=g) / k ** 0.5
+        self.out = torch.empty(m, n, device=dev, dtype=dtype)
+        self.stream = torch.cuda.Stream(dev) if gpu else None
+
+    @classmethod
+    def describe(cls, dev: torch.device) -> dict:
+        gpu = dev.type == "cuda"
+        m, k, n = cls.GPU_SHAPE if gpu else cls.CPU_SHAPE
+        return {"matmuls": cls.STEPS, "m": m, "k": k, "n": n, "dtype": "bfloat16" if gpu else "float32",
+                "flop": 2 * m * k * n * cls.STEPS}
+
+    def __call__(self) -> None:
+        for _ in range(self.STEPS):
+            torch.matmul(self.x, self.w, out=self.out)
+
+
+def _beside_gpu(jobs, streams, dev, compute: _Compute) -> tuple[float, float]:
+    """The compute load and `jobs` start together (every stream waits on one start event); (ms until the compute
+    ends, ms until the last copy lands; 0 without copies)."""
+    cur = torch.cuda.current_stream(dev)
+    start, c_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ends = [torch.cuda.Event(enable_timing=True) for _ in jobs]
+    torch.cuda.synchronize(dev)
+    start.record(cur)
+    compute.stream.wait_event(start)
+    for (_, dst, src), s, e in zip(jobs, streams, ends):
+        s.wait_event(start)
+        with torch.cuda.stream(s):
+            dst.copy_(src, non_blocking=True)
+            e.record(s)
+    with torch.cuda.stream(compute.stream):
+        compute()
+        c_end.record(compute.stream)
+    torch.cuda.synchronize(dev)
+    return start.elapsed_time(c_end), max((start.elapsed_time(e) for e in ends), default=0.0)
+
+
+def _beside_cpu(jobs, compute: _Compute) -> tuple[float, float]:
+    """The same on a CPU: the compute on this thread while a thread per copy runs."""
+    gate, done = threading.Barrier(len(jobs) + 1), [0.0] * len(jobs)
+
+    def work(i, dst, src):
+        gate.wait()
+        dst.copy_(src)
+        done[i] = time.perf_counter()
+
+    threads = [threading.Thread(target=work, args=(i, d, s)) for i, (_, d, s) in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    gate.wait()
+    t0 = time.perf_counter()
+    compute()
+    t_c = time.perf_counter()
+    for t in threads:
+        t.join()
+    return (t_c - t0) * 1e3, max(((x - t0) * 1e3 for x in done), default=0.0)
 
 
 class _Buffers:
@@ -181,7 +265,9 @@ def measure(cfg: Config, run: Run) -> None:
     """The ceiling first — one 1 GiB copy alone per direction (on a CPU 64 MiB or a flow's size), cfg.repeats times
     (ceiling.csv) — then every (path,
     flows) configuration in rotated rounds after a warm-up round (a progress bar over the rounds): flows.csv, one
-    row per (path, flows, round, flow) with the flow's ms and bytes, and the round's ms until the last flow landed."""
+    row per (path, flows, round, flow) with the flow's ms and bytes, and the round's ms until the last flow landed.
+    With cfg.beside, the compute load alone and beside each configuration, in rotated rounds after a warm-up round:
+    beside.csv, one row per (path — "alone" without copies —, flows, round) with the compute's ms and the copies'."""
     run.update(resolved=cfg.resolved())
     dev, gpu = cfg.device, cfg.device.type == "cuda"
     configs = [(p, n) for p in cfg.paths for n in cfg.flows]
@@ -214,6 +300,20 @@ def measure(cfg: Config, run: Run) -> None:
                              "bytes": cfg.size, "round_ms": total})
     bar.close()
     run.save_table(pd.DataFrame(rows), "flows")
+    if cfg.beside:
+        compute, side = _Compute(dev), []
+        kinds = [("alone", 0)] + configs
+        bar = tqdm(total=(cfg.repeats + 1) * len(kinds), desc="compute beside", unit="config")
+        for r in range(cfg.repeats + 1):
+            k = r % len(kinds)
+            for path, n in kinds[k:] + kinds[:k]:
+                jobs = [] if path == "alone" else buf.jobs(path, n)
+                c_ms, copies_ms = _beside_gpu(jobs, buf.streams, dev, compute) if gpu else _beside_cpu(jobs, compute)
+                bar.update(1)
+                if r:
+                    side.append({"path": path, "flows": n, "round": r - 1, "compute_ms": c_ms, "copies_ms": copies_ms})
+        bar.close()
+        run.save_table(pd.DataFrame(side), "beside")
 
 
 def jain(rates) -> float:
@@ -284,6 +384,23 @@ def validation(s: pd.DataFrame) -> pd.DataFrame:
     return v
 
 
+def beside_summary(beside: pd.DataFrame) -> pd.DataFrame:
+    """Per configuration: the compute load's median time beside its copies with its interval, alone, the slowdown
+    (median beside ÷ median alone) with the ratio's interval (intervals.ratio_ci: both sets resampled), and the
+    copies' median time as a share of the compute's (≥ 1: they ran through all of it)."""
+    alone = beside.loc[beside["path"] == "alone", "compute_ms"].tolist()
+    a = statistics.median(alone)
+    out = []
+    for (path, n), g in beside[beside["path"] != "alone"].groupby(["path", "flows"], sort=False):
+        c = g["compute_ms"].tolist()
+        lo, hi = median_ci(c)
+        rlo, rhi = ratio_ci(c, alone)
+        out.append({"path": path, "flows": int(n), "n": len(c), "compute_ms": statistics.median(c), "compute_lo": lo,
+                    "compute_hi": hi, "alone_ms": a, "slowdown": statistics.median(c) / a, "slowdown_lo": rlo,
+                    "slowdown_hi": rhi, "copies_over_compute": statistics.median(g["copies_ms"]) / statistics.median(c)})
+    return pd.DataFrame(out)
+
+
 def analyse(record: dict, tables: dict) -> Analysis:
     """The contention table (`summarise`), validation.csv (`validation`), the goals judged on the validation table
     by those in force when the run started, and a finding per path."""
@@ -312,8 +429,18 @@ def analyse(record: dict, tables: dict) -> Analysis:
                         f"{len(val)} configurations within {values['max_abs_error_pct']} % (median "
                         f"{values['median_abs_error_pct']} %); {full} of them are single paths that one flow already "
                         "fills, where any sharing rule gives the same aggregate, so only the joined paths test it.")
-    return Analysis(NAME, record, raw=dict(tables), tables={"contention": s, "validation": v}, goals=g,
-                    findings=findings, values=values)
+    out = {"contention": s, "validation": v}
+    if "beside" in tables:
+        b = out["compute_beside"] = beside_summary(tables["beside"])
+        worst = b.loc[b["slowdown"].idxmax()]
+        comp = record.get("resolved", {}).get("compute", {})
+        values["beside_worst_pct"] = f"{100 * (worst.slowdown - 1):+.1f}"
+        findings.append(f"- A prefill-like load ({comp.get('matmuls', '?')} matmuls of {comp.get('m', '?')} × "
+                        f"{comp.get('k', '?')} × {comp.get('n', '?')}, {comp.get('dtype', '?')}) takes "
+                        f"{sig(worst.alone_ms)} ms alone; beside the copies it is at most "
+                        f"{values['beside_worst_pct']} % slower ({_PATH_NAMES.get(worst.path, worst.path)}, "
+                        f"{worst.flows} flows: {worst.slowdown:.3f}× [{worst.slowdown_lo:.3f}, {worst.slowdown_hi:.3f}]).")
+    return Analysis(NAME, record, raw=dict(tables), tables=out, goals=g, findings=findings, values=values)
 
 
 def goal_table(a: Analysis, study: str) -> pd.DataFrame:
@@ -377,4 +504,18 @@ def _table(analyses: list[Analysis], link, **_) -> str:
     return md_table(pd.DataFrame(rows))
 
 
-BLOCKS = {"table": _table}
+def _beside(analyses: list[Analysis], link, **_) -> str:
+    """Per run and configuration: the prefill-like load's time beside the copies against alone, the slowdown with its
+    interval, and how long the copies ran against it."""
+    rows = []
+    for a in analyses:
+        for r in a.tables["compute_beside"].itertuples():
+            rows.append({"run": link(a.where), "path": _PATH_NAMES.get(r.path, r.path), "flows": r.flows,
+                         "compute ms [95 %]": f"{sig(r.compute_ms)} [{sig(r.compute_lo)}, {sig(r.compute_hi)}]",
+                         "alone ms": sig(r.alone_ms),
+                         "slowdown [95 %]": f"{r.slowdown:.3f}× [{r.slowdown_lo:.3f}, {r.slowdown_hi:.3f}]",
+                         "copies ÷ compute": f"{r.copies_over_compute:.2f}"})
+    return md_table(pd.DataFrame(rows))
+
+
+BLOCKS = {"table": _table, "beside": _beside}
