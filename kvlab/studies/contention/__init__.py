@@ -151,13 +151,20 @@ class _Compute:
             torch.matmul(self.x, self.w, out=self.out)
 
 
+GATE_CYCLES = 2_000_000  # the start gate: about 1 ms of GPU clock at 1.98 GHz, more than the host needs to queue all
+
+
 def _beside_gpu(jobs, streams, dev, compute: _Compute) -> tuple[float, float]:
     """The compute load and `jobs` start together (every stream waits on one start event); (ms until the compute
-    ends, ms until the last copy lands; 0 without copies)."""
+    ends, ms until the last copy lands; 0 without copies). The start event is recorded behind a GPU sleep
+    (torch.cuda._sleep, GATE_CYCLES), so every copy and the compute are queued before it fires: without the gate,
+    the compute's time held the host's queueing of the copies before it (run 20261204-024402: tenths of a millisecond
+    at 16 copies, against 5.7 ms of compute)."""
     cur = torch.cuda.current_stream(dev)
     start, c_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     ends = [torch.cuda.Event(enable_timing=True) for _ in jobs]
     torch.cuda.synchronize(dev)
+    torch.cuda._sleep(GATE_CYCLES)  # torch's own test helper; no public API holds a stream for a set time
     start.record(cur)
     compute.stream.wait_event(start)
     for (_, dst, src), s, e in zip(jobs, streams, ends):
