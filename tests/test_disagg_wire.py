@@ -142,11 +142,14 @@ def test_bad_wire_input_is_one_line_before_anything_is_written(argv, says, tmp_p
     assert not (tmp_path / "run").exists()
 
 
-def test_an_fp8_wire_is_refused_over_nccl_naming_why():
+def test_an_fp8_wire_is_refused_over_nccl_and_between_two_gpus_naming_why(monkeypatch):
     from kvlab.disagg.config import DisaggConfig, _wire_ok
 
     with pytest.raises(ValueError, match="runs over backend gloo, ipc, nixl so far; got 'nccl'"):
         _wire_ok(DisaggConfig(backend="nccl", wire_dtype="fp8"))
+    monkeypatch.setattr(DisaggConfig, "devices", lambda self: ("cuda:0", "cuda:1"))
+    with pytest.raises(ValueError, match="both processes on one GPU or on CPUs so far; got cuda:0 → cuda:1"):
+        _wire_ok(DisaggConfig(backend="ipc", wire_dtype="fp8"))
 
 
 def _fp8_contract(out, bf16_bytes):

@@ -259,8 +259,8 @@ WIRE_BACKENDS = ("gloo", "ipc", "nixl")
 def _wire_ok(cfg: DisaggConfig) -> None:
     """--wire-dtype / --wire-scales: valid names, and an FP8 wire only where it has run — gloo (its sends are the
     tensors the wire makes), ipc and nixl (one-sided writes of the wire bytes into the decode side's staging
-    tensor); not nccl, which has not run it on two GPUs — on a contiguous bf16 cache (a paged one over FP8:
-    `kvlab wire`, notebook 07)."""
+    tensor); not nccl, nor any backend between two GPUs, which have not run it — on a contiguous bf16 cache (a paged
+    one over FP8: `kvlab wire`, notebook 07)."""
     check_wire(cfg.wire_dtype, cfg.wire_scales)
     if cfg.wire_dtype == "bf16":
         if not is_default(cfg, "wire_scales"):
@@ -270,6 +270,10 @@ def _wire_ok(cfg: DisaggConfig) -> None:
     if cfg.backend not in WIRE_BACKENDS:
         raise ValueError(f"wire-dtype = 'fp8' runs over backend {', '.join(WIRE_BACKENDS)} so far; got "
                          f"{cfg.backend!r} (nccl has not run it on two GPUs)")
+    pre, dec = cfg.devices()
+    if pre != dec and pre.startswith("cuda") and dec.startswith("cuda"):
+        raise ValueError(f"wire-dtype = 'fp8' has run with both processes on one GPU or on CPUs so far; got {pre} → "
+                         f"{dec} (two GPUs have not been lent since it was written): give one device for both")
     if tuple(cfg.layouts) != ("contiguous",):
         raise ValueError(f"wire-dtype = 'fp8' moves a contiguous cache; got layout {','.join(cfg.layouts)}: give "
                          "--layout contiguous (a paged cache over FP8: kvlab wire, notebook 07)")
