@@ -88,6 +88,29 @@ def test_source_and_sink_move_the_wire_bytes_and_land_what_the_round_trip_gives(
         Sink(pool=object(), wire=codec)
 
 
+def test_a_layer_wise_unit_lands_in_its_own_span_and_a_poisoned_staging_cannot_pass_for_it():
+    """Layer 1 alone: its wire bytes land in layer 1's span of the staging tensor and settle into layer 1 only. A
+    second request whose layer 1 is never written dequantizes the poisoned staging (NaN), not the first request's
+    identical bytes, so the cache it would read is not the reference."""
+    buf = _buffer(layers=3)
+    codec = WireCodec("per-head")
+    src, sink = Source(buffer=buf, wire=codec), Sink(buffer=KVBuffer(buf.layout), wire=codec)
+    ref = buf.data.clone()
+    codec.roundtrip(ref)
+    for first in (True, False):
+        sink.poison()
+        if first:
+            a, b = src.wire_span((1,))
+            landing = sink.landing_view((1,))
+            assert landing.numel() == b - a == codec.layer_bytes(buf.data[1])
+            landing.copy_(src.view((1,)))
+        sink.settle((1,), sink.landing_view((1,)))  # the second time: a "landed" unit nobody wrote
+        if first:
+            assert torch.equal(sink.buffer.data[1], ref[1]) and int(sink.buffer.count_poison()) > 0  # 0 and 2 unsent
+        else:
+            assert torch.isnan(sink.buffer.data[1].float()).all()
+
+
 @pytest.fixture(scope="module")
 def contract_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("wire") / "run"
@@ -134,6 +157,7 @@ def test_a_fault_campaign_through_an_fp8_wire_decodes_nothing_partial_and_recove
     (["--wire-scales", "per-head"], "wire-scales = 'per-head' sets up an FP8 wire; add --wire-dtype fp8"),
     (["--wire-dtype", "fp8", "--layout", "paged"], "wire-dtype = 'fp8' moves a contiguous cache"),
     (["--wire-dtype", "fp8", "--kv-dtype", "fp32"], "wire-dtype = 'fp8' quantizes a bf16 cache"),
+    (["--wire-dtype", "fp8", "--bench"], "with wire-dtype = 'fp8' the send quantizes too: leave out --bench"),
 ])
 def test_bad_wire_input_is_one_line_before_anything_is_written(argv, says, tmp_path):
     done = kvlab_command(["disagg", *argv, "--out", str(tmp_path / "run")], _env(tmp_path))
@@ -213,14 +237,17 @@ def test_the_codecs_kernels_give_the_torch_references_bits_both_ways(mode, monke
     larger buffer too, as a one-sided write puts them in the decode side's staging tensor."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     pytest.importorskip("triton")
-    buf = _buffer(layers=2, heads=2, tokens=24, dim=16, seed=3)
+    buf = _buffer(layers=3, heads=2, tokens=24, dim=16, seed=3)
     buf.data[0, 1, 0, 1, 5] = 0  # a zero token-head among the rest
     ref, fast = WireCodec(mode, backend="torch"), WireCodec(mode, backend="triton")
-    want = ref.encode_layers(buf.data, (0, 1))
-    staging = torch.full((want.numel() + 8,), 0xAB, dtype=torch.uint8)
-    fast.encode_layers_into(buf.data, (0, 1), staging[4:4 + want.numel()])
-    assert torch.equal(staging[4:4 + want.numel()], want) and (staging[:4] == 0xAB).all() and (staging[-4:] == 0xAB).all()
-    a, b = KVBuffer(buf.layout), KVBuffer(buf.layout)
-    ref.decode_layers(want, a.data, (0, 1))
-    fast.decode_layers(staging[4:4 + want.numel()].clone(), b.data, (0, 1))
-    assert torch.equal(a.data.view(torch.int16), b.data.view(torch.int16))
+    for unit in ((0, 1, 2), (1,), (1, 2)):  # a bulk unit, one layer past the first, a run of two
+        want = ref.encode_layers(buf.data, unit)
+        staging = torch.full((want.numel() + 8,), 0xAB, dtype=torch.uint8)
+        fast.encode_layers_into(buf.data, unit, staging[4:4 + want.numel()])
+        assert torch.equal(staging[4:4 + want.numel()], want), unit
+        assert (staging[:4] == 0xAB).all() and (staging[-4:] == 0xAB).all()
+        a, b = KVBuffer(buf.layout), KVBuffer(buf.layout)
+        a.poison(), b.poison()
+        ref.decode_layers(want, a.data, unit)
+        fast.decode_layers(staging[4:4 + want.numel()], b.data, unit)  # from a view at an offset, as it lands
+        assert torch.equal(a.data.view(torch.int16), b.data.view(torch.int16)), unit

@@ -273,7 +273,10 @@ def _wire_ok(cfg: DisaggConfig) -> None:
     pre, dec = cfg.devices()
     if pre != dec and pre.startswith("cuda") and dec.startswith("cuda"):
         raise ValueError(f"wire-dtype = 'fp8' has run with both processes on one GPU or on CPUs so far; got {pre} → "
-                         f"{dec} (two GPUs have not been lent since it was written): give one device for both")
+                         f"{dec} (not yet validated between two GPUs): give one device for both")
+    if cfg.bench:
+        raise ValueError("bench times the bf16 send against a plain copy of its bytes; with wire-dtype = 'fp8' the "
+                         "send quantizes too: leave out --bench (notebook 07 times the FP8 kernels against the link)")
     if tuple(cfg.layouts) != ("contiguous",):
         raise ValueError(f"wire-dtype = 'fp8' moves a contiguous cache; got layout {','.join(cfg.layouts)}: give "
                          "--layout contiguous (a paged cache over FP8: kvlab wire, notebook 07)")

@@ -159,10 +159,15 @@ class Sink:
         return self.buffer.data if not self.paged else self.pool.data
 
     def poison(self) -> None:
+        """Poison the destination — and an FP8 wire's staging tensor too (0xFF: NaN as an e4m3 code and as a float32
+        scale), so a unit whose bytes this request did not write cannot dequantize the previous request's identical
+        bytes into a cache that passes."""
         if self.paged:
             self.pool.poison()
         else:
             self.buffer.poison()
+        if self.wire is not None and self._staging is not None:
+            self._staging.fill_(0xFF)
 
     def landing_view(self, unit: tuple[int, ...], host: bool = False) -> torch.Tensor:
         """Where a received unit is written: the buffer itself (contiguous), else a staging tensor that

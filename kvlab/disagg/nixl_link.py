@@ -138,6 +138,8 @@ class NixlLink:
             for layers in self._notes.pop(request, []):
                 if sink.wire is not None:  # FP8 wire bytes in the staging tensor: landed once dequantized
                     sink.settle(tuple(layers), sink.landing_view(tuple(layers)))
+                    if sink.device.type == "cuda":
+                        torch.cuda.current_stream(sink.device).synchronize()
                 for i in layers:
                     tracker.mark(request, i)
                 got += 1
@@ -284,7 +286,11 @@ class NixlLink:
             ev.synchronize()  # the unit's bytes are written: NIXL reads them as they are now
         staged = None
         if corrupt:  # a copy of the unit with its first byte flipped, registered for this one transfer
-            copy = flip_first_byte(src.view(unit).clone().contiguous())
+            if src.wire is not None:  # the wire bytes this unit sent, not a second quantize on this thread
+                a, b = src.wire_span(unit)
+                copy = flip_first_byte(src.wire_out[a:b].clone())
+            else:
+                copy = flip_first_byte(src.view(unit).clone().contiguous())
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
             with self._lock:

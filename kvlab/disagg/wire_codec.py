@@ -88,7 +88,12 @@ class WireCodec:
         return {"per-token-head": 2 * t * h, "per-head": 2 * h, "per-tensor": 2}[self.scales]
 
     def layer_bytes(self, x: torch.Tensor) -> int:
-        """Wire bytes of the layer `x` ([2, 1, H, T, D]): one byte an element, four a scale."""
+        """Wire bytes of the layer `x` ([2, 1, H, T, D]): one byte an element, four a scale. The scales are read as
+        float32 from the bytes after the payload, so the payload must be a multiple of four bytes (2·H·T·D is for
+        any even head_dim)."""
+        if x.numel() % 4:
+            raise ValueError(f"an FP8 wire's scales follow the payload as float32: a layer of {x.numel()} elements "
+                             "(not a multiple of 4) would misalign them; kvlab's models have even head dims")
         return x.numel() + 4 * self.scale_count(x)
 
     def unit_bytes(self, data: torch.Tensor, layers) -> int:
@@ -149,7 +154,8 @@ class WireCodec:
 
     def encode_layers_into(self, data: torch.Tensor, layers, out: torch.Tensor) -> None:
         """encode_layers(data, layers) written into `out` (uint8, unit_bytes long, on data's device: a view into a
-        larger buffer, such as the decode side's staging tensor); with the kernels, one launch and no temporary."""
+        larger buffer, such as the decode side's staging tensor); with the kernels, one quantize launch writing
+        straight into `out` (per-head and per-tensor scales: an aminmax pass and a few small launches first)."""
         self._check(data)
         if data.dtype != torch.bfloat16:
             raise ValueError(f"an FP8 wire quantizes a bf16 cache; this one is {data.dtype}")

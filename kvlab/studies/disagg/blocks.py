@@ -61,11 +61,16 @@ def _bf16_links(analyses: list[Analysis]) -> dict:
             continue
         req = a.raw["requests"]
         for r in a.tables["summary"].itertuples():
-            if r.mode != "bulk" or not r.exposed_ms > 0:
+            if r.mode != "bulk" or r.layout != "contiguous" or not r.exposed_ms > 0:
                 continue
-            nbytes = int(req[(req["mode"] == "bulk") & (req["context"] == r.context)]["bytes_moved"].iloc[0])
-            out[(_devices(s), r.context)] = calculator.Link.from_GBps(nbytes / r.exposed_ms / 1e6,
-                                                                      name=f"fitted on {a.where}")
+            key = (_devices(s), r.context)
+            if key in out:
+                raise ValueError(f"the wire table's block has two bf16 runs of {key[0]} at {r.context} tokens "
+                                 f"({out[key].name.removeprefix('fitted on ')} and {a.where}): keep one, the FP8 runs' "
+                                 "yardstick")
+            nbytes = int(req[(req["mode"] == "bulk") & (req["layout"] == "contiguous")
+                             & (req["context"] == r.context)]["bytes_moved"].iloc[0])
+            out[key] = calculator.Link.from_GBps(nbytes / r.exposed_ms / 1e6, name=f"fitted on {a.where}")
     return out
 
 

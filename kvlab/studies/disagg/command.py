@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "naming the request and step (default 0: no cap; a GPU decode device only)")
     add("--wire-dtype", default="bf16",
         help="what crosses: bf16 (the cache as it is) or fp8 (e4m3 with its scales, quantized by the sender and "
-             "dequantized on arrival; gloo, ipc or nixl, contiguous, bf16 cache) (default bf16)")
+             "dequantized on arrival; gloo, ipc or nixl with both processes on one device, a contiguous bf16 cache, no "
+             "--bench) (default bf16)")
     add("--wire-scales", default="per-token-head",
         help="fp8: per-token-head (dynamic), per-head or per-tensor (from the request's own amax) "
              "(default per-token-head)")
