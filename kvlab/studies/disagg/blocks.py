@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from ... import calculator
 from ...disagg.nixl_link import cache_transports, ucx_transports
 from ...paths import repo_root
 from ...study import Analysis, ctx_label, host_label, md_table, sig
@@ -52,8 +53,6 @@ def ttft(analyses: list[Analysis], link, **_) -> str:
 def _bf16_links(analyses: list[Analysis]) -> dict:
     """Per (backend and devices, context): the calculator's link fitted on a bf16 run's bulk exposure (bytes over
     exposed time), the yardstick an FP8 run of the same block is predicted on."""
-    from ... import calculator
-
     out = {}
     for a in analyses:
         s = a.record["summary"]
@@ -82,8 +81,6 @@ def wire(analyses: list[Analysis], link, **_) -> str:
     its bytes (calculator.transfer_time_s) over the link a bf16 run of the same block measured (its bytes over its
     exposed time, same backend, devices and context): the seed's "switch to FP8 and the exposure shrinks" as a
     prediction, which leaves out what quantizing and dequantizing cost."""
-    from ... import calculator
-
     fitted = _bf16_links(analyses)
     rows = []
     for a in analyses:
