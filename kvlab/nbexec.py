@@ -12,10 +12,18 @@ waits below (longest run 12.2 s). A CI run of this workbook, with no timeout, mo
 The fix is to wait in slices: each ``get_msg`` polls for at most ``SLICE_S`` seconds at a time. When a slice
 ends, pyzmq checks the socket once more without waiting, so a missed wake-up costs at most one slice, and the
 caller's own timeout is still honoured. Everything else is jupyter_client's.
+
+The kernel's own stderr (the process's, not a cell's: cells' output reaches the notebook) goes to a temporary file,
+which `execute_notebook` copies to this process's stderr once the notebook is done — less one message ipykernel
+sometimes leaves as the kernel exits, asyncio's "Task was destroyed but it is pending!" for its control-channel
+task (Kernel.dispatch_control), which says nothing about the notebook (seen in a fresh-clone CI run on 2026-12-04).
 """
 
 from __future__ import annotations
 
+import re
+import sys
+import tempfile
 import time
 from queue import Empty
 
@@ -24,7 +32,7 @@ from jupyter_client.channels import AsyncZMQSocketChannel
 from jupyter_client.manager import AsyncKernelManager
 from traitlets import DottedObjectName, Type
 
-__all__ = ["SLICE_S", "SlicedChannel", "SlicedKernelClient", "SlicedKernelManager", "execute_notebook"]
+__all__ = ["SLICE_S", "SlicedChannel", "SlicedKernelClient", "SlicedKernelManager", "execute_notebook", "kernel_stderr"]
 
 SLICE_S = 1.0
 
@@ -50,15 +58,51 @@ class SlicedKernelClient(AsyncKernelClient):
     control_channel_class = Type(SlicedChannel)  # type: ignore[assignment]
 
 
+_KERNEL_LOGS: list = []  # the temporary files the kernels started here write their stderr to, not yet copied
+
+# ipykernel's control-channel task, destroyed pending as the kernel process exits: asyncio's two lines about it
+_EXIT_NOISE = re.compile(r"Task was destroyed but it is pending!\ntask: <Task pending name='Task-\d+' "
+                         r"coro=<Kernel\.dispatch_control\(\)[^\n]*(?:\n|$)")
+
+
 class SlicedKernelManager(AsyncKernelManager):
     # AsyncKernelManager gives client_factory a default of its own, so both are set
     client_class = DottedObjectName("kvlab.nbexec.SlicedKernelClient")
     client_factory = Type(SlicedKernelClient, klass=AsyncKernelClient)
 
+    async def start_kernel(self, **kw):  # type: ignore[override]
+        """jupyter_client's, with the kernel process's stderr in a temporary file (module doc)."""
+        if "stderr" not in kw:
+            log = tempfile.TemporaryFile()
+            _KERNEL_LOGS.append(log)
+            kw["stderr"] = log
+        return await super().start_kernel(**kw)
+
+
+def kernel_stderr(text: str) -> str:
+    """What of a kernel process's stderr is worth showing: all of it but ipykernel's exit message (module doc)."""
+    return _EXIT_NOISE.sub("", text)
+
+
+def _copy_kernel_logs() -> None:
+    while _KERNEL_LOGS:
+        log = _KERNEL_LOGS.pop(0)
+        try:
+            log.seek(0)
+            text = kernel_stderr(log.read().decode(errors="replace"))
+        finally:
+            log.close()
+        if text.strip():
+            sys.stderr.write(text if text.endswith("\n") else text + "\n")
+
 
 def execute_notebook(*args, **kwargs):
-    """``papermill.execute_notebook`` with the sliced kernel client (every argument is papermill's)."""
+    """``papermill.execute_notebook`` with the sliced kernel client (every argument is papermill's); the kernel's
+    stderr is copied to this process's once the notebook is done (module doc)."""
     import papermill
 
     kwargs.setdefault("kernel_manager_class", SlicedKernelManager)
-    return papermill.execute_notebook(*args, **kwargs)
+    try:
+        return papermill.execute_notebook(*args, **kwargs)
+    finally:
+        _copy_kernel_logs()
