@@ -180,24 +180,9 @@ def _beside_gpu(jobs, streams, dev, compute: _Compute) -> tuple[float, float]:
 
 
 def _beside_cpu(jobs, compute: _Compute) -> tuple[float, float]:
-    """The same on a CPU: the compute on this thread while a thread per copy runs."""
-    gate, done = threading.Barrier(len(jobs) + 1), [0.0] * len(jobs)
-
-    def work(i, dst, src):
-        gate.wait()
-        dst.copy_(src)
-        done[i] = time.perf_counter()
-
-    threads = [threading.Thread(target=work, args=(i, d, s)) for i, (_, d, s) in enumerate(jobs)]
-    for t in threads:
-        t.start()
-    gate.wait()
-    t0 = time.perf_counter()
-    compute()
-    t_c = time.perf_counter()
-    for t in threads:
-        t.join()
-    return (t_c - t0) * 1e3, max(((x - t0) * 1e3 for x in done), default=0.0)
+    """The same on a CPU: the compute on this thread while a thread per copy runs (_threads)."""
+    _, t1, done, t_c = _threads(jobs, compute)
+    return (t_c - t1) * 1e3, max(((x - t1) * 1e3 for x in done), default=0.0)
 
 
 class _Buffers:
@@ -248,8 +233,10 @@ def _run_gpu(jobs, streams, dev) -> tuple[float, list[float]]:
     return max(each), each
 
 
-def _run_cpu(jobs) -> tuple[float, list[float]]:
-    """The same on a CPU: one thread per flow, released together; (ms until the last lands, each flow's ms)."""
+def _threads(jobs, during=None) -> tuple[float, float, list[float], float]:
+    """One thread per job's copy, released together by a barrier; `during` (a callable) runs on this thread once they
+    are released. Returns the clock (time.perf_counter) just before and just after the release, each copy's end and
+    `during`'s end (the release's time without it)."""
     gate, done = threading.Barrier(len(jobs) + 1), [0.0] * len(jobs)
 
     def work(i, dst, src):
@@ -262,8 +249,18 @@ def _run_cpu(jobs) -> tuple[float, list[float]]:
         t.start()
     t0 = time.perf_counter()
     gate.wait()
+    t1 = time.perf_counter()
+    if during is not None:
+        during()
+    t_end = time.perf_counter() if during is not None else t1
     for t in threads:
         t.join()
+    return t0, t1, done, t_end
+
+
+def _run_cpu(jobs) -> tuple[float, list[float]]:
+    """The same on a CPU: one thread per flow, released together; (ms until the last lands, each flow's ms)."""
+    t0, _, done, _ = _threads(jobs)
     each = [(x - t0) * 1e3 for x in done]
     return max(each), each
 
