@@ -311,11 +311,8 @@ class IpcLink:
     def _copy(self, unit, src: Source, on_stream=None) -> None:
         dst = self._dst[self._tag]
         if src.wire is not None:  # FP8: the unit's wire bytes, made on this stream, in the decode side's staging
-            a, b = src.wire_span(unit)
-            if dst.device == src.device:  # one GPU: the quantize kernel writes straight into the staging tensor
-                src.wire.encode_layers_into(src.buffer.data, unit, dst[a:b])
-            else:
-                dst[a:b].copy_(src.view(unit), non_blocking=True)
+            a, b = src.wire_span(unit)  # one GPU (config refuses two): the kernel writes straight into the staging
+            src.wire.encode_layers_into(src.buffer.data, unit, dst[a:b])
             return
         if not src.paged:
             view = dst if len(unit) == src.layers else dst[unit[0]]

@@ -147,7 +147,6 @@ class WireCodec:
     def encode_layers(self, data: torch.Tensor, layers) -> torch.Tensor:
         """The wire bytes of a unit (`layers`, consecutive) of a cache's data [L, 2, 1, H, T, D]: a new uint8 tensor."""
         self._check(data)
-        lo, hi = _run(layers)
         out = torch.empty(self.unit_bytes(data, layers), dtype=torch.uint8, device=data.device)
         self.encode_layers_into(data, layers, out)
         return out
