@@ -1,14 +1,5 @@
-"""Goals, declared before anything is measured, and the one rule that judges them.
-
-A goal names a study, the metric of its summary table that it judges (a column), the yardstick (a number, or
-another column: one bulk copy's time, one layer's send), the direction, and — where the measurement has one —
-the interval around the metric (a 95 % bootstrap interval of the median: of paired differences, of a copy or of a send).
-Every verdict in kvlab, in notebooks, in `kvlab analyse`, in the README, comes from `evaluate` under one rule:
-
-    with an interval   met     when the whole interval is on the goal's side of the yardstick
-                       missed  when the whole interval is on the other side
-                       not resolved otherwise (the measurement cannot tell)
-    a point value      met or missed by the value alone (said as such: rule "point")
+"""Goals, declared before anything is measured; the one rule that judges them is kvlab.verdicts' (`judge`,
+`evaluate`, `Goal`: named here too).
 
 Goals are fixed: when a better yardstick appears after a run, it is a new goal beside the old one (`beside`),
 and the old one keeps its verdict. `GOALS` holds every goal; `for_study(study)` a study's, in order.
@@ -26,133 +17,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
 
 import pandas as pd
 
+from .verdicts import VERDICTS, Goal, evaluate, judge, state
+
 __all__ = ["Goal", "GOALS", "VERDICTS", "judge", "evaluate", "for_study", "state", "LEDGER", "FIXED", "ledger",
            "fixed", "recorded", "for_run", "evaluate_run", "GOAL_STUDIES"]
-
-VERDICTS = ("met", "missed", "not resolved")
-_OPS = ("<=", ">=")
-
-
-def _always(row, table) -> bool:
-    return True
-
-
-@dataclass(frozen=True)
-class Goal:
-    """One goal. metric / lo / hi / threshold (when a str) are columns of the study's summary table.
-
-    applies(row, table) says which rows it judges (e.g. only the longest context); declared says when and
-    where it was fixed; beside names the earlier goal a later yardstick stands beside."""
-
-    id: str
-    study: str
-    text: str
-    metric: str
-    op: str
-    threshold: float | str
-    lo: str | None = None
-    hi: str | None = None
-    interval: str = ""
-    unit: str = ""
-    digits: int = 2
-    applies: Callable[[Any, pd.DataFrame], bool] = field(default=_always, compare=False)
-    declared: str = ""
-    beside: str | None = None
-    note: str = ""
-
-    def __post_init__(self):
-        if self.op not in _OPS:
-            raise ValueError(f"goal {self.id}: op {self.op!r} is not one of {list(_OPS)}")
-        if (self.lo is None) != (self.hi is None):
-            raise ValueError(f"goal {self.id}: give both lo and hi (the interval's columns) or neither")
-
-
-def _num(x) -> float:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return float("nan")
-    return v
-
-
-def judge(value, lo, hi, op: str, threshold) -> tuple[str, str]:
-    """(verdict, rule) of one measurement against one yardstick — the one rule (see the module doc).
-
-    lo/hi None (a goal without an interval): the point value decides (rule "point"); lo/hi given but NaN (too few
-    samples for an interval): "not resolved" (rule "no interval"); a NaN value or threshold: "not resolved"."""
-    if op not in _OPS:
-        raise ValueError(f"op {op!r} is not one of {list(_OPS)}")
-    if (lo is None) != (hi is None):
-        raise ValueError(f"an interval needs both ends: lo={lo!r}, hi={hi!r} (both None: judge the point value)")
-    v, t, a, b = _num(value), _num(threshold), _num(lo), _num(hi)
-    if math.isnan(t) or (math.isnan(v) and (math.isnan(a) or math.isnan(b))):
-        return "not resolved", "no value"
-    if lo is not None and hi is not None and (math.isnan(a) or math.isnan(b)):
-        # the goal has an interval but this measurement could not give one (too few samples): its point
-        # value alone cannot decide a goal that is judged on an interval
-        return "not resolved", "no interval"
-    if not (math.isnan(a) or math.isnan(b)):
-        a, b = min(a, b), max(a, b)
-        if op == "<=":
-            return ("met" if b <= t else "missed" if a > t else "not resolved"), "interval"
-        return ("met" if a >= t else "missed" if b < t else "not resolved"), "interval"
-    ok = v <= t if op == "<=" else v >= t
-    return ("met" if ok else "missed"), "point"
-
-
-def state(verdict: str) -> bool | None:
-    """A verdict as True / False / None (not resolved), as goal tables' `met` column holds it."""
-    return {"met": True, "missed": False}.get(verdict)
-
-
-def _fmt(x, digits: int) -> str:
-    v = _num(x)
-    return "nan" if math.isnan(v) else f"{v:,.{digits}f}"
-
-
-def evaluate(goals, table: pd.DataFrame, keys=("context", "destination")) -> pd.DataFrame:
-    """Judge `table` (a study's summary, one row per configuration) against `goals`. A row without the
-    goal's value (a measurement an older run did not take) is left out rather than judged.
-
-    Returns one row per (goal, row it applies to): id, goal (its text), the `keys` columns, value (the
-    metric, its interval and the yardstick, as text), metric, lo, hi, threshold (numbers), verdict, met (True /
-    False / None), rule ("interval" | "point" | "no value"), how (what the interval is, and the yardstick).
-    """
-    rows = []
-    for g in goals:
-        for r in table.itertuples(index=False):
-            if not g.applies(r, table):
-                continue
-            # a column the table lacks (an older run's summary) counts as no value: NaN
-            nan = float("nan")
-            thr = getattr(r, g.threshold, nan) if isinstance(g.threshold, str) else g.threshold
-            value = getattr(r, g.metric, nan)
-            # a table without the interval's columns (a run from before they were kept) is judged on the point,
-            # and says so; columns present but empty (too few samples) leave the goal not resolved
-            lo = getattr(r, g.lo, None) if g.lo else None
-            hi = getattr(r, g.hi, None) if g.hi else None
-            verdict, rule = judge(value, lo, hi, g.op, thr)
-            if rule == "no value":  # a measurement this run did not take (an older run): not judged
-                continue
-            text = f"{_fmt(value, g.digits)}{g.unit}"
-            if rule == "interval":
-                text += f" [{_fmt(lo, g.digits)}, {_fmt(hi, g.digits)}]"
-            elif rule == "no interval":
-                text += " [too few samples for an interval]"
-            text += f" {g.op} {_fmt(thr, g.digits)}{g.unit}"
-            how = (g.interval + "; " if rule == "interval" and g.interval else "") + (
-                f"yardstick: {g.threshold}" if isinstance(g.threshold, str) else f"threshold {g.threshold}{g.unit}")
-            rows.append(dict(id=g.id, goal=g.text, **{k: getattr(r, k, None) for k in keys}, value=text,
-                             metric=_num(value), lo=_num(lo), hi=_num(hi), threshold=_num(thr), verdict=verdict,
-                             met=state(verdict), rule=rule, how=how))
-    cols = ["id", "goal", *keys, "value", "metric", "lo", "hi", "threshold", "verdict", "met", "rule", "how"]
-    return pd.DataFrame(rows, columns=cols)
 
 
 # ============================================================================== the goals
@@ -340,6 +212,7 @@ _PROVENANCE = [
 # device in one process (kvlab.paged.reshard_bench): the copies kvlab disagg's ipc path makes, without its processes
 _RESHARD_PAIRS = ((1, 2), (2, 1), (1, 4), (4, 1), (2, 4))
 _RESHARD_DECLARED = "issue 28, 2026-12-02 (before any re-shard run)"
+_NIXL_DECLARED = "issue 28, 2026-12-02 (written down as goals on 2026-12-04, before any NIXL re-shard run)"
 _RESHARD_CI = "95 % bootstrap interval of the ratio of the medians (the same-TP copy's and the mover's, both resampled)"
 
 
@@ -371,6 +244,20 @@ _RESHARD = [
          "pred_err_abs_pct", "<=", 10.0, unit=" %", digits=1, declared=_RESHARD_DECLARED,
          applies=lambda r, t: r.context == 32768,
          note="|measured ÷ predicted − 1|, the prediction from this run's d2d_same ceiling (point values)"),
+    Goal("tp_reshard.nixl_descriptors", "tp_reshard", "NIXL with staging: ≤ 56 descriptors per decode rank per "
+         "request and prefill rank it reads from (one per layer side; Qwen2.5-7B shape, 32k)",
+         "descriptors_per_request", "<=", 56, digits=0, declared=_NIXL_DECLARED,
+         applies=lambda r, t: getattr(r, "method", None) == "nixl-staging" and r.context == 32768
+         and getattr(r, "model", None) == "qwen2.5-7b",
+         note="the most descriptors in one prepared request of one decode rank's piece from one prefill rank"),
+    Goal("tp_reshard.nixl_vs_ipc", "tp_reshard", "NIXL with staging within 1.2× of the ipc path's time (Qwen2.5-7B "
+         "shape, 32k, every (P, D) and layout)", "x_ipc", "<=", 1.2, lo="x_ipc_lo", hi="x_ipc_hi", unit="×",
+         digits=3, declared=_NIXL_DECLARED, interval="95 % bootstrap interval of the ratio of the medians (the NIXL "
+         "mover's and staging's, both resampled)",
+         applies=lambda r, t: getattr(r, "method", None) == "nixl-staging" and r.context == 32768
+         and getattr(r, "model", None) == "qwen2.5-7b",
+         note="the ipc path's time: staging, the same buffers sent by a copy on the device in the same rounds, every "
+              "rank in one process (the whole move is exposed: a bulk handoff)"),
     Goal("tp_reshard.tp_decode", "tp_reshard", "TP decode: 20 tokens identical to the colocated decode in every (P, D) "
          "run", "decode_mismatch_all", "<=", 0, digits=0, applies=lambda r, t: bool(getattr(r, "first_row", False)),
          declared="issue 28, 2026-12-02 (written down as a goal on 2026-12-03, before any run of the decode check)",

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import models
-from .paged import reshard
+from .paged import reshard, reshard_movers
 from .kvcache import KVBuffer, layout_for
 from .paged import BlockPool, BlockTable, PoolSpec
 from .steps import decode, make_prompt, model_device, prefill, text_config
@@ -302,7 +302,7 @@ def run(model: str = "kvlab-tiny", prefill_tp: int = 1, decode_tp: int = 2, cont
     atol, rule = logits_tolerance(full, context, steps)
     src = reshard.shard_pools(buf, pl, block_size, src_layout, seed=seed)
     dst = reshard.make_pools(pl, "decode", context, block_size, dst_layout, dtype, seed=seed)
-    report = reshard.move(method, pl, src, dst, backend=mover_backend)
+    report = reshard_movers.move(method, pl, src, dst, backend=mover_backend)
     check = reshard.verify(pl, src, dst)
     acc = reshard.account(pl, context, dtype, method, block_size, src_layout, dst_layout)
     with tempfile.TemporaryDirectory(prefix="kvlab-tp-") as folder:

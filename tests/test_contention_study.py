@@ -98,3 +98,20 @@ def test_the_compute_beside_is_its_median_over_the_median_alone_and_off_writes_n
     assert main(["contention", "--device", "cpu", "--flows", "1,2", "--size", "1M", "--repeats", "1", "--beside", "off",
                  "--out", str(out)]) == 0
     assert not (out / "beside.csv").exists() and (out / "flows.csv").is_file()
+
+
+def test_gate_both_judges_each_gate_against_the_compute_alone_with_the_same_gate():
+    rows = [dict(path="alone", flows=0, gate=g, round=r, compute_ms=a, copies_ms=0.0)
+            for g, a in (("on", 10.0), ("off", 10.5)) for r in range(9)]
+    rows += [dict(path="d2h", flows=2, gate=g, round=r, compute_ms=c, copies_ms=20.0)
+             for g, c in (("on", 10.1), ("off", 11.55)) for r in range(9)]
+    t = study.beside_summary(pd.DataFrame(rows)).set_index("gate")
+    assert t.loc["on", "slowdown"] == pytest.approx(1.01) and t.loc["off", "slowdown"] == pytest.approx(1.1)
+    old = study.beside_summary(pd.DataFrame([r for r in rows if r["gate"] == "on"]).drop(columns="gate"))
+    assert old.gate.tolist() == ["—"]  # a run from before beside.csv said which gate
+
+
+@pytest.mark.parametrize("value", ["maybe", "ON"])
+def test_a_gate_that_is_not_on_off_or_both_is_one_line(value):
+    with pytest.raises(ValueError, match=f"gate = '{value}': give on, off, both"):
+        study.check({"gate": value, "device": "cpu"})

@@ -114,3 +114,73 @@ def test_a_pair_the_decode_checks_model_cannot_split_is_refused_naming_decode_ch
     assert "\n" not in str(err.value)
     assert study.check({"model": "llama-3.1-8b", "context": "256", "pairs": "1-8", "device": "cpu",
                        "decode_check": ""}).decode_check == ""
+
+
+# ---------------------------------------------------------------------------------------------------- NIXL's movers
+from kvlab.paged import reshard, reshard_bench  # noqa: E402
+from kvlab.paged.nixl import nixl_missing  # noqa: E402
+
+needs_nixl = pytest.mark.skipif(nixl_missing() is not None and not __import__("os").environ.get("CI"),
+                                reason=str(nixl_missing()))
+
+
+@needs_nixl
+def test_a_cpu_run_with_nixl_counts_descriptors_times_them_beside_staging_and_says_what_it_did_not_time(
+        tmp_path, capsys, monkeypatch):
+    # a cap small enough that an nhd head split's slices (block_size of them per block) are counted, not timed
+    monkeypatch.setattr(reshard_bench, "_MAX_NIXL_DESCRIPTORS", 100)
+    out = tmp_path / "run"
+    assert main(["reshard", "--model", "kvlab-tiny", "--context", "64", "--pairs", "1-2", "--repeats", "3",
+                 "--methods", "staging,nixl-staging,nixl-slices", "--decode-check", "", "--out", str(out)]) == 0
+    capsys.readouterr()
+    table = pd.read_csv(out / "reshard.csv").set_index(["pool_layout", "method"])
+    layers = reshard.plan("kvlab-tiny", 1, 2).spec.layers
+    for lay in ("hnd", "nhd"):
+        r = table.loc[(lay, "nixl-staging")]
+        assert r.descriptors_per_request == 2 * layers and r.pieces_per_decode_rank == 2 * layers
+        assert r.x_ipc_lo <= r.x_ipc <= r.x_ipc_hi and r.verified and r.post_us > 0
+        assert pd.isna(table.loc[(lay, "staging")].x_ipc)  # the yardstick has no ratio to itself
+    # hnd: one descriptor per block and layer side (4 blocks of 16 tokens); nhd: over the cap, so counted only
+    assert table.loc[("hnd", "nixl-slices")].descriptors_per_request == 2 * layers * 4
+    assert ("nhd", "nixl-slices") not in table.index
+    nt = pd.read_csv(out / "not_timed.csv")
+    assert nt.method.tolist() == ["nixl-slices"] and nt.descriptors.tolist() == [2 * 2 * layers * 4 * 16]
+    a = studies.analyse_run(out)
+    assert any(f.startswith("- Not timed: nixl-slices for TP 1 → 2 on nhd") for f in a.findings)
+    assert any("staging's time" in f and "nixl-staging" in f for f in a.findings)
+    block = study.BLOCKS["nixl"]([a], link=str)
+    assert "not timed" in block and "nixl-staging" in block
+
+
+def test_nixl_staging_is_judged_against_staging_which_it_needs(monkeypatch):
+    with pytest.raises(ValueError, match="give staging too"):
+        study.check({"model": "kvlab-tiny", "methods": "fused,nixl-staging"})
+    monkeypatch.setattr(study, "nixl_missing", lambda: "nixl is not installed")
+    with pytest.raises(ValueError, match="methods = 'staging,nixl-slices': nixl is not installed"):
+        study.check({"model": "kvlab-tiny", "methods": "staging,nixl-slices"})
+
+
+def test_the_nixl_goals_judge_descriptors_and_the_ratio_to_staging():
+    base = dict(pair="1-2", prefill_tp=1, decode_tp=2, pool_layout="hnd", context=32768, bytes=10**9,
+                predicted_ms=1.0, verified=True, backend="triton")
+    rows = ([dict(base, method="same-tp", decode_tp=1, ms=1.0, pieces_per_decode_rank=1) for _ in range(9)]
+            + [dict(base, method="staging", ms=v, pieces_per_decode_rank=56) for v in [1.0, 1.01, 0.99] * 3]
+            + [dict(base, method="nixl-staging", ms=v, pieces_per_decode_rank=56, descriptors_per_request=56,
+                    post_us=40.0, wait_us=300.0) for v in [1.1, 1.11, 1.09] * 3])
+    g = goals.evaluate(goals.for_study("tp_reshard"), study.summarise(pd.DataFrame(rows), "qwen2.5-7b"),
+                       keys=("layout", "mode", "context")).set_index(["id", "mode"])
+    assert g.loc[("tp_reshard.nixl_descriptors", "TP 1→2, nixl-staging"), "verdict"] == "met"
+    assert g.loc[("tp_reshard.nixl_vs_ipc", "TP 1→2, nixl-staging"), "verdict"] == "met"  # 1.1× of staging
+    slow = [dict(r, ms=r["ms"] * 1.3) if r["method"] == "nixl-staging" else r for r in rows]
+    g = goals.evaluate(goals.for_study("tp_reshard"), study.summarise(pd.DataFrame(slow), "qwen2.5-7b"),
+                       keys=("layout", "mode", "context")).set_index(["id", "mode"])
+    assert g.loc[("tp_reshard.nixl_vs_ipc", "TP 1→2, nixl-staging"), "verdict"] == "missed"  # 1.43×, wholly above
+
+
+def test_the_bench_says_why_it_will_not_time_a_mover():
+    pl = reshard.plan("qwen2.5-7b", 1, 2)
+    assert reshard_bench.refusal("nixl-slices", pl, 32768, 16, "hnd") is None  # 2 × 114,688 descriptors
+    why = reshard_bench.refusal("nixl-slices", pl, 32768, 16, "nhd")
+    assert "3,670,016 descriptors" in why and "\n" not in why
+    assert "host copies" in reshard_bench.refusal("block-slices", pl, 32768, 16, "hnd")
+    assert "cannot convert" in reshard_bench.refusal("nixl-slices", pl, 1024, 16, "hnd", "nhd")

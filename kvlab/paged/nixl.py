@@ -1,11 +1,14 @@
 """NIXL as a paged transport (`nixl`): two NIXL agents with the UCX backend in one process, one prepared
-transfer request of one descriptor per block, writing from the source pool into the destination pool.
-NIXL is optional (`pip install 'kvlab[nixl]'`); without it the transport says why it cannot run.
+transfer request of one descriptor per block, writing from the source pool into the destination pool. `NixlLink`:
+the same two agents for any registered tensors, prepared requests of byte ranges posted together (the re-shard's
+NIXL movers). NIXL is optional (`pip install 'kvlab[nixl]'`); without it either says why it cannot run.
 """
 
 from __future__ import annotations
 
 import itertools
+import statistics
+import time
 
 import numpy as np
 import torch
@@ -14,7 +17,7 @@ from ..landing import Landing
 from .pools import BlockPool
 from .transports import PagedTransport
 
-__all__ = ["NixlTransport", "nixl_version", "nixl_api", "nixl_missing"]
+__all__ = ["NixlTransport", "NixlLink", "nixl_version", "nixl_api", "nixl_missing", "xfer_descs"]
 
 
 def nixl_version() -> str | None:
@@ -55,6 +58,130 @@ def nixl_missing() -> str | None:
 _NIXL_AGENTS = itertools.count()
 
 
+def _mem(device: torch.device) -> str:
+    return "VRAM" if device.type == "cuda" else "DRAM"
+
+
+def xfer_descs(agent, tensor: torch.Tensor, offsets, nbytes: int):
+    """NIXL transfer descriptors for byte ranges [offset, offset + nbytes) of `tensor`'s storage (offsets: bytes
+    from its data_ptr), VRAM on a GPU, DRAM on the host."""
+    offsets = np.asarray(offsets, dtype=np.int64).reshape(-1)
+    mem, dev = _mem(tensor.device), (tensor.device.index or 0) if tensor.device.type == "cuda" else 0
+    arr = np.empty((offsets.size, 3), dtype=np.int64)
+    arr[:, 0] = tensor.data_ptr() + offsets
+    arr[:, 1] = nbytes
+    arr[:, 2] = dev
+    try:
+        descs = agent.get_xfer_descs(arr, mem)
+    except (TypeError, ValueError, IndexError):
+        descs = None
+    if descs is None:  # older nixl: a list of (addr, len, dev) tuples only
+        descs = agent.get_xfer_descs([tuple(r) for r in arr.tolist()], mem)
+    if descs is None:
+        raise RuntimeError(f"nixl get_xfer_descs returned None for {offsets.size} {mem} descriptors")
+    return descs
+
+
+def _release(agent, handles: list) -> None:
+    """Release every prepared request in `handles` (a failure to release one does not keep the others), and forget
+    them."""
+    for h in handles:
+        try:
+            agent.release_xfer_handle(h)
+        except Exception:
+            pass
+    handles.clear()
+
+
+class NixlLink:
+    """Two NIXL agents in this process (UCX by default): WRITEs from tensors registered on the first (`sources`) into
+    tensors registered on the second (`destinations`), which is then made known to the first, as a peer would be.
+    `prepare` makes one request of many descriptors, once; `run(handles)` posts them all, then polls each to DONE.
+    Per run, `post_s` (the posting calls) and `wait_s` (posted → all DONE) are kept, in seconds.
+    Not stream-ordered: the caller waits for the GPU work that wrote the sources before `run`."""
+
+    def __init__(self, sources, destinations, backend: str = "UCX"):
+        why = nixl_missing()
+        if why:
+            raise RuntimeError(why)
+        api = nixl_api()
+        k = next(_NIXL_AGENTS)
+        conf = api.nixl_agent_config(backends=[backend])
+        self.backend, self.target_name = backend, f"kvlab-link-dst-{k}"
+        self.initiator = api.nixl_agent(f"kvlab-link-src-{k}", conf)
+        self.target = api.nixl_agent(self.target_name, conf)
+        self._regs, self._handles, self._closed = [], [], False
+        self.post_s: list[float] = []
+        self.wait_s: list[float] = []
+        self.descriptors: list[int] = []
+        self.chosen_backend = backend
+        try:
+            for agent, tensors in ((self.initiator, sources), (self.target, destinations)):
+                for t in {t.data_ptr(): t for t in tensors}.values():  # a pool read by several pieces: once
+                    self._regs.append((agent, agent.register_memory(t)))
+            self.initiator.add_remote_agent(self.target.get_agent_metadata())
+        except BaseException:
+            self.close()
+            raise
+
+    def prepare(self, src: torch.Tensor, src_offsets, dst: torch.Tensor, dst_offsets, nbytes: int):
+        """One prepared WRITE request: byte ranges of `src` (at src_offsets) to those of `dst`, `nbytes` each."""
+        local = xfer_descs(self.initiator, src, src_offsets, nbytes)
+        remote = xfer_descs(self.target, dst, dst_offsets, nbytes)
+        handle = self.initiator.initialize_xfer("WRITE", local, remote, self.target_name, b"")
+        if not handle:
+            raise RuntimeError("nixl initialize_xfer failed (no handle)")
+        self._handles.append(handle)
+        self.descriptors.append(int(np.asarray(src_offsets).size))
+        try:
+            self.chosen_backend = self.initiator.query_xfer_backend(handle)
+        except Exception:  # older nixl: no query; the configured backend is the only one
+            pass
+        return handle
+
+    def run(self, handles) -> None:
+        """Post every request, then poll each until NIXL says DONE; any other state is an error."""
+        agent = self.initiator
+        t0 = time.perf_counter()
+        states = [agent.transfer(h) for h in handles]
+        t1 = time.perf_counter()
+        for h, state in zip(handles, states):
+            while state == "PROC":
+                state = agent.check_xfer_state(h)
+            if state != "DONE":
+                raise RuntimeError(f"nixl transfer ended in state {state!r}")
+        self.post_s.append(t1 - t0)
+        self.wait_s.append(time.perf_counter() - t1)
+
+    def reset(self) -> None:
+        """Forget the runs' post and wait times (after a check run, before the timed ones)."""
+        self.post_s.clear()
+        self.wait_s.clear()
+
+    def stats(self) -> dict:
+        """Medians over the runs since the last reset, in µs; requests and descriptors per request."""
+        med = lambda xs: 1e6 * statistics.median(xs) if xs else float("nan")  # noqa: E731
+        return {"requests": len(self.descriptors), "descriptors": sum(self.descriptors),
+                "descriptors_per_request": max(self.descriptors, default=0), "post_us": med(self.post_s),
+                "wait_us": med(self.wait_s), "runs": len(self.post_s), "backend": str(self.chosen_backend)}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        _release(self.initiator, self._handles)
+        for agent, reg in reversed(self._regs):
+            try:
+                agent.deregister_memory(reg)
+            except Exception:
+                pass
+        self._regs.clear()
+        try:
+            self.initiator.remove_remote_agent(self.target_name)
+        except Exception:
+            pass
+
+
 class NixlTransport(PagedTransport):
     """NIXL (UCX backend) writing the same descriptor list — one descriptor per block — from one agent
     (it registers the source pool) to a second agent in this process (it registers the destination pool),
@@ -88,29 +215,11 @@ class NixlTransport(PagedTransport):
         self._closed = False
         self.backend = f"nixl {backend}"
         self.config.update(nixl_version=nixl_version(), backend=backend, agents=2, operation="WRITE",
-                           dst_mem=self._mem(self.pool.device))
-
-    @staticmethod
-    def _mem(device: torch.device) -> str:
-        return "VRAM" if device.type == "cuda" else "DRAM"
+                           dst_mem=_mem(self.pool.device))
 
     def _descs(self, agent, pool: BlockPool, rows: np.ndarray):
-        mem = self._mem(pool.device)
-        dev = (pool.device.index or 0) if pool.device.type == "cuda" else 0
         rb = self.spec.block_bytes
-        arr = np.empty((rows.size, 3), dtype=np.int64)
-        arr[:, 0] = pool.data.data_ptr() + rows * rb
-        arr[:, 1] = rb
-        arr[:, 2] = dev
-        try:
-            descs = agent.get_xfer_descs(arr, mem)
-        except (TypeError, ValueError, IndexError):
-            descs = None
-        if descs is None:  # older nixl: a list of (addr, len, dev) tuples only
-            descs = agent.get_xfer_descs([tuple(r) for r in arr.tolist()], mem)
-        if descs is None:
-            raise RuntimeError(f"nixl get_xfer_descs returned None for {rows.size} {mem} descriptors")
-        return descs
+        return xfer_descs(agent, pool.data, np.asarray(rows, dtype=np.int64) * rb, rb)
 
     def _prepare(self, plan):
         key = id(plan.src_pool)
@@ -123,7 +232,7 @@ class NixlTransport(PagedTransport):
             raise RuntimeError("nixl initialize_xfer failed (no handle)")
         self._handles.append(handle)
         plan.extra["handle"] = handle
-        self.config.update(descriptors=plan.rows, src_mem=self._mem(plan.src_pool.device))
+        self.config.update(descriptors=plan.rows, src_mem=_mem(plan.src_pool.device))
         try:
             self.config["chosen_backend"] = self.initiator.query_xfer_backend(handle)
         except Exception:  # older nixl: no query; the configured backend is the only one
@@ -158,12 +267,7 @@ class NixlTransport(PagedTransport):
         if getattr(self, "_closed", True):  # never set up, or already closed
             return
         self._closed = True
-        for h in self._handles:
-            try:
-                self.initiator.release_xfer_handle(h)
-            except Exception:
-                pass
-        self._handles.clear()
+        _release(self.initiator, self._handles)
         for _, reg in self._src_regs.values():
             self.initiator.deregister_memory(reg)
         self._src_regs.clear()

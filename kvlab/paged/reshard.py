@@ -6,16 +6,10 @@ which prefill ranks: P > D gathers from P/D ranks, P < D feeds D/P decode ranks 
 (a replica: a decode rank holding heads an earlier one holds; its bytes are counted), MLA's latent (not split by
 heads) is read once per decode rank from one prefill rank, the other holders skipped.
 
-Movers take P source and D destination (BlockPool, BlockTable) pairs (each rank its own pool and table, either
-layout on either side) and move one sequence:
-
-    torch-index   the reference: index_select the blocks, slice the heads, index_copy_ into the head-sliced view
-    fused         kvlab.paged.reshard_kernels' Triton kernel: gather + head split (+ layout change) in one pass, one
-                  launch per (prefill rank, decode rank) piece, straight into the destination pool
-    staging       SGLang's way: per decode rank, source rank and layer side one contiguous buffer (the kernel
-                  gathers into it), one send per buffer (`send_fn`, a copy_ here), a scatter on arrival
-    block-slices  vLLM NIXL's way: one copy per block slice (a block's head slice is one run in hnd, block_size
-                  runs in nhd); bytes as they are, so both layouts must match
+The movers (kvlab.paged.reshard_movers) take P source and D destination (BlockPool, BlockTable) pairs and move one
+sequence: torch-index (the reference), fused (kvlab's Triton gather + head split), staging (SGLang's buffers),
+block-slices (vLLM's one copy per block slice), and the last two's NIXL forms, nixl-staging (one descriptor per
+staging buffer: a layer side per prefill rank) and nixl-slices (one descriptor per block slice).
 
 `account`: bytes per decode rank (calculator.kv_cache_bytes per head: it agrees with calculator.tp_shard_bytes),
 replica bytes, pieces (separate copies / sends / descriptors a rank's data arrives in) per method; each mover counts
@@ -34,13 +28,14 @@ import torch
 
 from .. import calculator, models
 from ..kvcache import KVBuffer, KVLayout, as_dtype
-from .pools import LAYOUTS, BlockAllocator, BlockPool, BlockTable, PoolSpec, indexable, positive_int
-from .reshard_kernels import Geometry, HeadsConfig, copy_heads
+from .pools import LAYOUTS, BlockAllocator, BlockPool, BlockTable, PoolSpec, positive_int
 
-__all__ = ["METHODS", "Piece", "Plan", "plan", "Accounting", "account", "shard_pools", "make_pools",
+__all__ = ["METHODS", "AS_IS", "Piece", "Plan", "plan", "Accounting", "account", "shard_pools", "make_pools",
+           "contiguous", "dst_map", "check_pools", "heads_first",
            "make_mover", "move", "verify", "predict", "table_rows"]
 
-METHODS = ("torch-index", "fused", "staging", "block-slices")
+METHODS = ("torch-index", "fused", "staging", "block-slices", "nixl-staging", "nixl-slices")
+AS_IS = ("block-slices", "nixl-slices")  # move a block's bytes as they are: both sides' layouts must match
 
 # config keys and model types that mark Mamba / SSM / linear-attention layers: their state is not split by heads
 _SSM_KEYS = ("ssm_state_size", "mamba_d_state", "mamba_expand", "state_size", "attn_layer_period",
@@ -209,7 +204,7 @@ class Accounting:
                     else list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
 
 
-def _contiguous(pl: Plan, pc: Piece, layout: str) -> bool:
+def contiguous(pl: Plan, pc: Piece, layout: str) -> bool:
     """Is one block's head slice one contiguous run on both sides? (hnd: always; nhd: only the whole block)"""
     return layout == "hnd" or pc.heads == pl.src_heads == pl.dst_heads
 
@@ -218,11 +213,11 @@ def _pieces(pl: Plan, r: int, method: str, blocks: int, block_size: int, layout:
     layers, sides = pl.spec.layers, 1 if pl.attention == "mla" else 2
     if method in ("torch-index", "fused"):
         return len(pl.pieces[r])
-    if method == "staging":
+    if method in ("staging", "nixl-staging"):
         return len(pl.pieces[r]) * layers * sides
     if method == "same-tp":
         return 1
-    return sum(layers * sides * blocks * (1 if _contiguous(pl, pc, layout) else block_size) for pc in pl.pieces[r])
+    return sum(layers * sides * blocks * (1 if contiguous(pl, pc, layout) else block_size) for pc in pl.pieces[r])
 
 
 def account(pl: Plan, tokens: int, kv_dtype="bf16", method: str = "fused", block_size: int = 16,
@@ -236,7 +231,7 @@ def account(pl: Plan, tokens: int, kv_dtype="bf16", method: str = "fused", block
     for name, lay in (("src_layout", src_layout), ("dst_layout", dst_layout)):
         if lay not in LAYOUTS:
             raise ValueError(f"{name}={lay!r} is not valid; use one of {list(LAYOUTS)}")
-    if method in ("block-slices", "same-tp") and src_layout != dst_layout:
+    if method in AS_IS + ("same-tp",) and src_layout != dst_layout:
         raise ValueError(f"method {method!r} moves blocks as they are and cannot convert {src_layout} to "
                          f"{dst_layout}; use fused, staging or torch-index")
     if method == "same-tp" and pl.prefill_tp != pl.decode_tp:
@@ -257,7 +252,8 @@ def account(pl: Plan, tokens: int, kv_dtype="bf16", method: str = "fused", block
                       tuple(tuple(pc.src_rank for pc in pcs) for pcs in pl.pieces), pl.skipped, pl.notes)
 
 
-_LOCAL = {"torch-index": (1, 1), "staging": (2, 2)}  # extra passes over the bytes, extra launches per piece
+# extra passes over the bytes and launches per piece a method makes on its own device
+_LOCAL = {"torch-index": (1, 1), "staging": (2, 2), "nixl-staging": (2, 2)}
 
 
 def _cost(path: str, ceilings):
@@ -363,7 +359,7 @@ def _no_mla(pl: Plan) -> None:
                          "MLA plans are accounted (account, predict) but not moved")
 
 
-def _dst_map(pl: Plan, dst) -> dict:
+def dst_map(pl: Plan, dst) -> dict:
     d = dict(dst) if isinstance(dst, Mapping) else dict(enumerate(dst))
     bad = [k for k in d if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k < pl.decode_tp]
     if not d or bad:
@@ -372,7 +368,7 @@ def _dst_map(pl: Plan, dst) -> dict:
     return {int(k): v for k, v in d.items()}
 
 
-def _check(pl: Plan, src, dst: dict, method: str) -> None:
+def check_pools(pl: Plan, src, dst: dict, method: str) -> None:
     _no_mla(pl)
     if len(src) != pl.prefill_tp:
         raise ValueError(f"{len(src)} source pools for prefill_tp={pl.prefill_tp}: one (pool, table) per prefill rank")
@@ -396,8 +392,8 @@ def _check(pl: Plan, src, dst: dict, method: str) -> None:
                 raise ValueError(f"{role} rank {r}: dtype {s.dtype} vs {ref[0].dtype}; no method converts dtypes")
             if table.tokens != ref[1]:
                 raise ValueError(f"{role} rank {r}'s table is for {table.tokens} tokens, the others' for {ref[1]}")
-            if method == "block-slices" and s.layout != ref[0].layout:
-                raise ValueError(f"block-slices moves blocks as they are and cannot convert {ref[0].layout} to "
+            if method in AS_IS and s.layout != ref[0].layout:
+                raise ValueError(f"{method} moves blocks as they are and cannot convert {ref[0].layout} to "
                                  f"{s.layout}; use fused, staging or torch-index")
     srcs = {id(pool.data) for pool, _ in src}
     if any(id(pool.data) in srcs for pool, _ in dst.values()):
@@ -415,152 +411,9 @@ def table_rows(pool: BlockPool, table: BlockTable, device=None) -> torch.Tensor:
     return torch.from_numpy((ls + table.ids[None, :]).reshape(-1)).to(pool.device if device is None else device)
 
 
-def _canon(data: torch.Tensor, layout: str) -> torch.Tensor:
+def heads_first(data: torch.Tensor, layout: str) -> torch.Tensor:
     """Pool data [layers, 2, blocks, *block_shape] as a heads-first view [layers, 2, blocks, heads, bs, head_dim]."""
     return data.transpose(3, 4) if layout == "nhd" else data
-
-
-# ---------------------------------------------------------------------------------------------------
-# movers
-
-
-class Mover:
-    """One prepared move of one sequence (indices and buffers made once); `run()` moves it again. `report()`: method,
-    backend, pieces_per_decode_rank (as the last run issued them), block_bytes_per_decode_rank (bytes written)."""
-
-    method = ""
-
-    def __init__(self, pl: Plan, src, dst, backend: str = "auto", config: HeadsConfig | None = None, send_fn=None):
-        if backend not in ("auto", "triton", "torch"):
-            raise ValueError(f"backend {backend!r} is not valid; use 'auto', 'triton' or 'torch'")
-        self.plan, self.src, self.dst = pl, list(src), _dst_map(pl, dst)
-        _check(pl, self.src, self.dst, self.method)
-        self.backend, self.config, self.used = backend, config, "torch"
-        self.send_fn = send_fn or (lambda a, b: b.copy_(a, non_blocking=b.device.type == "cuda"))
-        self.counts: dict = {}
-        self._jobs = [(r, pc) + self._prepare(r, pc) for r in self.dst for pc in pl.pieces[r]]
-
-    def _prepare(self, r: int, pc: Piece) -> tuple:
-        return ()
-
-    def run(self) -> None:
-        self.counts = {r: 0 for r in self.dst}
-        for job in self._jobs:
-            self.counts[job[0]] += self._move(*job)
-
-    def report(self) -> dict:
-        spec = self.plan.spec
-        per = {r: sum(pc.heads for pc in self.plan.pieces[r]) * spec.layers * 2 * self.dst[r][1].num_blocks
-               * self.dst[r][0].spec.block_size * spec.head_dim * self.dst[r][0].spec.element_bytes for r in self.dst}
-        return {"method": self.method, "backend": self.used, "pieces_per_decode_rank": dict(self.counts),
-                "block_bytes_per_decode_rank": per}
-
-
-class TorchIndex(Mover):
-    """The reference: per piece, index_select the source blocks (all layers at once), slice the heads in the
-    heads-first view, move to the destination's device, index_copy_ into its head-sliced view. One piece each."""
-
-    method = "torch-index"
-
-    def _move(self, r, pc) -> int:
-        (sp, st), (dp, dt) = self.src[pc.src_rank], self.dst[r]
-        x = _canon(sp.data.index_select(2, st.tensor(sp.device)), sp.spec.layout)
-        x = x[:, :, :, pc.src_head:pc.src_head + pc.heads]
-        view = _canon(dp.data, dp.spec.layout)[:, :, :, pc.dst_head:pc.dst_head + pc.heads]
-        indexable(view).index_copy_(2, dt.tensor(dp.device), indexable(x.to(dp.device)))  # float8 as its bytes
-        return 1
-
-
-class Fused(Mover):
-    """kvlab.paged.reshard_kernels.copy_heads from the source pool straight into the destination pool: one launch per
-    piece moves every layer, side and block of its head slice, converting the layout in the same pass."""
-
-    method = "fused"
-
-    def _prepare(self, r, pc):
-        (sp, st), (dp, dt) = self.src[pc.src_rank], self.dst[r]
-        dev = sp.device if sp.device.type == "cuda" else dp.device
-        return table_rows(sp, st, dev), table_rows(dp, dt, dev)
-
-    def _move(self, r, pc, s_rows, d_rows) -> int:
-        (sp, _), (dp, _) = self.src[pc.src_rank], self.dst[r]
-        self.used = copy_heads(sp.rows, Geometry.of(sp.spec), s_rows, pc.src_head, dp.rows, Geometry.of(dp.spec),
-                               d_rows, pc.dst_head, pc.heads, backend=self.backend, config=self.config, check=False)
-        return 1
-
-
-class Staging(Mover):
-    """Per piece: the kernel gathers the head slice of every block into a send buffer on the source's device (one
-    contiguous [blocks, heads, …] region per layer side, in the destination's layout), each region is sent once
-    (`send_fn(src_view, dst_view)`, a copy_ by default: what a link replaces) into a receive buffer on the
-    destination's device, and the kernel scatters it into the pool. layers × 2 sends per piece."""
-
-    method = "staging"
-
-    def _prepare(self, r, pc):
-        (sp, st), (dp, dt) = self.src[pc.src_rank], self.dst[r]
-        s = dp.spec
-        geom = Geometry(pc.heads, s.block_size, s.head_dim, s.layout)
-        n = st.num_blocks
-        send = torch.empty((s.layers * 2 * n, geom.row_elems), dtype=s.dtype, device=sp.device)
-        recv = torch.empty_like(send, device=dp.device)
-        return (geom, n, send, recv, table_rows(sp, st),
-                torch.arange(send.shape[0], device=sp.device), torch.arange(send.shape[0], device=dp.device),
-                table_rows(dp, dt))
-
-    def _move(self, r, pc, geom, n, send, recv, s_rows, s_ar, d_ar, d_rows) -> int:
-        (sp, _), (dp, _) = self.src[pc.src_rank], self.dst[r]
-        self.used = copy_heads(sp.rows, Geometry.of(sp.spec), s_rows, pc.src_head, send, geom, s_ar, 0, pc.heads,
-                               backend=self.backend, config=self.config, check=False)
-        for j in range(send.shape[0] // n):
-            self.send_fn(send[j * n:(j + 1) * n], recv[j * n:(j + 1) * n])
-        copy_heads(recv, geom, d_ar, 0, dp.rows, Geometry.of(dp.spec), d_rows, pc.dst_head, pc.heads,
-                   backend=self.backend, config=self.config, check=False)
-        return send.shape[0] // n
-
-
-class BlockSlices(Mover):
-    """One copy per contiguous run of a block's head slice (vLLM's descriptors): hnd, or the whole block, is one
-    run per block; an nhd head split is block_size runs. Slow by construction (a host loop of copies): CPU tests
-    use it to count descriptors; kvlab.paged.reshard_bench predicts it rather than timing it."""
-
-    method = "block-slices"
-
-    def _prepare(self, r, pc):
-        (sp, st), (dp, dt) = self.src[pc.src_rank], self.dst[r]
-        gs, gd = Geometry.of(sp.spec), Geometry.of(dp.spec)
-        srow = table_rows(sp, st, "cpu").numpy() * gs.row_elems + pc.src_head * gs.strides[0]
-        drow = table_rows(dp, dt, "cpu").numpy() * gd.row_elems + pc.dst_head * gd.strides[0]
-        if _contiguous(self.plan, pc, sp.spec.layout):
-            return srow, drow, pc.heads * gs.block_size * gs.head_dim
-        t = np.arange(gs.block_size, dtype=np.int64)
-        return ((srow[:, None] + t * gs.strides[1]).reshape(-1), (drow[:, None] + t * gd.strides[1]).reshape(-1),
-                pc.heads * gs.head_dim)
-
-    def _move(self, r, pc, s_off, d_off, length) -> int:
-        s, d = self.src[pc.src_rank][0].data.view(-1), self.dst[r][0].data.view(-1)
-        for a, b in zip(s_off.tolist(), d_off.tolist()):
-            d[b:b + length].copy_(s[a:a + length])
-        return len(s_off)
-
-
-_MOVERS = {m.method: m for m in (TorchIndex, Fused, Staging, BlockSlices)}
-
-
-def make_mover(method: str, pl: Plan, src: Sequence, dst, **kw) -> Mover:
-    """A prepared mover: method one of METHODS; src: P (BlockPool, BlockTable) pairs in prefill-rank order; dst:
-    D pairs (or a dict decode rank → pair, to move only some ranks). kw: backend ("auto" | "triton" | "torch",
-    fused / staging), config (reshard_kernels.HeadsConfig), send_fn (staging). Every check runs here."""
-    if method not in _MOVERS:
-        raise ValueError(f"method {method!r} is not valid; use one of {list(METHODS)}")
-    return _MOVERS[method](pl, src, dst, **kw)
-
-
-def move(method: str, pl: Plan, src: Sequence, dst, **kw) -> dict:
-    """Prepare and run one move; returns the mover's report."""
-    m = make_mover(method, pl, src, dst, **kw)
-    m.run()
-    return m.report()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -576,18 +429,18 @@ def verify(pl: Plan, src: Sequence, dst) -> dict:
     (not from the plan's pieces): decode rank d's local head j must equal global head dst_global[d][0] + j as the
     first prefill rank holding it stores it. Also: NaN poison left inside the table's blocks, and blocks outside the
     table that are no longer all NaN (written where nothing should be). Returns {ok, ranks: {d: {...}}}."""
-    dst = _dst_map(pl, dst)
-    _check(pl, list(src), dst, "torch-index")
+    dst = dst_map(pl, dst)
+    check_pools(pl, list(src), dst, "torch-index")
     out = {}
     for r, (dp, dt) in dst.items():
         dev = dp.device
-        got = _canon(dp.data.index_select(2, dt.tensor(dev)), dp.spec.layout)
+        got = heads_first(dp.data.index_select(2, dt.tensor(dev)), dp.spec.layout)
         want = torch.empty_like(got)
         for j in range(pl.dst_heads):
             g = pl.dst_global[r][0] + j
             q = next(q for q, (lo, hi) in enumerate(pl.src_global) if lo <= g < hi)
             sp, st = src[q]
-            x = _canon(sp.data.index_select(2, st.tensor(sp.device)), sp.spec.layout)[:, :, :, g - pl.src_global[q][0]]
+            x = heads_first(sp.data.index_select(2, st.tensor(sp.device)), sp.spec.layout)[:, :, :, g - pl.src_global[q][0]]
             want[:, :, :, j] = x.to(dev)
         outside = torch.ones(dp.num_blocks, dtype=torch.bool)
         outside[torch.from_numpy(dt.ids.copy())] = False

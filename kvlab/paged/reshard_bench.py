@@ -14,13 +14,35 @@ CPU path runs the same code at tiny sizes (tests: kvlab-tiny, TRITON_INTERPRET=1
 
 from __future__ import annotations
 
-from . import kernels, reshard
+from . import kernels, reshard, reshard_movers
 from ..timing import free_device, interleave, resolve_device, sync_device
 
-__all__ = ["bench", "DEFAULT_METHODS"]
+__all__ = ["bench", "refusal", "DEFAULT_METHODS"]
 
 DEFAULT_METHODS = ("torch-index", "fused", "staging")
 _MAX_HOST_PIECES = 20_000  # block-slices is a host loop of copies: past this, predict it (reshard.predict) instead
+_MAX_NIXL_DESCRIPTORS = 500_000  # nixl-slices per repeat: an nhd head split at 32k is millions; count, do not time
+
+
+def refusal(method: str, pl, context: int, block_size: int = 16, layout: str = "hnd", dst_layout: str | None = None,
+            kv_dtype="bf16") -> str | None:
+    """Why `bench` would not time `method` for this plan (an unknown method, a layout change a method cannot make,
+    block-slices past 20,000 host copies, nixl-slices past 500,000 descriptors a repeat), or None."""
+    dst_layout = layout if dst_layout is None else dst_layout
+    if method not in reshard.METHODS:
+        return f"method {method!r} is not valid; use some of {list(reshard.METHODS)}"
+    try:
+        acc = reshard.account(pl, context, kv_dtype, method, block_size, layout, dst_layout)
+    except ValueError as err:
+        return str(err)
+    n = sum(acc.pieces_per_decode_rank)
+    if method == "block-slices" and n > _MAX_HOST_PIECES:
+        return (f"block-slices would issue {n:,} host copies per repeat; time it at a smaller context or predict it "
+                "with reshard.predict")
+    if method == "nixl-slices" and n > _MAX_NIXL_DESCRIPTORS:
+        return (f"nixl-slices would post {n:,} descriptors per repeat (over {_MAX_NIXL_DESCRIPTORS:,}): a head split "
+                "of nhd blocks is block_size descriptors a block; count it with reshard.account, time it on hnd")
+    return None
 
 
 def bench(prefill_tp: int, decode_tp: int, layout: str = "hnd", dst_layout: str | None = None,
@@ -35,36 +57,37 @@ def bench(prefill_tp: int, decode_tp: int, layout: str = "hnd", dst_layout: str 
     pieces (copies / launches / sends issued, all ranks), pieces_per_decode_rank (the most any rank got), backend
     (triton | torch), verified (the check before timing passed), device; and predicted_ms (reshard.predict over
     `path` of `ceilings`, a kvlab.ceilings_fit.Ceilings, all ranks sharing the device) when ceilings are given.
-    Refused before anything is allocated: whatever reshard.plan / account refuse, an unknown method, block-slices
-    past 20,000 host copies.
+    The NIXL movers' rows add descriptors_per_request (the most in one prepared request: one decode rank's piece
+    from one prefill rank), post_us and wait_us (medians over the timed calls: posting every request, then posted →
+    all DONE). Refused before anything is allocated: whatever `refusal` names.
     """
     dev = resolve_device(device)
     methods = list(methods)
     pl, same_pl = reshard.plan(model, prefill_tp, decode_tp), reshard.plan(model, prefill_tp, prefill_tp)
     dst_layout = layout if dst_layout is None else dst_layout
     for m in methods:
-        if m not in reshard.METHODS:
-            raise ValueError(f"method {m!r} is not valid; use some of {list(reshard.METHODS)}")
-        acc = reshard.account(pl, context, kv_dtype, m, block_size, layout, dst_layout)
-        if m == "block-slices" and sum(acc.pieces_per_decode_rank) > _MAX_HOST_PIECES:
-            raise ValueError(f"block-slices would issue {sum(acc.pieces_per_decode_rank):,} host copies per repeat; "
-                             "time it at a smaller context or predict it with reshard.predict")
+        why = refusal(m, pl, context, block_size, layout, dst_layout, kv_dtype)
+        if why:
+            raise ValueError(why)
     if ceilings is not None:
         ceilings[path]  # refuses a path the ceilings did not measure
     lay = layout if layout == dst_layout else f"{layout}->{dst_layout}"
     src = reshard.make_pools(pl, "prefill", context, block_size, layout, kv_dtype, dev, seed, fill="random")
     dst = reshard.make_pools(pl, "decode", context, block_size, dst_layout, kv_dtype, dev, seed)
     same_dst = reshard.make_pools(same_pl, "decode", context, block_size, layout, kv_dtype, dev, seed)
-    fns, info = {}, {}
+    fns, info, movers, nixl = {}, {}, [], {}
     try:
         for m in methods:
-            mover = reshard.make_mover(m, pl, src, dst, backend=backend)
+            mover = reshard_movers.make_mover(m, pl, src, dst, backend=backend)
+            movers.append(mover)
             for pool, _ in dst:
                 pool.poison()
             mover.run()
             sync_device(dev)
             ok = reshard.verify(pl, src, dst)["ok"]
             fns[m], info[m] = mover.run, (mover.report(), ok, pl.decode_tp, lay)
+            if hasattr(mover, "reset_stats"):
+                mover.reset_stats()  # the timed calls' post and wait times only
         fns["same-tp"] = _same_tp(src, same_dst)
         fns["same-tp"]()
         sync_device(dev)
@@ -74,8 +97,11 @@ def bench(prefill_tp: int, decode_tp: int, layout: str = "hnd", dst_layout: str 
                                                     for p, (pool, t) in enumerate(same_dst)}}
         info["same-tp"] = (same_rep, reshard.verify(same_pl, src, same_dst)["ok"], prefill_tp, layout)
         samples = interleave(fns, rounds=repeats, warmup=warmup, device=dev, rotate=True)
+        nixl = {mv.method: mv.report()["nixl"] for mv in movers if hasattr(mv, "reset_stats")}
     finally:
-        del src, dst, same_dst, fns
+        for mv in movers:
+            mv.close()
+        del src, dst, same_dst, fns, movers
         free_device(dev)
     pred = {}
     for m in methods if ceilings is not None else ():
@@ -92,6 +118,10 @@ def bench(prefill_tp: int, decode_tp: int, layout: str = "hnd", dst_layout: str 
                "backend": rep["backend"], "verified": ok, "device": str(dev)}
         if s.name in pred:
             row["predicted_ms"] = pred[s.name]
+        if s.name in nixl:
+            nx = nixl[s.name]
+            row.update(descriptors_per_request=nx["descriptors_per_request"], post_us=nx["post_us"],
+                       wait_us=nx["wait_us"], nixl_backend=nx["backend"])
         rows.append(row)
     return rows
 

@@ -56,6 +56,14 @@ def _on_off(value, name):
         raise ValueError(f"{name} = {value!r}: give on or off")
 
 
+def _gate(value, name):
+    if value not in GATES:
+        raise ValueError(f"{name} = {value!r}: give {', '.join(GATES)}")
+
+
+GATES = ("on", "off", "both")
+
+
 def _flows(value, name):
     got = [v.strip() for v in str(value).split(",") if v.strip()]
     if not got or not all(v.isdigit() and int(v) >= 1 for v in got) or len({int(v) for v in got}) != len(got):
@@ -85,6 +93,9 @@ PARAMS = (
           f"{CPU_REPEATS} on a CPU", at_least(0)),
     Param("beside", "str", "on", "on: also time a prefill-like compute load alone and beside each configuration's "
           "copies (beside.csv); off: the copies only", _on_off),
+    Param("gate", "str", "on", "the compute-beside rounds on a GPU start behind a GPU sleep, so the host has queued "
+          "every copy before any runs (on), without it (off), or both, each configuration both ways in the same "
+          "rotated rounds (both: what the gate changes, in one run)", _gate),
 )
 
 
@@ -98,10 +109,11 @@ class Config:
     repeats: int
     paths: tuple
     beside: bool = True
+    gate: str = "on"
 
     def resolved(self) -> dict:
         return {"flows": self.flows, "size_bytes": self.size, "device": str(self.device), "repeats": self.repeats,
-                "paths": list(self.paths), "beside": self.beside,
+                "paths": list(self.paths), "beside": self.beside, "gate": self.gate,
                 **({"compute": _Compute.describe(self.device)} if self.beside else {})}
 
 
@@ -119,7 +131,7 @@ def check(params) -> Config:
         raise ValueError(f"{max(flows)} flows of {size / 2**20:.0f} MiB need about {need / 2**30:.1f} GiB of host "
                          f"memory and {free / 2**30:.1f} GiB is free; give a smaller --size or fewer --flows")
     return Config(flows=flows, size=size, device=dev, repeats=p["repeats"] or (GPU_REPEATS if gpu else CPU_REPEATS),
-                  paths=GPU_PATHS if gpu else CPU_PATHS, beside=p["beside"] == "on")
+                  paths=GPU_PATHS if gpu else CPU_PATHS, beside=p["beside"] == "on", gate=p["gate"])
 
 
 class _Compute:
@@ -154,17 +166,18 @@ class _Compute:
 GATE_CYCLES = 2_000_000  # the start gate: about 1 ms of GPU clock at 1.98 GHz, more than the host needs to queue all
 
 
-def _beside_gpu(jobs, streams, dev, compute: _Compute) -> tuple[float, float]:
+def _beside_gpu(jobs, streams, dev, compute: _Compute, gate: bool = True) -> tuple[float, float]:
     """The compute load and `jobs` start together (every stream waits on one start event); (ms until the compute
-    ends, ms until the last copy lands; 0 without copies). The start event is recorded behind a GPU sleep
+    ends, ms until the last copy lands; 0 without copies). With `gate`, the start event is recorded behind a GPU sleep
     (torch.cuda._sleep, GATE_CYCLES), so every copy and the compute are queued before it fires: without the gate,
     the compute's time held the host's queueing of the copies before it (run 20261204-024402: tenths of a millisecond
-    at 16 copies, against 5.7 ms of compute)."""
+    at 16 copies, against 5.7 ms of compute — a hypothesis run 20261204-024624 supports; `gate` "both" tests it)."""
     cur = torch.cuda.current_stream(dev)
     start, c_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     ends = [torch.cuda.Event(enable_timing=True) for _ in jobs]
     torch.cuda.synchronize(dev)
-    torch.cuda._sleep(GATE_CYCLES)  # torch's own test helper; no public API holds a stream for a set time
+    if gate:
+        torch.cuda._sleep(GATE_CYCLES)  # torch's own test helper; no public API holds a stream for a set time
     start.record(cur)
     compute.stream.wait_event(start)
     for (_, dst, src), s, e in zip(jobs, streams, ends):
@@ -271,7 +284,9 @@ def measure(cfg: Config, run: Run) -> None:
     flows) configuration in rotated rounds after a warm-up round (a progress bar over the rounds): flows.csv, one
     row per (path, flows, round, flow) with the flow's ms and bytes, and the round's ms until the last flow landed.
     With cfg.beside, the compute load alone and beside each configuration, in rotated rounds after a warm-up round:
-    beside.csv, one row per (path — "alone" without copies —, flows, round) with the compute's ms and the copies'."""
+    beside.csv, one row per (path — "alone" without copies —, flows, gate, round) with the compute's ms and the
+    copies'; gate "both" runs every one of them gated and ungated in the same rounds (on a CPU the gate is moot:
+    its rows say gate on)."""
     run.update(resolved=cfg.resolved())
     dev, gpu = cfg.device, cfg.device.type == "cuda"
     configs = [(p, n) for p in cfg.paths for n in cfg.flows]
@@ -306,16 +321,19 @@ def measure(cfg: Config, run: Run) -> None:
     run.save_table(pd.DataFrame(rows), "flows")
     if cfg.beside:
         compute, side = _Compute(dev), []
-        kinds = [("alone", 0)] + configs
+        gates = {"on": (True,), "off": (False,), "both": (True, False)}[cfg.gate] if gpu else (True,)
+        kinds = [(path, n, g) for path, n in [("alone", 0)] + configs for g in gates]
         bar = tqdm(total=(cfg.repeats + 1) * len(kinds), desc="compute beside", unit="config")
         for r in range(cfg.repeats + 1):
             k = r % len(kinds)
-            for path, n in kinds[k:] + kinds[:k]:
+            for path, n, g in kinds[k:] + kinds[:k]:
                 jobs = [] if path == "alone" else buf.jobs(path, n)
-                c_ms, copies_ms = _beside_gpu(jobs, buf.streams, dev, compute) if gpu else _beside_cpu(jobs, compute)
+                c_ms, copies_ms = (_beside_gpu(jobs, buf.streams, dev, compute, gate=g) if gpu
+                                   else _beside_cpu(jobs, compute))
                 bar.update(1)
                 if r:
-                    side.append({"path": path, "flows": n, "round": r - 1, "compute_ms": c_ms, "copies_ms": copies_ms})
+                    side.append({"path": path, "flows": n, "gate": "on" if g else "off", "round": r - 1,
+                                 "compute_ms": c_ms, "copies_ms": copies_ms})
         bar.close()
         run.save_table(pd.DataFrame(side), "beside")
 
@@ -391,17 +409,21 @@ def validation(s: pd.DataFrame) -> pd.DataFrame:
 def beside_summary(beside: pd.DataFrame) -> pd.DataFrame:
     """Per configuration: the compute load's median time beside its copies with its interval, alone, the slowdown
     (median beside ÷ median alone) with the ratio's interval (intervals.ratio_ci: both sets resampled), and the
-    copies' median time as a share of the compute's (≥ 1: they ran through all of it)."""
-    alone = beside.loc[beside["path"] == "alone", "compute_ms"].tolist()
-    a = statistics.median(alone)
+    copies' median time as a share of the compute's (≥ 1: they ran through all of it). Per gate (on / off; "—" for a
+    run from before beside.csv said), each against the compute alone with the same gate."""
+    beside = beside.assign(gate=beside["gate"] if "gate" in beside else "—")
     out = []
-    for (path, n), g in beside[beside["path"] != "alone"].groupby(["path", "flows"], sort=False):
-        c = g["compute_ms"].tolist()
-        lo, hi = median_ci(c)
-        rlo, rhi = ratio_ci(c, alone)
-        out.append({"path": path, "flows": int(n), "n": len(c), "compute_ms": statistics.median(c), "compute_lo": lo,
-                    "compute_hi": hi, "alone_ms": a, "slowdown": statistics.median(c) / a, "slowdown_lo": rlo,
-                    "slowdown_hi": rhi, "copies_over_compute": statistics.median(g["copies_ms"]) / statistics.median(c)})
+    for gate, bg in beside.groupby("gate", sort=False):
+        alone = bg.loc[bg["path"] == "alone", "compute_ms"].tolist()
+        a = statistics.median(alone)
+        for (path, n), g in bg[bg["path"] != "alone"].groupby(["path", "flows"], sort=False):
+            c = g["compute_ms"].tolist()
+            lo, hi = median_ci(c)
+            rlo, rhi = ratio_ci(c, alone)
+            out.append({"path": path, "flows": int(n), "gate": gate, "n": len(c), "compute_ms": statistics.median(c),
+                        "compute_lo": lo, "compute_hi": hi, "alone_ms": a, "slowdown": statistics.median(c) / a,
+                        "slowdown_lo": rlo, "slowdown_hi": rhi,
+                        "copies_over_compute": statistics.median(g["copies_ms"]) / statistics.median(c)})
     return pd.DataFrame(out)
 
 
@@ -436,14 +458,18 @@ def analyse(record: dict, tables: dict) -> Analysis:
     out = {"contention": s, "validation": v}
     if "beside" in tables:
         b = out["compute_beside"] = beside_summary(tables["beside"])
-        worst = b.loc[b["slowdown"].idxmax()]
         comp = record.get("resolved", {}).get("compute", {})
-        values["beside_worst_pct"] = f"{100 * (worst.slowdown - 1):+.1f}"
-        findings.append(f"- A prefill-like load ({comp.get('matmuls', '?')} matmuls of {comp.get('m', '?')} × "
-                        f"{comp.get('k', '?')} × {comp.get('n', '?')}, {comp.get('dtype', '?')}) takes "
-                        f"{sig(worst.alone_ms)} ms alone; beside the copies it is at most "
-                        f"{values['beside_worst_pct']} % slower ({_PATH_NAMES.get(worst.path, worst.path)}, "
-                        f"{worst.flows} flows: {worst.slowdown:.3f}× [{worst.slowdown_lo:.3f}, {worst.slowdown_hi:.3f}]).")
+        for gate, bg in b.groupby("gate", sort=False):
+            worst = bg.loc[bg["slowdown"].idxmax()]
+            key = "beside_worst_pct" if gate in ("on", "—") else f"beside_worst_pct_gate_{gate}"
+            values[key] = f"{100 * (worst.slowdown - 1):+.1f}"
+            how = {"on": " (rounds started behind the GPU gate)", "off": " (rounds without the GPU gate)"}.get(gate, "")
+            findings.append(f"- A prefill-like load ({comp.get('matmuls', '?')} matmuls of {comp.get('m', '?')} × "
+                            f"{comp.get('k', '?')} × {comp.get('n', '?')}, {comp.get('dtype', '?')}) takes "
+                            f"{sig(worst.alone_ms)} ms alone{how}; beside the copies it is at most "
+                            f"{values[key]} % slower ({_PATH_NAMES.get(worst.path, worst.path)}, "
+                            f"{worst.flows} flows: {worst.slowdown:.3f}× [{worst.slowdown_lo:.3f}, "
+                            f"{worst.slowdown_hi:.3f}]).")
     return Analysis(NAME, record, raw=dict(tables), tables=out, goals=g, findings=findings, values=values)
 
 
@@ -509,13 +535,14 @@ def _table(analyses: list[Analysis], link, **_) -> str:
 
 
 def _beside(analyses: list[Analysis], link, **_) -> str:
-    """Per run and configuration: the prefill-like load's time beside the copies against alone, the slowdown with its
-    interval, and how long the copies ran against it."""
+    """Per run, configuration and gate (on: rounds started behind the GPU sleep; off: without; —: a run from before
+    beside.csv said): the prefill-like load's time beside the copies against alone, the slowdown with its interval,
+    and how long the copies ran against it."""
     rows = []
     for a in analyses:
         for r in a.tables["compute_beside"].itertuples():
             rows.append({"run": link(a.where), "path": _PATH_NAMES.get(r.path, r.path), "flows": r.flows,
-                         "compute ms [95 %]": f"{sig(r.compute_ms)} [{sig(r.compute_lo)}, {sig(r.compute_hi)}]",
+                         "gate": r.gate, "compute ms [95 %]": f"{sig(r.compute_ms)} [{sig(r.compute_lo)}, {sig(r.compute_hi)}]",
                          "alone ms": sig(r.alone_ms),
                          "slowdown [95 %]": f"{r.slowdown:.3f}× [{r.slowdown_lo:.3f}, {r.slowdown_hi:.3f}]",
                          "copies ÷ compute": f"{r.copies_over_compute:.2f}"})

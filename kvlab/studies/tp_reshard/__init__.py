@@ -32,6 +32,7 @@ from ... import calculator, ceilings, ceilings_fit, devices, goals, models, plot
 from ...disagg.config import kv_dtype_name
 from ...intervals import ratio_ci
 from ...paged import reshard, reshard_bench
+from ...paged.nixl import nixl_missing
 from ...paged.pools import LAYOUTS
 from ...parse import token_list
 from ...results import Run
@@ -52,6 +53,8 @@ FIGURES = ("reshard_pct",)
 GPU_MODEL, GPU_CONTEXT, GPU_PAIRS, GPU_REPEATS = "qwen2.5-7b", "32k", "1-2,2-1,1-4,4-1,2-4", 10
 CPU_MODEL, CPU_CONTEXT, CPU_PAIRS, CPU_REPEATS = "kvlab-tiny", "256", "2-1,1-2,1-4", 3
 METHODS = ("fused", "torch-index", "staging")  # block-slices is a host loop: predicted, not timed, at 32k
+# NIXL's forms of staging and block-slices (two agents in this process, UCX): given by name, where NIXL loads
+NIXL_METHODS = ("nixl-staging", "nixl-slices")
 CEILING_SIZES = {"gpu": "64K,1M,16M,256M,1G", "cpu": "64K,1M"}
 CEILING_PATH = {"gpu": "d2d_same", "cpu": "h2h"}  # a copy within the device every rank's pool is on
 # the decode check: D processes decode together on the CPU (gloo) from the re-sharded pools of a prompt this long
@@ -95,8 +98,11 @@ PARAMS = (
           f"{GPU_PAIRS} on a GPU, {CPU_PAIRS} on a CPU", parse_pairs),
     Param("layouts", "str", "hnd,nhd", "pool layouts, each run on both sides: hnd (heads before tokens in a block) "
           "and/or nhd", _names(LAYOUTS, "a pool layout")),
-    Param("methods", "str", ",".join(METHODS), "movers timed beside the same-TP copy: fused, torch-index, staging",
-          _names(METHODS, "a timed mover")),
+    Param("methods", "str", ",".join(METHODS), "movers timed beside the same-TP copy: fused, torch-index, staging, "
+          "and where NIXL loads nixl-staging (staging's sends as NIXL WRITEs, one descriptor per layer side; timed "
+          "beside staging, which it needs) and nixl-slices (one descriptor per block slice, vLLM's way; where a "
+          "layout would post over 500,000 a repeat it is counted, not timed)", _names(METHODS + NIXL_METHODS,
+                                                                                      "a timed mover")),
     Param("block_size", "int", 16, "tokens per block", at_least(1)),
     Param("kv_dtype", "str", "bf16", "bf16, fp16 or fp32", lambda v, n: kv_dtype_name(v, n)),
     Param("device", "str", "auto", "the device every rank's pool is on: cuda:N, or cpu (checks the logic); "
@@ -172,8 +178,16 @@ def check(params) -> Config:
                          "--context or --block-size")
     repeats = p["repeats"] or (GPU_REPEATS if gpu else CPU_REPEATS)
     split = lambda s: [v.strip() for v in str(s).split(",") if v.strip()]  # noqa: E731
+    methods = split(p["methods"])
+    if set(methods) & set(NIXL_METHODS):
+        why = nixl_missing()
+        if why:
+            raise ValueError(f"methods = {p['methods']!r}: {why}")
+        if "nixl-staging" in methods and "staging" not in methods:
+            raise ValueError(f"methods = {p['methods']!r}: nixl-staging is judged against staging (the same buffers "
+                             "sent by a copy, as the ipc path would), so give staging too")
     return Config(model=spec.name, context=ctx[0], pairs=pairs, layouts=split(p["layouts"]),
-                  methods=split(p["methods"]), block_size=p["block_size"], kv_dtype=kv, device=dev, repeats=repeats,
+                  methods=methods, block_size=p["block_size"], kv_dtype=kv, device=dev, repeats=repeats,
                   seed=p["seed"], decode_check=p["decode_check"])
 
 
@@ -191,17 +205,31 @@ def measure(cfg: Config, run: Run) -> None:
     ceil_df = ceilings.measure([path], sizes, n=max(cfg.repeats, 9), warmup=3, device=cfg.device, progress=False)
     run.save_table(ceil_df, "ceilings")
     fitted = ceilings_fit.fit(ceil_df).ceilings
-    rows = []
+    rows, counted = [], []
     jobs = [(pair, layout) for pair in cfg.pairs for layout in cfg.layouts]
     bar = tqdm(jobs, desc="reshard", unit="pair")
     for (a, b), layout in bar:
         bar.set_postfix_str(f"{a}→{b} {layout}")
-        got = reshard_bench.bench(a, b, layout, methods=cfg.methods, model=cfg.model, context=cfg.context,
+        methods = []
+        for m in cfg.methods:  # nixl-slices past its descriptor cap: counted (its accounting), not timed
+            why = reshard_bench.refusal(m, reshard.plan(cfg.model, a, b), cfg.context, cfg.block_size, layout,
+                                        kv_dtype=cfg.kv_dtype)
+            if why and m == "nixl-slices":
+                acc = reshard.account(reshard.plan(cfg.model, a, b), cfg.context, cfg.kv_dtype, m, cfg.block_size,
+                                      layout)
+                counted.append({"prefill_tp": a, "decode_tp": b, "pool_layout": layout, "method": m,
+                                "context": cfg.context, "descriptors": sum(acc.pieces_per_decode_rank),
+                                "why_not_timed": why})
+            else:
+                methods.append(m)
+        got = reshard_bench.bench(a, b, layout, methods=methods, model=cfg.model, context=cfg.context,
                                   block_size=cfg.block_size, kv_dtype=cfg.kv_dtype, repeats=cfg.repeats,
                                   device=cfg.device, seed=cfg.seed, ceilings=fitted, path=path)
         rows += [dict(r, pair=f"{a}-{b}") for r in got]  # the same-TP rows (decode_tp = P) belong to this pair
     bar.close()
     run.save_table(pd.DataFrame(rows), "reshard_rows")
+    if counted:
+        run.save_table(pd.DataFrame(counted), "not_timed")
     if cfg.decode_check:
         run.save_table(decode_checks(cfg), "decode_check")
 
@@ -231,14 +259,22 @@ def summarise(rows: pd.DataFrame, model: str = "") -> pd.DataFrame:
     95 % interval of that ratio (intervals.ratio_ci: both sets resampled), x_same_tp (its inverse: how many times the
     same-TP time) with its interval, pieces per decode rank, the calculator's predicted_ms and the measured time's
     difference from it in %, the calculator's own % of same TP (predicted_pct), and whether every shard checked out (verified). `mode` ("TP 1→2, fused") and `layout`
-    name each row in the verdicts."""
+    name each row in the verdicts. The NIXL movers' rows add x_ipc (their median ÷ staging's in the same rounds:
+    the same buffers sent by a copy on the device, what kvlab disagg's ipc path makes) with its interval
+    (x_ipc_lo, x_ipc_hi), descriptors_per_request, post_us and wait_us; NaN on the other rows."""
     out = []
     for (pair, lay, ctx), g in rows.groupby(["pair", "pool_layout", "context"], sort=False):
         p, d = (int(x) for x in str(pair).split("-"))
         same = g[g["method"] == "same-tp"]["ms"].tolist()
+        staging = g[g["method"] == "staging"]["ms"].tolist()
         for method, m in g[g["method"] != "same-tp"].groupby("method", sort=False):
             ms = m["ms"].tolist()
             lo, hi = ratio_ci(same, ms)
+            nan = float("nan")
+            nixl = method.startswith("nixl") and "descriptors_per_request" in m
+            x_ipc = (statistics.median(ms) / statistics.median(staging), *ratio_ci(ms, staging)) if (
+                nixl and staging) else (nan, nan, nan)
+            first = lambda col: float(m[col].iloc[0]) if nixl and col in m else nan  # noqa: E731
             med, same_med = statistics.median(ms), statistics.median(same)
             pred = float(m["predicted_ms"].iloc[0]) if "predicted_ms" in m else float("nan")
             same_pred = (float(g[g["method"] == "same-tp"]["predicted_ms"].iloc[0]) if "predicted_ms" in g
@@ -255,7 +291,10 @@ def summarise(rows: pd.DataFrame, model: str = "") -> pd.DataFrame:
                         "pred_err_abs_pct": abs(100 * (med / pred - 1)) if pred == pred and pred > 0 else float("nan"),
                         "verified": bool(m["verified"].astype(bool).all()
                                          and g[g["method"] == "same-tp"]["verified"].astype(bool).all()),
-                        "backend": str(m["backend"].iloc[0]), "layout": lay, "mode": f"TP {p}→{d}, {method}"})
+                        "backend": str(m["backend"].iloc[0]), "layout": lay, "mode": f"TP {p}→{d}, {method}",
+                        "x_ipc": x_ipc[0], "x_ipc_lo": x_ipc[1], "x_ipc_hi": x_ipc[2],
+                        "descriptors_per_request": first("descriptors_per_request"), "post_us": first("post_us"),
+                        "wait_us": first("wait_us")})
     s = pd.DataFrame(out)
     if len(s):
         s["unverified_all"] = int((~s["verified"]).sum())
@@ -282,13 +321,25 @@ def analyse(record: dict, tables: dict) -> Analysis:
         pct = f"{r.pct_of_same_tp:.1f} % [{r.pct_lo:.1f}, {r.pct_hi:.1f}]"
         values[f"{r.prefill_tp}-{r.decode_tp}.{r.pool_layout}.{r.method}.pct_of_same_tp"] = pct
         pred = f"; the calculator said {sig(r.predicted_ms)} ms ({r.pred_err_pct:+.0f} %)" if r.predicted_ms == r.predicted_ms else ""
+        nx = ""
+        if r.descriptors_per_request == r.descriptors_per_request:
+            nx = (f"; NIXL: {int(r.descriptors_per_request):,} descriptors per request (a decode rank's piece from "
+                  f"one prefill rank), posting {sig(r.post_us)} µs, posted → done {sig(r.wait_us)} µs")
+            if r.x_ipc == r.x_ipc:
+                nx += f", {r.x_ipc:.3f}× [{r.x_ipc_lo:.3f}, {r.x_ipc_hi:.3f}] staging's time"
+                values[f"{r.prefill_tp}-{r.decode_tp}.{r.pool_layout}.{r.method}.x_ipc"] = f"{r.x_ipc:.3f}"
         findings.append(f"- {ctx_label(r.context)}, TP {r.prefill_tp} → {r.decode_tp}, {r.pool_layout}, {r.method}: "
                         f"{sig(r.ms_median)} ms, {pct} of the same-TP copy ({sig(r.same_tp_ms)} ms), "
-                        f"{r.pieces_per_decode_rank:,} pieces per decode rank{pred}"
+                        f"{r.pieces_per_decode_rank:,} pieces per decode rank{pred}{nx}"
                         f"{'' if r.verified else ' — a shard did not check out'}.")
+    nt = tables.get("not_timed")
+    for r in nt.itertuples() if nt is not None else ():
+        findings.append(f"- Not timed: {r.method} for TP {r.prefill_tp} → {r.decode_tp} on {r.pool_layout} at "
+                        f"{ctx_label(r.context)}, {r.descriptors:,} descriptors a move ({r.why_not_timed}).")
     findings += calculator_findings(s, tables.get("ceilings"), values)
     findings += decode_findings(dc, values)
-    out = {"reshard": s} | ({"decode_check": dc} if dc is not None and len(dc) else {})
+    out = ({"reshard": s} | ({"decode_check": dc} if dc is not None and len(dc) else {})
+           | ({"not_timed": nt} if nt is not None and len(nt) else {}))
     return Analysis(NAME, record, raw=dict(tables), tables=out, goals=g, findings=findings, values=values)
 
 
@@ -398,4 +449,31 @@ def _table(analyses: list[Analysis], link, **_) -> str:
     return md_table(pd.DataFrame(rows))
 
 
-BLOCKS = {"table": _table}
+def _nixl_table(analyses: list[Analysis], link, **_) -> str:
+    """Per run, (P, D), layout and NIXL mover: median ms, × staging's time in the same rounds with its 95 % interval,
+    descriptors per request (one decode rank's piece from one prefill rank), the medians of posting every request
+    and of posted → all done, in µs; then what was counted and not timed."""
+    rows = []
+    for a in analyses:
+        s = a.tables["reshard"]
+        for r in s[s["method"].str.startswith("nixl")].itertuples():
+            rows.append({"run": link(a.where), "context": ctx_label(r.context),
+                         "TP": f"{r.prefill_tp} → {r.decode_tp}", "pools": r.pool_layout, "method": r.method,
+                         "ms median": sig(r.ms_median),
+                         "× staging [95 %]": (f"{r.x_ipc:.3f} [{r.x_ipc_lo:.3f}, {r.x_ipc_hi:.3f}]"
+                                              if r.x_ipc == r.x_ipc else "—"),
+                         "descriptors / request": f"{int(r.descriptors_per_request):,}",
+                         "post µs": sig(r.post_us), "posted → done µs": sig(r.wait_us)})
+        nt = a.tables.get("not_timed")
+        for r in nt.itertuples() if nt is not None else ():
+            rows.append({"run": link(a.where), "context": ctx_label(r.context),
+                         "TP": f"{r.prefill_tp} → {r.decode_tp}", "pools": r.pool_layout, "method": r.method,
+                         "ms median": "not timed", "× staging [95 %]": "—",
+                         "descriptors / request": f"{r.descriptors:,} a move", "post µs": "—",
+                         "posted → done µs": "—"})
+    if not rows:
+        raise ValueError("no run of these timed a NIXL mover (methods nixl-staging, nixl-slices)")
+    return md_table(pd.DataFrame(rows))
+
+
+BLOCKS = {"table": _table, "nixl": _nixl_table}
