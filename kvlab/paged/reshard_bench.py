@@ -121,7 +121,8 @@ def bench(prefill_tp: int, decode_tp: int, layout: str = "hnd", dst_layout: str 
         if s.name in nixl:
             nx = nixl[s.name]
             row.update(descriptors_per_request=nx["descriptors_per_request"], post_us=nx["post_us"],
-                       wait_us=nx["wait_us"], nixl_backend=nx["backend"])
+                       wait_us=nx["wait_us"], nixl_backend=nx["backend"],
+                       nixl_env=" ".join(f"{k}={v}" for k, v in nx["env"].items()))
         rows.append(row)
     return rows
 
