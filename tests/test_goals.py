@@ -48,8 +48,8 @@ _CANDIDATES += [dict(context=32768, layout="paged", mode="bulk", same_gpu=False,
 # the re-shard study's rows (kvlab.studies.tp_reshard.summarise)
 _CANDIDATES += [dict(context=32768, method="fused", pool_layout=lay, model="qwen2.5-7b", prefill_tp=1, decode_tp=2,
                      first_row=True) for lay in ("hnd", "nhd")]
-_CANDIDATES += [dict(context=32768, method="nixl-staging", pool_layout="hnd", model="qwen2.5-7b", prefill_tp=1,
-                     decode_tp=2)]
+_CANDIDATES += [dict(context=32768, method=m, pool_layout="hnd", model="qwen2.5-7b", prefill_tp=1, decode_tp=2)
+                for m in ("nixl-staging", "nixl-staging-bulk")]
 # the wire study's rows (kvlab.studies.wire_dtype.summarise)
 _CANDIDATES += [dict(context=32768, model="qwen2.5-7b", kernel=k, direction=d, scales="per-token-head")
                 for k, d in (("quantize-gather", "d2h"), ("dequantize-scatter", "h2d"), ("quantize-gather", "d2d"))]

@@ -9,7 +9,8 @@ heads) is read once per decode rank from one prefill rank, the other holders ski
 The movers (kvlab.paged.reshard_movers) take P source and D destination (BlockPool, BlockTable) pairs and move one
 sequence: torch-index (the reference), fused (kvlab's Triton gather + head split), staging (SGLang's buffers),
 block-slices (vLLM's one copy per block slice), and the last two's NIXL forms, nixl-staging (one descriptor per
-staging buffer: a layer side per prefill rank) and nixl-slices (one descriptor per block slice).
+layer side of a staging buffer), nixl-staging-bulk (one descriptor per staging buffer: a bulk handoff's) and
+nixl-slices (one descriptor per block slice).
 
 `account`: bytes per decode rank (calculator.kv_cache_bytes per head: it agrees with calculator.tp_shard_bytes),
 replica bytes, pieces (separate copies / sends / descriptors a rank's data arrives in) per method; each mover counts
@@ -34,7 +35,7 @@ __all__ = ["METHODS", "AS_IS", "Piece", "Plan", "plan", "Accounting", "account",
            "contiguous", "dst_map", "check_pools", "heads_first",
            "make_mover", "move", "verify", "predict", "table_rows"]
 
-METHODS = ("torch-index", "fused", "staging", "block-slices", "nixl-staging", "nixl-slices")
+METHODS = ("torch-index", "fused", "staging", "block-slices", "nixl-staging", "nixl-staging-bulk", "nixl-slices")
 AS_IS = ("block-slices", "nixl-slices")  # move a block's bytes as they are: both sides' layouts must match
 
 # config keys and model types that mark Mamba / SSM / linear-attention layers: their state is not split by heads
@@ -211,7 +212,7 @@ def contiguous(pl: Plan, pc: Piece, layout: str) -> bool:
 
 def _pieces(pl: Plan, r: int, method: str, blocks: int, block_size: int, layout: str) -> int:
     layers, sides = pl.spec.layers, 1 if pl.attention == "mla" else 2
-    if method in ("torch-index", "fused"):
+    if method in ("torch-index", "fused", "nixl-staging-bulk"):
         return len(pl.pieces[r])
     if method in ("staging", "nixl-staging"):
         return len(pl.pieces[r]) * layers * sides
@@ -253,7 +254,7 @@ def account(pl: Plan, tokens: int, kv_dtype="bf16", method: str = "fused", block
 
 
 # extra passes over the bytes and launches per piece a method makes on its own device
-_LOCAL = {"torch-index": (1, 1), "staging": (2, 2), "nixl-staging": (2, 2)}
+_LOCAL = {"torch-index": (1, 1), "staging": (2, 2), "nixl-staging": (2, 2), "nixl-staging-bulk": (2, 2)}
 
 
 def _cost(path: str, ceilings):

@@ -58,7 +58,7 @@ def bench(prefill_tp: int, decode_tp: int, layout: str = "hnd", dst_layout: str 
     (triton | torch), verified (the check before timing passed), device; and predicted_ms (reshard.predict over
     `path` of `ceilings`, a kvlab.ceilings_fit.Ceilings, all ranks sharing the device) when ceilings are given.
     The NIXL movers' rows add descriptors_per_request (the most in one prepared request: one decode rank's piece
-    from one prefill rank), post_us and wait_us (medians over the timed calls: posting every request, then posted →
+    from one prefill rank), descriptors (all a move posts), post_us and wait_us (medians over the timed calls: posting every request, then posted →
     all DONE). Refused before anything is allocated: whatever `refusal` names.
     """
     dev = resolve_device(device)
@@ -120,7 +120,8 @@ def bench(prefill_tp: int, decode_tp: int, layout: str = "hnd", dst_layout: str 
             row["predicted_ms"] = pred[s.name]
         if s.name in nixl:
             nx = nixl[s.name]
-            row.update(descriptors_per_request=nx["descriptors_per_request"], post_us=nx["post_us"],
+            row.update(descriptors_per_request=nx["descriptors_per_request"], descriptors=nx["descriptors"],
+                       post_us=nx["post_us"],
                        wait_us=nx["wait_us"], nixl_backend=nx["backend"],
                        nixl_env=" ".join(f"{k}={v}" for k, v in nx["env"].items()))
         rows.append(row)

@@ -10,6 +10,8 @@ plan of kvlab.paged.reshard (which heads each decode rank reads from which prefi
                   runs in nhd); bytes as they are, so both layouts must match
     nixl-staging  staging with its sends as NIXL WRITEs (kvlab.paged.nixl.NixlLink): one prepared request per piece,
                   one descriptor per layer side
+    nixl-staging-bulk  the same with one descriptor per piece: its whole staging buffer (a bulk handoff: nothing
+                  can be sent before every layer is gathered)
     nixl-slices   block-slices as NIXL WRITEs: one prepared request per piece, one descriptor per block slice
 
 Each mover counts the pieces it issues (copies, sends or descriptors) per decode rank. The NIXL movers hold two
@@ -28,8 +30,8 @@ from .pools import indexable
 from .reshard import (METHODS, Piece, Plan, check_pools, contiguous, dst_map, heads_first, table_rows)
 from .reshard_kernels import Geometry, HeadsConfig, copy_heads
 
-__all__ = ["Mover", "TorchIndex", "Fused", "Staging", "BlockSlices", "NixlStaging", "NixlSlices", "make_mover",
-           "move"]
+__all__ = ["Mover", "TorchIndex", "Fused", "Staging", "BlockSlices", "NixlStaging", "NixlStagingBulk", "NixlSlices",
+           "make_mover", "move"]
 
 class Mover:
     """One prepared move of one sequence (indices and buffers made once); `run()` moves it again. `report()`: method,
@@ -199,6 +201,7 @@ class NixlStaging(_OverNixl, Staging):
     `report()["nixl"]`: requests, descriptors per request, median post and wait times (µs) since `reset_stats`."""
 
     method = "nixl-staging"
+    per_layer_side = True  # one descriptor per layer side (what layer-wise sending needs); False: one per piece
 
     def __init__(self, pl: Plan, src, dst, nixl_backend: str = "UCX", **kw):
         super().__init__(pl, src, dst, **kw)
@@ -207,8 +210,8 @@ class NixlStaging(_OverNixl, Staging):
             self._handles = []
             for job in self._jobs:
                 n, send = job[3], job[4]
-                region = n * send.shape[1] * send.element_size()
-                offs = np.arange(send.shape[0] // n, dtype=np.int64) * region
+                region = (n * send.shape[1] if self.per_layer_side else send.numel()) * send.element_size()
+                offs = np.arange(send.nbytes // region, dtype=np.int64) * region
                 self._handles.append(self.link.prepare(send, offs, job[5], offs, region))
         except BaseException:
             self.link.close()
@@ -221,7 +224,16 @@ class NixlStaging(_OverNixl, Staging):
         _devices_done(self.src, self.dst.values())
         self.link.run(self._handles)
         for job in self._jobs:
-            self.counts[job[0]] += self._scatter(*job)
+            n = self._scatter(*job)
+            self.counts[job[0]] += n if self.per_layer_side else 1
+
+
+class NixlStagingBulk(NixlStaging):
+    """nixl-staging with one descriptor per piece, its whole staging buffer (every layer side of the piece's head
+    slice), so posting costs one descriptor a piece: a bulk handoff, not a layer-wise one."""
+
+    method = "nixl-staging-bulk"
+    per_layer_side = False
 
 
 class NixlSlices(_OverNixl, BlockSlices):
@@ -253,7 +265,7 @@ class NixlSlices(_OverNixl, BlockSlices):
             self.counts[job[0]] += len(job[2])
 
 
-_MOVERS = {m.method: m for m in (TorchIndex, Fused, Staging, BlockSlices, NixlStaging, NixlSlices)}
+_MOVERS = {m.method: m for m in (TorchIndex, Fused, Staging, BlockSlices, NixlStaging, NixlStagingBulk, NixlSlices)}
 
 
 def make_mover(method: str, pl: Plan, src: Sequence, dst, **kw) -> Mover:

@@ -54,7 +54,7 @@ GPU_MODEL, GPU_CONTEXT, GPU_PAIRS, GPU_REPEATS = "qwen2.5-7b", "32k", "1-2,2-1,1
 CPU_MODEL, CPU_CONTEXT, CPU_PAIRS, CPU_REPEATS = "kvlab-tiny", "256", "2-1,1-2,1-4", 3
 METHODS = ("fused", "torch-index", "staging")  # block-slices is a host loop: predicted, not timed, at 32k
 # NIXL's forms of staging and block-slices (two agents in this process, UCX): given by name, where NIXL loads
-NIXL_METHODS = ("nixl-staging", "nixl-slices")
+NIXL_METHODS = ("nixl-staging", "nixl-staging-bulk", "nixl-slices")
 CEILING_SIZES = {"gpu": "64K,1M,16M,256M,1G", "cpu": "64K,1M"}
 CEILING_PATH = {"gpu": "d2d_same", "cpu": "h2h"}  # a copy within the device every rank's pool is on
 # the decode check: D processes decode together on the CPU (gloo) from the re-sharded pools of a prompt this long
@@ -100,7 +100,7 @@ PARAMS = (
           "and/or nhd", _names(LAYOUTS, "a pool layout")),
     Param("methods", "str", ",".join(METHODS), "movers timed beside the same-TP copy: fused, torch-index, staging, "
           "and where NIXL loads nixl-staging (staging's sends as NIXL WRITEs, one descriptor per layer side; timed "
-          "beside staging, which it needs) and nixl-slices (one descriptor per block slice, vLLM's way; where a "
+          "beside staging, which it needs), nixl-staging-bulk (one descriptor per staging buffer) and nixl-slices (one descriptor per block slice, vLLM's way; where a "
           "layout would post over 500,000 a repeat it is counted, not timed)", _names(METHODS + NIXL_METHODS,
                                                                                       "a timed mover")),
     Param("block_size", "int", 16, "tokens per block", at_least(1)),
@@ -183,7 +183,7 @@ def check(params) -> Config:
         why = nixl_missing()
         if why:
             raise ValueError(f"methods = {p['methods']!r}: {why}")
-        if "nixl-staging" in methods and "staging" not in methods:
+        if {"nixl-staging", "nixl-staging-bulk"} & set(methods) and "staging" not in methods:
             raise ValueError(f"methods = {p['methods']!r}: nixl-staging is judged against staging (the same buffers "
                              "sent by a copy, as the ipc path would), so give staging too")
     return Config(model=spec.name, context=ctx[0], pairs=pairs, layouts=split(p["layouts"]),
@@ -275,6 +275,7 @@ def summarise(rows: pd.DataFrame, model: str = "") -> pd.DataFrame:
             x_ipc = (statistics.median(ms) / statistics.median(staging), *ratio_ci(ms, staging)) if (
                 nixl and staging) else (nan, nan, nan)
             first = lambda col: float(m[col].iloc[0]) if nixl and col in m else nan  # noqa: E731
+            per_desc = first("post_us") / first("descriptors") if nixl and "descriptors" in m else nan
             med, same_med = statistics.median(ms), statistics.median(same)
             pred = float(m["predicted_ms"].iloc[0]) if "predicted_ms" in m else float("nan")
             same_pred = (float(g[g["method"] == "same-tp"]["predicted_ms"].iloc[0]) if "predicted_ms" in g
@@ -294,7 +295,7 @@ def summarise(rows: pd.DataFrame, model: str = "") -> pd.DataFrame:
                         "backend": str(m["backend"].iloc[0]), "layout": lay, "mode": f"TP {p}→{d}, {method}",
                         "x_ipc": x_ipc[0], "x_ipc_lo": x_ipc[1], "x_ipc_hi": x_ipc[2],
                         "descriptors_per_request": first("descriptors_per_request"), "post_us": first("post_us"),
-                        "wait_us": first("wait_us")})
+                        "wait_us": first("wait_us"), "post_us_per_descriptor": per_desc})
     s = pd.DataFrame(out)
     if len(s):
         s["unverified_all"] = int((~s["verified"]).sum())
@@ -323,8 +324,10 @@ def analyse(record: dict, tables: dict) -> Analysis:
         pred = f"; the calculator said {sig(r.predicted_ms)} ms ({r.pred_err_pct:+.0f} %)" if r.predicted_ms == r.predicted_ms else ""
         nx = ""
         if r.descriptors_per_request == r.descriptors_per_request:
+            each = r.post_us_per_descriptor
             nx = (f"; NIXL: {int(r.descriptors_per_request):,} descriptors per request (a decode rank's piece from "
-                  f"one prefill rank), posting {sig(r.post_us)} µs, posted → done {sig(r.wait_us)} µs")
+                  f"one prefill rank), posting {sig(r.post_us)} µs"
+                  + (f" ({sig(each)} µs a descriptor)" if each == each else "") + f", posted → done {sig(r.wait_us)} µs")
             if r.x_ipc == r.x_ipc:
                 nx += f", {r.x_ipc:.3f}× [{r.x_ipc_lo:.3f}, {r.x_ipc_hi:.3f}] staging's time"
                 values[f"{r.prefill_tp}-{r.decode_tp}.{r.pool_layout}.{r.method}.x_ipc"] = f"{r.x_ipc:.3f}"
@@ -463,13 +466,15 @@ def _nixl_table(analyses: list[Analysis], link, **_) -> str:
                          "× staging [95 %]": (f"{r.x_ipc:.3f} [{r.x_ipc_lo:.3f}, {r.x_ipc_hi:.3f}]"
                                               if r.x_ipc == r.x_ipc else "—"),
                          "descriptors / request": f"{int(r.descriptors_per_request):,}",
-                         "post µs": sig(r.post_us), "posted → done µs": sig(r.wait_us)})
+                         "post µs (a descriptor)": sig(r.post_us) + (f" ({sig(each)})" if (
+                             each := r.post_us_per_descriptor) == each else ""),
+                         "posted → done µs": sig(r.wait_us)})
         nt = a.tables.get("not_timed")
         for r in nt.itertuples() if nt is not None else ():
             rows.append({"run": link(a.where), "context": ctx_label(r.context),
                          "TP": f"{r.prefill_tp} → {r.decode_tp}", "pools": r.pool_layout, "method": r.method,
                          "ms median": "not timed", "× staging [95 %]": "—",
-                         "descriptors / request": f"{r.descriptors:,} a move", "post µs": "—",
+                         "descriptors / request": f"{r.descriptors:,} a move", "post µs (a descriptor)": "—",
                          "posted → done µs": "—"})
     if not rows:
         raise ValueError("no run of these timed a NIXL mover (methods nixl-staging, nixl-slices)")
