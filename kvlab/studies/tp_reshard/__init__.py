@@ -39,7 +39,7 @@ from ...results import Run
 from ...study import Analysis, Param, at_least, check_params, ctx_label, md_table, sig
 
 __all__ = ["NAME", "NOTEBOOK", "TITLE", "QUESTION", "FIGURES", "PARAMS", "Config", "check", "measure", "analyse",
-           "figures", "BLOCKS", "goal_table", "parse_pairs", "summarise"]
+           "figures", "BLOCKS", "goal_table", "parse_pairs", "summarise", "nixl_findings"]
 
 NAME = "tp_reshard"
 NOTEBOOK = "06_tp_reshard"
@@ -275,7 +275,7 @@ def summarise(rows: pd.DataFrame, model: str = "") -> pd.DataFrame:
             x_ipc = (statistics.median(ms) / statistics.median(staging), *ratio_ci(ms, staging)) if (
                 nixl and staging) else (nan, nan, nan)
             first = lambda col: float(m[col].iloc[0]) if nixl and col in m else nan  # noqa: E731
-            per_desc = first("post_us") / first("descriptors") if nixl and "descriptors" in m else nan
+            per_desc = first("post_us") / first("pieces") if nixl and "pieces" in m else nan  # a NIXL piece: a descriptor
             med, same_med = statistics.median(ms), statistics.median(same)
             pred = float(m["predicted_ms"].iloc[0]) if "predicted_ms" in m else float("nan")
             same_pred = (float(g[g["method"] == "same-tp"]["predicted_ms"].iloc[0]) if "predicted_ms" in g
@@ -339,11 +339,32 @@ def analyse(record: dict, tables: dict) -> Analysis:
     for r in nt.itertuples() if nt is not None else ():
         findings.append(f"- Not timed: {r.method} for TP {r.prefill_tp} → {r.decode_tp} on {r.pool_layout} at "
                         f"{ctx_label(r.context)}, {r.descriptors:,} descriptors a move ({r.why_not_timed}).")
+    findings += nixl_findings(s, values)
     findings += calculator_findings(s, tables.get("ceilings"), values)
     findings += decode_findings(dc, values)
     out = ({"reshard": s} | ({"decode_check": dc} if dc is not None and len(dc) else {})
            | ({"not_timed": nt} if nt is not None and len(nt) else {}))
     return Analysis(NAME, record, raw=dict(tables), tables=out, goals=g, findings=findings, values=values)
+
+
+def nixl_findings(s: pd.DataFrame, values: dict) -> list[str]:
+    """Per NIXL mover, over every (P, D, layout) of the run: its time against staging's (min–max of the ratios) and
+    NIXL's posting cost per descriptor (min–max). Fills `values` (`{method}.x_ipc_range`,
+    `{method}.post_us_per_descriptor_range`)."""
+    out = []
+    nx = s[s["method"].str.startswith("nixl")] if len(s) else s
+    for method, m in nx.groupby("method", sort=False) if len(nx) else ():
+        x, each = m["x_ipc"].dropna(), m["post_us_per_descriptor"].dropna()
+        if x.empty or each.empty:
+            continue
+        fmt = lambda v: f"{v:.2f}" if v < 10 else f"{v:,.0f}"  # noqa: E731
+        values[f"{method}.x_ipc_range"] = f"{fmt(x.min())}–{fmt(x.max())}"
+        values[f"{method}.post_us_per_descriptor_range"] = f"{each.min():.1f}–{each.max():.1f}"
+        n = int(m["descriptors_per_request"].max())
+        out.append(f"- {method}: {values[f'{method}.x_ipc_range']}× staging's time over every (P, D, layout), with "
+                   f"{n:,} descriptor{'s' if n != 1 else ''} a request at the most; posting cost "
+                   f"{values[f'{method}.post_us_per_descriptor_range']} µs a descriptor.")
+    return out
 
 
 def decode_findings(dc: pd.DataFrame | None, values: dict) -> list[str]:
