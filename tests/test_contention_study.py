@@ -11,6 +11,8 @@ import pytest
 
 from kvlab import analyse, goals, studies
 from kvlab.cli import main
+from kvlab.paged import nixl_posting
+from kvlab.paged.nixl import nixl_missing
 from kvlab.studies import contention as study
 
 
@@ -115,3 +117,55 @@ def test_gate_both_judges_each_gate_against_the_compute_alone_with_the_same_gate
 def test_a_gate_that_is_not_on_off_or_both_is_one_line(value):
     with pytest.raises(ValueError, match=f"gate = '{value}': give on, off, both"):
         study.check({"gate": value, "device": "cpu"})
+
+
+def test_nixl_posting_that_is_asked_for_where_nixl_does_not_load_is_one_line(monkeypatch):
+    monkeypatch.setattr(study, "nixl_missing", lambda: "nixl is not installed")
+    with pytest.raises(ValueError, match="nixl_posting = 'on': nixl is not installed; give auto or off") as e:
+        study.check({"nixl_posting": "on", "device": "cpu"})
+    assert "\n" not in str(e.value)
+    assert study.check({"device": "cpu"}).nixl_posting is False  # auto: off where it does not load
+    with pytest.raises(ValueError, match="nixl_posting = 'yes': give auto, on or off"):
+        study.check({"nixl_posting": "yes", "device": "cpu"})
+
+
+def test_the_posting_summary_is_the_threads_rate_over_one_threads_from_the_rounds_wall_times():
+    # one thread: 100 µs a request of 56 descriptors; two threads: 150 µs for both requests (1.33× the rate); four:
+    # 400 µs (no faster than one)
+    walls = {1: 100.0, 2: 150.0, 4: 400.0}
+    rows = pd.DataFrame([dict(threads=t, descriptors=56, round=r, thread=i, post_us=w * (0.5 + 0.5 * (i == 0)),
+                              wall_post_us=w + r % 3, done_us=w + 10 + r % 3)
+                         for t, w in walls.items() for r in range(9) for i in range(t)])
+    s = nixl_posting.summarise(rows).set_index("threads")
+    assert s.wall_post_us.to_dict() == pytest.approx({t: w + 1 for t, w in walls.items()})
+    assert s.rate_x_one.to_dict() == pytest.approx({1: 1.0, 2: 2 * 101 / 151, 4: 4 * 101 / 401})
+    assert (s.rate_x_lo <= s.rate_x_one).all() and (s.rate_x_one <= s.rate_x_hi).all()
+    assert s.descriptors_per_s[2] == pytest.approx(1e6 * 2 * 56 / 151)
+    # a thread's own post time: the median over the round's threads, then over the rounds
+    assert s.post_us_per_descriptor[1] == pytest.approx(100 / 56) and s.post_us_per_descriptor[4] == pytest.approx(200 / 56)
+    values = {}
+    (line,) = nixl_posting.findings(s.reset_index(), values)
+    assert values == {"posting.56.rate_x_max": f"{4 * 101 / 401:.2f}", "posting.56.one_thread_us_per_descriptor": "1.8"}
+    assert "4 threads together" in line
+
+
+@pytest.mark.skipif(nixl_missing() is not None, reason="NIXL does not load here")
+def test_a_cpu_run_with_nixl_posting_writes_every_threads_request_and_checks_the_bytes(tmp_path):
+    out = tmp_path / "run"
+    assert main(["contention", "--device", "cpu", "--flows", "1,2", "--size", "1M", "--repeats", "2", "--beside", "off",
+                 "--nixl-posting", "on", "--out", str(out)]) == 0
+    rows = pd.read_csv(out / "nixl_posting.csv")
+    per = rows.groupby(["threads", "descriptors"]).size().to_dict()
+    assert per == {(t, k): 2 * t for t in nixl_posting.THREADS for k in nixl_posting.DESCRIPTORS}
+    assert (rows.post_us > 0).all() and (rows.wall_post_us >= rows.post_us - 1).all() and (rows.nbytes == 4096).all()
+    assert rows.nixl_env.str.contains("UCX_CUDA_IPC_ENABLE_SAME_PROCESS=").all()
+    assert pd.read_csv(out / "posting.csv").equals(pd.read_csv(analyse.analyse(out, tmp_path / "again") / "posting.csv"))
+    t = pd.read_csv(out / "posting.csv")
+    assert len(t) == len(nixl_posting.THREADS) * len(nixl_posting.DESCRIPTORS)
+    assert json.loads((out / "run.json").read_text())["resolved"]["nixl_posting"] is True
+
+
+def test_nixl_posting_refuses_no_threads_in_one_line():
+    with pytest.raises(ValueError, match="give threads and descriptors ≥ 1") as e:
+        nixl_posting.measure(threads=(0,), descriptors=(56,))
+    assert "\n" not in str(e.value)

@@ -11,8 +11,10 @@ N = 1 and 2 only, and predicts the rest — N = 4, 8 and both directions at once
 validation.csv as issue 30 asks. Beside them (`beside`, on by default), what the copies do to a prefill running at
 the same time: a fixed compute load — the matmuls of a Qwen2.5-7B MLP projection at 4k tokens, bf16, on its own
 stream — timed alone and started together with each configuration's copies (beside.csv; the analysis's
-compute_beside.csv: its time against alone, with the ratio's interval, and how long the copies ran against it). On a CPU the same code
-copies between host buffers on threads and multiplies small float32 matrices (the logic only).
+compute_beside.csv: its time against alone, with the ratio's interval, and how long the copies ran against it). And
+(`nixl_posting`, where NIXL loads) NIXL posting under concurrency: 1–8 threads posting prepared requests through one
+pair of agents at once (kvlab.paged.nixl_posting; nixl_posting.csv). On a CPU the same code copies between host
+buffers on threads and multiplies small float32 matrices (the logic only).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from ...intervals import median_ci, ratio_ci
 from ...results import Run
 from ...study import Analysis, Param, at_least, check_params, md_table, sig
 from ...ceilings import parse_size
+from ...paged import nixl_posting
+from ...paged.nixl import nixl_missing
 
 __all__ = ["NAME", "NOTEBOOK", "TITLE", "QUESTION", "FIGURES", "PARAMS", "Config", "check", "measure", "analyse",
            "figures", "BLOCKS", "goal_table", "jain", "summarise", "validation", "beside_summary"]
@@ -62,6 +66,11 @@ def _gate(value, name):
 
 
 GATES = ("on", "off", "both")
+
+
+def _auto_on_off(value, name):
+    if value not in ("auto", "on", "off"):
+        raise ValueError(f"{name} = {value!r}: give auto, on or off")
 
 
 def _flows(value, name):
@@ -96,6 +105,9 @@ PARAMS = (
     Param("gate", "str", "on", "the compute-beside rounds on a GPU start behind a GPU sleep, so the host has queued "
           "every copy before any runs (on), without it (off), or both, each configuration both ways in the same "
           "rotated rounds (both: what the gate changes, in one run)", _gate),
+    Param("nixl_posting", "str", "auto", "on: also time NIXL posting under concurrency (1, 2, 4, 8 threads posting "
+          "requests of 56 and 448 descriptors at once through one pair of agents: nixl_posting.csv); \"auto\": on "
+          "where NIXL loads; off: not", _auto_on_off),
 )
 
 
@@ -110,10 +122,11 @@ class Config:
     paths: tuple
     beside: bool = True
     gate: str = "on"
+    nixl_posting: bool = False
 
     def resolved(self) -> dict:
         return {"flows": self.flows, "size_bytes": self.size, "device": str(self.device), "repeats": self.repeats,
-                "paths": list(self.paths), "beside": self.beside, "gate": self.gate,
+                "paths": list(self.paths), "beside": self.beside, "gate": self.gate, "nixl_posting": self.nixl_posting,
                 **({"compute": _Compute.describe(self.device)} if self.beside else {})}
 
 
@@ -130,8 +143,12 @@ def check(params) -> Config:
     if free is not None and need > 0.8 * free:
         raise ValueError(f"{max(flows)} flows of {size / 2**20:.0f} MiB need about {need / 2**30:.1f} GiB of host "
                          f"memory and {free / 2**30:.1f} GiB is free; give a smaller --size or fewer --flows")
+    why = nixl_missing() if p["nixl_posting"] != "off" else None
+    if why and p["nixl_posting"] == "on":
+        raise ValueError(f"nixl_posting = 'on': {why}; give auto or off")
     return Config(flows=flows, size=size, device=dev, repeats=p["repeats"] or (GPU_REPEATS if gpu else CPU_REPEATS),
-                  paths=GPU_PATHS if gpu else CPU_PATHS, beside=p["beside"] == "on", gate=p["gate"])
+                  paths=GPU_PATHS if gpu else CPU_PATHS, beside=p["beside"] == "on", gate=p["gate"],
+                  nixl_posting=p["nixl_posting"] != "off" and not why)
 
 
 class _Compute:
@@ -336,6 +353,12 @@ def measure(cfg: Config, run: Run) -> None:
                                  "compute_ms": c_ms, "copies_ms": copies_ms})
         bar.close()
         run.save_table(pd.DataFrame(side), "beside")
+    if cfg.nixl_posting:
+        n = len(nixl_posting.THREADS) * len(nixl_posting.DESCRIPTORS) * (cfg.repeats + 1)
+        with tqdm(total=n, desc="nixl posting", unit="config") as bar:
+            rows = nixl_posting.measure(rounds=cfg.repeats, device=dev, nbytes=(64 if gpu else 4) << 10,
+                                        progress=bar.update)  # 4 KiB descriptors on a CPU: the logic only
+        run.save_table(rows, "nixl_posting")
 
 
 def jain(rates) -> float:
@@ -470,6 +493,9 @@ def analyse(record: dict, tables: dict) -> Analysis:
                             f"{values[key]} % slower ({_PATH_NAMES.get(worst.path, worst.path)}, "
                             f"{worst.flows} flows: {worst.slowdown:.3f}× [{worst.slowdown_lo:.3f}, "
                             f"{worst.slowdown_hi:.3f}]).")
+    if "nixl_posting" in tables:
+        out["posting"] = nixl_posting.summarise(tables["nixl_posting"])  # posting.csv beside the raw rows
+        findings += nixl_posting.findings(out["posting"], values)
     return Analysis(NAME, record, raw=dict(tables), tables=out, goals=g, findings=findings, values=values)
 
 
@@ -509,7 +535,7 @@ def figures(a: Analysis) -> dict:
         ax.set_xticks(list(xs), [f"{n}\n{j:.2f}" for n, j in zip(t["flows"], t["jain"])])
         ax.set_xlabel("flows (below: Jain's index)")
         ax.set_title(_PATH_NAMES.get(path, path), fontsize=11)
-        ax.set_ylim(0, max(t["aggregate_hi"].max(), t["ceiling_gbps"].iloc[0]) * 1.3)
+        ax.set_ylim(0, pd.concat([t["aggregate_hi"], t["aggregate_gbps"], t["ceiling_gbps"]]).max() * 1.3)  # NaN: too few rounds
     axes[0][0].set_ylabel("aggregate GB/s (dotted: the path's ceiling)")
     axes[0][0].legend(fontsize=8.5, frameon=False, loc="upper left")
     fig.suptitle(f"N copies of {s['bytes_per_flow'].iloc[0] / 2**20:.0f} MiB sharing one path at once", fontsize=12)
@@ -549,4 +575,17 @@ def _beside(analyses: list[Analysis], link, **_) -> str:
     return md_table(pd.DataFrame(rows))
 
 
-BLOCKS = {"table": _table, "beside": _beside}
+def _posting(analyses: list[Analysis], link, **_) -> str:
+    """Per run, descriptors a request and posting threads: the wall time from the release until the last post
+    returned with its interval, the aggregate posting rate, its ratio to one thread's with the ratio's interval, and
+    a thread's own post time per descriptor."""
+    rows = [{"run": link(a.where), "descriptors": r.descriptors, "threads": r.threads,
+             "wall µs [95 %]": f"{sig(r.wall_post_us)} [{sig(r.wall_lo)}, {sig(r.wall_hi)}]",
+             "descriptors / s": f"{r.descriptors_per_s:,.0f}",
+             "× one thread [95 %]": f"{r.rate_x_one:.2f} [{r.rate_x_lo:.2f}, {r.rate_x_hi:.2f}]",
+             "post µs / descriptor": f"{r.post_us_per_descriptor:.1f}"}
+            for a in analyses if "posting" in a.tables for r in a.tables["posting"].itertuples()]
+    return md_table(pd.DataFrame(rows))
+
+
+BLOCKS = {"table": _table, "beside": _beside, "posting": _posting}
