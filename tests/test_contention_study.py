@@ -124,7 +124,7 @@ def test_nixl_posting_that_is_asked_for_where_nixl_does_not_load_is_one_line(mon
     with pytest.raises(ValueError, match="nixl_posting = 'on': nixl is not installed; give auto or off") as e:
         study.check({"nixl_posting": "on", "device": "cpu"})
     assert "\n" not in str(e.value)
-    assert study.check({"device": "cpu"}).nixl_posting is False  # auto: off where it does not load
+    assert study.check({"device": "cpu"}).nixl_posting is False  # auto: off where it does not load, and on a CPU
     with pytest.raises(ValueError, match="nixl_posting = 'yes': give auto, on or off"):
         study.check({"nixl_posting": "yes", "device": "cpu"})
 
@@ -145,8 +145,15 @@ def test_the_posting_summary_is_the_threads_rate_over_one_threads_from_the_round
     assert s.post_us_per_descriptor[1] == pytest.approx(100 / 56) and s.post_us_per_descriptor[4] == pytest.approx(200 / 56)
     values = {}
     (line,) = nixl_posting.findings(s.reset_index(), values)
-    assert values == {"posting.56.rate_x_max": f"{4 * 101 / 401:.2f}", "posting.56.one_thread_us_per_descriptor": "1.8"}
-    assert "4 threads together" in line
+    assert values == {"posting.shared-agents.56.rate_x_max": f"{4 * 101 / 401:.2f}",
+                      "posting.shared-agents.56.one_us_per_descriptor": "1.8"}
+    assert "4 together" in line and "threads through one pair of agents" in line  # rows from before the modes
+    # each mode against its own one poster: processes twice as fast alone do not change the threads' ratio
+    both = pd.concat([rows.assign(mode="shared-agents"),
+                      rows.assign(mode="processes", wall_post_us=rows.wall_post_us / 2)])
+    t = nixl_posting.summarise(both).set_index(["mode", "threads"])
+    assert t.rate_x_one.to_dict() == pytest.approx({(m, n): x for m in ("shared-agents", "processes")
+                                                    for n, x in s.rate_x_one.items()})
 
 
 @pytest.mark.skipif(nixl_missing() is not None, reason="NIXL does not load here")
@@ -155,17 +162,20 @@ def test_a_cpu_run_with_nixl_posting_writes_every_threads_request_and_checks_the
     assert main(["contention", "--device", "cpu", "--flows", "1,2", "--size", "1M", "--repeats", "2", "--beside", "off",
                  "--nixl-posting", "on", "--out", str(out)]) == 0
     rows = pd.read_csv(out / "nixl_posting.csv")
-    per = rows.groupby(["threads", "descriptors"]).size().to_dict()
-    assert per == {(t, k): 2 * t for t in nixl_posting.THREADS for k in nixl_posting.DESCRIPTORS}
+    per = rows.groupby(["mode", "threads", "descriptors"]).size().to_dict()
+    assert per == {(m, t, k): 2 * t for m in nixl_posting.MODES for t in (1, 2) for k in nixl_posting.DESCRIPTORS}
     assert (rows.post_us > 0).all() and (rows.wall_post_us >= rows.post_us - 1).all() and (rows.nbytes == 4096).all()
     assert rows.nixl_env.str.contains("UCX_CUDA_IPC_ENABLE_SAME_PROCESS=").all()
     assert pd.read_csv(out / "posting.csv").equals(pd.read_csv(analyse.analyse(out, tmp_path / "again") / "posting.csv"))
     t = pd.read_csv(out / "posting.csv")
-    assert len(t) == len(nixl_posting.THREADS) * len(nixl_posting.DESCRIPTORS)
+    assert len(t) == len(nixl_posting.MODES) * 2 * len(nixl_posting.DESCRIPTORS)
+    assert (t[t.threads == 1].rate_x_one == 1).all()
     assert json.loads((out / "run.json").read_text())["resolved"]["nixl_posting"] is True
 
 
-def test_nixl_posting_refuses_no_threads_in_one_line():
-    with pytest.raises(ValueError, match="give threads and descriptors ≥ 1") as e:
-        nixl_posting.measure(threads=(0,), descriptors=(56,))
+@pytest.mark.parametrize("kw,match", [({"threads": (0,)}, "give threads and descriptors ≥ 1"),
+                                       ({"modes": ("fast",)}, "give one or more of shared-agents, agents-per-thread")])
+def test_nixl_posting_refuses_bad_arguments_in_one_line(kw, match):
+    with pytest.raises(ValueError, match=match) as e:
+        nixl_posting.measure(**kw)
     assert "\n" not in str(e.value)

@@ -12,8 +12,8 @@ validation.csv as issue 30 asks. Beside them (`beside`, on by default), what the
 the same time: a fixed compute load — the matmuls of a Qwen2.5-7B MLP projection at 4k tokens, bf16, on its own
 stream — timed alone and started together with each configuration's copies (beside.csv; the analysis's
 compute_beside.csv: its time against alone, with the ratio's interval, and how long the copies ran against it). And
-(`nixl_posting`, where NIXL loads) NIXL posting under concurrency: 1–8 threads posting prepared requests through one
-pair of agents at once (kvlab.paged.nixl_posting; nixl_posting.csv). On a CPU the same code copies between host
+(`nixl_posting`, where NIXL loads) NIXL posting under concurrency: 1–8 threads or processes posting prepared requests
+at once (kvlab.paged.nixl_posting; nixl_posting.csv). On a CPU the same code copies between host
 buffers on threads and multiplies small float32 matrices (the logic only).
 """
 
@@ -105,9 +105,10 @@ PARAMS = (
     Param("gate", "str", "on", "the compute-beside rounds on a GPU start behind a GPU sleep, so the host has queued "
           "every copy before any runs (on), without it (off), or both, each configuration both ways in the same "
           "rotated rounds (both: what the gate changes, in one run)", _gate),
-    Param("nixl_posting", "str", "auto", "on: also time NIXL posting under concurrency (1, 2, 4, 8 threads posting "
-          "requests of 56 and 448 descriptors at once through one pair of agents: nixl_posting.csv); \"auto\": on "
-          "where NIXL loads; off: not", _auto_on_off),
+    Param("nixl_posting", "str", "auto", "on: also time NIXL posting under concurrency (1, 2, 4, 8 posters at once, "
+          "each a request of 56 or 448 descriptors: threads through one pair of agents, threads with a pair each, "
+          "processes with a pair each; nixl_posting.csv; on a CPU 1 and 2 posters, the logic only); \"auto\": on where "
+          "NIXL loads and the device is a GPU; off: not", _auto_on_off),
 )
 
 
@@ -143,7 +144,7 @@ def check(params) -> Config:
     if free is not None and need > 0.8 * free:
         raise ValueError(f"{max(flows)} flows of {size / 2**20:.0f} MiB need about {need / 2**30:.1f} GiB of host "
                          f"memory and {free / 2**30:.1f} GiB is free; give a smaller --size or fewer --flows")
-    why = nixl_missing() if p["nixl_posting"] != "off" else None
+    why = nixl_missing() if p["nixl_posting"] == "on" or p["nixl_posting"] == "auto" and gpu else "off"
     if why and p["nixl_posting"] == "on":
         raise ValueError(f"nixl_posting = 'on': {why}; give auto or off")
     return Config(flows=flows, size=size, device=dev, repeats=p["repeats"] or (GPU_REPEATS if gpu else CPU_REPEATS),
@@ -354,10 +355,11 @@ def measure(cfg: Config, run: Run) -> None:
         bar.close()
         run.save_table(pd.DataFrame(side), "beside")
     if cfg.nixl_posting:
-        n = len(nixl_posting.THREADS) * len(nixl_posting.DESCRIPTORS) * (cfg.repeats + 1)
+        posters = nixl_posting.THREADS if gpu else (1, 2)  # on a CPU the logic only: 1 and 2 posters of 4 KiB
+        n = len(nixl_posting.MODES) * len(posters) * len(nixl_posting.DESCRIPTORS) * (cfg.repeats + 1)
         with tqdm(total=n, desc="nixl posting", unit="config") as bar:
-            rows = nixl_posting.measure(rounds=cfg.repeats, device=dev, nbytes=(64 if gpu else 4) << 10,
-                                        progress=bar.update)  # 4 KiB descriptors on a CPU: the logic only
+            rows = nixl_posting.measure(posters, rounds=cfg.repeats, device=dev, nbytes=(64 if gpu else 4) << 10,
+                                        progress=bar.update)
         run.save_table(rows, "nixl_posting")
 
 
@@ -576,10 +578,10 @@ def _beside(analyses: list[Analysis], link, **_) -> str:
 
 
 def _posting(analyses: list[Analysis], link, **_) -> str:
-    """Per run, descriptors a request and posting threads: the wall time from the release until the last post
-    returned with its interval, the aggregate posting rate, its ratio to one thread's with the ratio's interval, and
-    a thread's own post time per descriptor."""
-    rows = [{"run": link(a.where), "descriptors": r.descriptors, "threads": r.threads,
+    """Per run, posting mode, descriptors a request and posters: the wall time from the release until the last post
+    returned with its interval, the aggregate posting rate, its ratio to one poster's with the ratio's interval, and
+    a poster's own post time per descriptor."""
+    rows = [{"run": link(a.where), "posters": r.mode, "descriptors": r.descriptors, "n": r.threads,
              "wall µs [95 %]": f"{sig(r.wall_post_us)} [{sig(r.wall_lo)}, {sig(r.wall_hi)}]",
              "descriptors / s": f"{r.descriptors_per_s:,.0f}",
              "× one thread [95 %]": f"{r.rate_x_one:.2f} [{r.rate_x_lo:.2f}, {r.rate_x_hi:.2f}]",
