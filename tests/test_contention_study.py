@@ -145,13 +145,15 @@ def test_the_posting_summary_is_the_threads_rate_over_one_threads_from_the_round
     assert s.post_us_per_descriptor[1] == pytest.approx(100 / 56) and s.post_us_per_descriptor[4] == pytest.approx(200 / 56)
     values = {}
     (line,) = nixl_posting.findings(s.reset_index(), values)
-    assert values == {"posting.shared-agents.56.rate_x_max": f"{4 * 101 / 401:.2f}",
-                      "posting.shared-agents.56.one_us_per_descriptor": "1.8"}
-    assert "4 together" in line and "threads through one pair of agents" in line  # rows from before the modes
+    assert values == {"posting.shared-agents.prog.56.rate_x_max": f"{4 * 101 / 401:.2f}",
+                      "posting.shared-agents.prog.56.one_us_per_descriptor": "1.8"}
+    # rows from before the modes: one shared pair of agents with NIXL's default progress thread
+    assert "4 together" in line and "threads through one pair of agents (with NIXL's progress thread)" in line
     # each mode against its own one poster: processes twice as fast alone do not change the threads' ratio
     both = pd.concat([rows.assign(mode="shared-agents"),
                       rows.assign(mode="processes", wall_post_us=rows.wall_post_us / 2)])
     t = nixl_posting.summarise(both).set_index(["mode", "threads"])
+    assert t.index.get_level_values(0).unique().tolist() == ["shared-agents", "processes"]  # in MODES' order
     assert t.rate_x_one.to_dict() == pytest.approx({(m, n): x for m in ("shared-agents", "processes")
                                                     for n, x in s.rate_x_one.items()})
 
@@ -162,8 +164,8 @@ def test_a_cpu_run_with_nixl_posting_writes_every_threads_request_and_checks_the
     assert main(["contention", "--device", "cpu", "--flows", "1,2", "--size", "1M", "--repeats", "2", "--beside", "off",
                  "--nixl-posting", "on", "--out", str(out)]) == 0
     rows = pd.read_csv(out / "nixl_posting.csv")
-    per = rows.groupby(["mode", "threads", "descriptors"]).size().to_dict()
-    assert per == {(m, t, k): 2 * t for m in nixl_posting.MODES for t in (1, 2) for k in nixl_posting.DESCRIPTORS}
+    per = rows.groupby(["mode", "progress_thread", "threads", "descriptors"]).size().to_dict()
+    assert per == {(m, False, t, k): 2 * t for m in nixl_posting.MODES for t in (1, 2) for k in nixl_posting.DESCRIPTORS}
     assert (rows.post_us > 0).all() and (rows.wall_post_us >= rows.post_us - 1).all() and (rows.nbytes == 4096).all()
     assert rows.nixl_env.str.contains("UCX_CUDA_IPC_ENABLE_SAME_PROCESS=").all()
     assert pd.read_csv(out / "posting.csv").equals(pd.read_csv(analyse.analyse(out, tmp_path / "again") / "posting.csv"))
@@ -171,6 +173,18 @@ def test_a_cpu_run_with_nixl_posting_writes_every_threads_request_and_checks_the
     assert len(t) == len(nixl_posting.MODES) * 2 * len(nixl_posting.DESCRIPTORS)
     assert (t[t.threads == 1].rate_x_one == 1).all()
     assert json.loads((out / "run.json").read_text())["resolved"]["nixl_posting"] is True
+
+
+@pytest.mark.skipif(nixl_missing() is not None, reason="NIXL does not load here")
+def test_posting_with_the_progress_thread_lands_every_request_and_each_phase_closes_its_agents():
+    import threading
+    before = threading.active_count()
+    rows = nixl_posting.measure((1, 2), (3,), nbytes=4096, rounds=2, modes=("shared-agents", "agents-per-thread"),
+                                progress_threads=(True,))
+    assert rows.groupby(["mode", "threads"]).size().to_dict() == {(m, t): 2 * t for m in ("shared-agents",
+                                                                                      "agents-per-thread") for t in (1, 2)}
+    assert rows.progress_thread.all() and (rows.done_us >= rows.wall_post_us).all() and (rows.cpus >= 1).all()
+    assert threading.active_count() == before  # the posting threads are joined
 
 
 @pytest.mark.parametrize("kw,match", [({"threads": (0,)}, "give threads and descriptors ≥ 1"),

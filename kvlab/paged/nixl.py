@@ -112,15 +112,24 @@ class NixlLink:
     tensors registered on the second (`destinations`), which is then made known to the first, as a peer would be.
     `prepare` makes one request of many descriptors, once; `run(handles)` posts them all, then polls each to DONE.
     Per run, `post_s` (the posting calls) and `wait_s` (posted → all DONE) are kept, in seconds.
-    Not stream-ordered: the caller waits for the GPU work that wrote the sources before `run`."""
+    Not stream-ordered: the caller waits for the GPU work that wrote the sources before `run`. `progress_thread`:
+    NIXL's progress thread in each agent (its default), or none. `thread_safe`: strict synchronisation in both agents
+    (for several threads posting through them at once)."""
 
-    def __init__(self, sources, destinations, backend: str = "UCX"):
+    def __init__(self, sources, destinations, backend: str = "UCX", progress_thread: bool = True,
+                 thread_safe: bool = False):
         why = nixl_missing()
         if why:
             raise RuntimeError(why)
         api = nixl_api()
         k = next(_NIXL_AGENTS)
-        conf = api.nixl_agent_config(backends=[backend])
+        # progress_thread: NIXL's default, a thread per agent that polls the backend (it keeps a core busy while the
+        # agent lives); without it `wait` makes the progress of both agents while it polls
+        self.progress_thread = bool(progress_thread)
+        # thread_safe: NIXL's strict synchronisation, for agents that several threads call at once (its default for
+        # an agent without a listener thread is none: concurrent calls are not its business, and crash without it)
+        sync = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if thread_safe else None
+        conf = api.nixl_agent_config(enable_prog_thread=self.progress_thread, backends=[backend], sync_mode=sync)
         self.env = same_process_env()
         self.backend, self.target_name = backend, f"kvlab-link-dst-{k}"
         self.initiator = api.nixl_agent(f"kvlab-link-src-{k}", conf)
@@ -161,12 +170,19 @@ class NixlLink:
         states = [agent.transfer(h) for h in handles]
         t1 = time.perf_counter()
         for h, state in zip(handles, states):
-            while state == "PROC":
-                state = agent.check_xfer_state(h)
-            if state != "DONE":
-                raise RuntimeError(f"nixl transfer ended in state {state!r}")
+            self.wait(h, state)
         self.post_s.append(t1 - t0)
         self.wait_s.append(time.perf_counter() - t1)
+
+    def wait(self, handle, state: str = "PROC") -> None:
+        """Poll a posted request until NIXL says DONE (any other end is an error). Without progress threads the
+        target agent is progressed here too (a peer's own thread would do it), through its notification check."""
+        while state == "PROC":
+            if not self.progress_thread:
+                self.target.get_new_notifs()
+            state = self.initiator.check_xfer_state(handle)
+        if state != "DONE":
+            raise RuntimeError(f"nixl transfer ended in state {state!r}")
 
     def reset(self) -> None:
         """Forget the runs' post and wait times (after a check run, before the timed ones)."""

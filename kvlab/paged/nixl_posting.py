@@ -1,21 +1,30 @@
 """NIXL posting under concurrency (issue 30): T posters, each posting its own prepared WRITE request of K descriptors,
 released together by a barrier. Three ways (`MODES`): T threads through one pair of NIXL agents (kvlab.paged.nixl.
 NixlLink, both in this process; `shared-agents`), T threads each through a pair of its own (`agents-per-thread`), and T
-processes each with its own pair (`processes`). If the threads' rate stays at one thread's while the processes' grows,
-what serialises the posting is this process's interpreter lock (the binding keeps it while it posts), not the agent.
+spawned processes each with its own pair (`processes`) — and each with NIXL's progress thread in every agent (its
+default) or without (`progress_thread`). The shared pair is made thread-safe (NIXL's strict synchronisation: without
+it an agent takes no locks, and two threads posting at once crashed it here); the others keep NIXL's default. If the threads' rate stays at one thread's while the processes' grows, what
+serialises the posting is this process's interpreter lock, not the agent.
+
+Why phases: a NIXL agent's progress thread polls its backend without pause, so an agent that merely exists keeps a
+core busy (run 20261204-202448-h200 kept every mode's 17 pairs alive at once on the H200 host's 16 cores, and every
+rate fell, one thread's included). Here only one phase's posters exist at a time: a phase is (mode, progress thread,
+T), its T posters are made, run every descriptor count for all rounds (rotated), and are closed before the next.
 
 The re-shard runs found posting, not copying, to be what NIXL costs on this host (about 10 µs of host time a
-descriptor, docs/results/tp_reshard.md). Does a second posting thread double the rate, or do the threads queue behind
-one another (a lock in the agent, or the interpreter's)? Per round and thread: how long its `transfer()` call took
-(post_us), and, for the round, the time from the release (or the first post, where a poster began before the parent
-read its clock) until the last call returned (wall_post_us) and until every request was DONE (done_us): time.perf_counter, the system's monotonic clock, which every process reads alike. Descriptors are small (`nbytes`, 64 KiB by default) so that the posting, not the bytes,
-sets the time. `summarise`: per (mode, threads, descriptors), the median wall time with its interval, the aggregate
-posting rate (descriptors a second) and its ratio to one poster's in the same mode with that ratio's interval.
+descriptor, docs/results/tp_reshard.md). Per round and poster: how long its `transfer()` call took (post_us), and,
+for the round, the time from the release (or the first post, where a poster began before the parent read its clock)
+until the last call returned (wall_post_us) and until every request was DONE (done_us): time.perf_counter, the
+system's monotonic clock, which every process reads alike. Descriptors are small (`nbytes`, 64 KiB by default) so
+that the posting, not the bytes, sets the time. `summarise`: per (mode, progress thread, T, K), the median wall time
+with its interval, the aggregate posting rate (descriptors a second) and its ratio to one poster's of the same mode
+and progress thread, with that ratio's interval.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import statistics
 import threading
 import time
@@ -35,11 +44,12 @@ MODES = ("shared-agents", "agents-per-thread", "processes")
 
 
 class _Poster:
-    """One poster's own bytes (a source and a destination tensor of kmax descriptors of `nbytes`), the link it posts
-    through (its own, or `link` shared with others) and a prepared request per descriptor count."""
+    """One poster's own bytes (kmax descriptors of `nbytes` in a source and a destination tensor), the link it posts
+    through (its own, or `link` shared, its bytes at slot `index` of the shared tensors) and a prepared request per
+    descriptor count."""
 
-    def __init__(self, descriptors, nbytes: int, dev: torch.device, link: NixlLink | None = None, index: int = 0,
-                 src=None, dst=None):
+    def __init__(self, descriptors, nbytes: int, dev: torch.device, progress_thread: bool = True,
+                 link: NixlLink | None = None, index: int = 0, src=None, dst=None):
         kmax = max(descriptors)
         self.own = link is None
         if self.own:
@@ -47,70 +57,43 @@ class _Poster:
             dst = torch.zeros_like(src)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
-            link, index = NixlLink([src], [dst]), 0
+            link, index = NixlLink([src], [dst], progress_thread=progress_thread), 0
         self.link, self.src, self.dst = link, src, dst
-        self.handles = {k: link.prepare(src, (index * kmax + np.arange(k, dtype=np.int64)) * nbytes, dst,
-                                        (index * kmax + np.arange(k, dtype=np.int64)) * nbytes, nbytes)
-                        for k in descriptors}
+        self.handles = {}
+        for k in descriptors:
+            offs = (index * kmax + np.arange(k, dtype=np.int64)) * nbytes
+            self.handles[k] = link.prepare(src, offs, dst, offs, nbytes)
 
     def post(self, k: int) -> tuple[float, float, float]:
         """(posted at, post returned at, DONE at) for the request of k descriptors."""
-        agent, h = self.link.initiator, self.handles[k]
+        h = self.handles[k]
         t0 = time.perf_counter()
-        state = agent.transfer(h)
+        state = self.link.initiator.transfer(h)
         t1 = time.perf_counter()
-        while state == "PROC":
-            state = agent.check_xfer_state(h)
-        t2 = time.perf_counter()
-        if state != "DONE":
-            raise RuntimeError(f"nixl transfer ended in state {state!r}")
-        return t0, t1, t2
+        self.link.wait(h, state)
+        return t0, t1, time.perf_counter()
 
     def close(self) -> bool:
         """Close an own link; True when its destination holds its source."""
-        ok = torch.equal(self.src, self.dst) if self.own else True
-        if self.own:
-            self.link.close()
+        if not self.own:
+            return True
+        ok = torch.equal(self.src, self.dst)
+        self.link.close()
         return ok
 
 
-def _process_poster(index, descriptors, nbytes, device, conn, gates) -> None:
-    """A posting process: sets up its poster, says ready, then per command k (None: stop) waits at the barrier of
-    its configuration and posts; sends back its times, or the error's text."""
+def _process_poster(index, descriptors, nbytes, device, progress_thread, conn, gate) -> None:
+    """A posting process: sets up its poster, says ready, then per command k (None: stop) waits at the phase's
+    barrier and posts; sends back its times, at the end whether its bytes arrived, or an error's text."""
     try:
-        poster = _Poster(descriptors, nbytes, torch.device(device), index=index)
+        poster = _Poster(descriptors, nbytes, torch.device(device), progress_thread, index=index)
         conn.send("ready")
-        while (cmd := conn.recv()) is not None:
-            t, k = cmd
-            gates[t].wait()
+        while (k := conn.recv()) is not None:
+            gate.wait()
             conn.send(poster.post(k))
         conn.send(poster.close())
     except BaseException as exc:  # the parent raises it
         conn.send(f"{type(exc).__name__}: {exc}")
-
-
-def _threads_post(posters, k) -> tuple[list[tuple[float, float, float]], float]:
-    """Each poster posts its request of k descriptors on a thread of its own, all released by one barrier. Returns
-    per poster (posted at, post returned at, DONE at) and the release time, on time.perf_counter's clock."""
-    gate, out, errors = threading.Barrier(len(posters) + 1), [None] * len(posters), []
-
-    def work(i, p):
-        gate.wait()
-        try:
-            out[i] = p.post(k)
-        except Exception as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(i, p)) for i, p in enumerate(posters)]
-    for t in threads:
-        t.start()
-    gate.wait()
-    t_rel = time.perf_counter()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return out, t_rel
 
 
 def _reply(conn):
@@ -120,40 +103,93 @@ def _reply(conn):
     return got
 
 
-class _Processes:
-    """tmax posting processes (spawned: CUDA does not survive a fork), each with its own pair of agents."""
+class _Threads:
+    """T posters in this process, each posting on a thread of its own when released: through one shared pair of
+    agents (shared) or a pair each."""
 
-    def __init__(self, tmax, threads, descriptors, nbytes, dev):
+    def __init__(self, t, descriptors, nbytes, dev, progress_thread, shared: bool):
+        self.link = None
+        if shared:  # one pair of agents, the posters' bytes side by side in one pair of tensors
+            kmax = max(descriptors)
+            self.src = torch.ones(t * kmax * nbytes, dtype=torch.uint8, device=dev)
+            self.dst = torch.zeros_like(self.src)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            self.link = NixlLink([self.src], [self.dst], progress_thread=progress_thread, thread_safe=True)
+        self.posters = []
+        try:
+            for i in range(t):
+                self.posters.append(_Poster(descriptors, nbytes, dev, progress_thread, self.link, i,
+                                            *((self.src, self.dst) if shared else (None, None))))
+        except BaseException:
+            self.close()
+            raise
+
+    def post(self, k):
+        """Every poster's request of k descriptors, released by one barrier: per poster (posted at, returned at, DONE
+        at) and the release time."""
+        gate, out, errors = threading.Barrier(len(self.posters) + 1), [None] * len(self.posters), []
+
+        def work(i, p):
+            gate.wait()
+            try:
+                out[i] = p.post(k)
+            except Exception as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(i, p)) for i, p in enumerate(self.posters)]
+        for th in threads:
+            th.start()
+        gate.wait()
+        t_rel = time.perf_counter()
+        for th in threads:
+            th.join()
+        if errors:
+            raise errors[0]
+        return out, t_rel
+
+    def close(self) -> bool:
+        ok = all([p.close() for p in self.posters])
+        if self.link is not None:
+            ok = torch.equal(self.src, self.dst) and ok
+            self.link.close()
+        return ok
+
+
+class _Processes:
+    """T posting processes (spawned: CUDA does not survive a fork), each with its own pair of agents."""
+
+    def __init__(self, t, descriptors, nbytes, dev, progress_thread):
         ctx = mp.get_context("spawn")
-        self.gates = {t: ctx.Barrier(t + 1) for t in threads}
+        self.gate = ctx.Barrier(t + 1)
         self.conns, self.procs = [], []
         try:
-            for i in range(tmax):
+            for i in range(t):
                 mine, theirs = ctx.Pipe()
-                proc = ctx.Process(target=_process_poster, args=(i, descriptors, nbytes, str(dev), theirs, self.gates),
-                                   daemon=True)
+                proc = ctx.Process(target=_process_poster, daemon=True,
+                                   args=(i, descriptors, nbytes, str(dev), progress_thread, theirs, self.gate))
                 proc.start()
                 self.conns.append(mine)
                 self.procs.append(proc)
             for c in self.conns:
                 _reply(c)
         except BaseException:
-            self.close(check=False)
+            self.close()
             raise
 
-    def post(self, t, k):
-        for c in self.conns[:t]:
-            c.send((t, k))
-        self.gates[t].wait()
+    def post(self, k):
+        for c in self.conns:
+            c.send(k)
+        self.gate.wait()
         t_rel = time.perf_counter()
-        return [tuple(_reply(c)) for c in self.conns[:t]], t_rel
+        return [tuple(_reply(c)) for c in self.conns], t_rel
 
-    def close(self, check=True) -> bool:
+    def close(self) -> bool:
         ok = True
-        for c, proc in zip(self.conns, self.procs):
+        for c in self.conns:
             try:
                 c.send(None)
-                ok = bool(_reply(c)) and ok if check else ok
+                ok = _reply(c) is True and ok
             except (OSError, EOFError, RuntimeError):
                 ok = False
         for proc in self.procs:
@@ -163,109 +199,115 @@ class _Processes:
         return ok
 
 
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 0
+
+
 def measure(threads=THREADS, descriptors=DESCRIPTORS, nbytes: int = 64 << 10, rounds: int = 10, warmup: int = 1,
-            device=None, modes=MODES, progress=None) -> pd.DataFrame:
-    """Rows (mode, threads, descriptors, round, thread, post_us, wall_post_us, done_us, nbytes, device, nixl_env):
-    every (mode, threads, descriptors) configuration once a round, in rotated order, after `warmup` rounds ("threads"
-    counts the posters, processes in mode `processes`). Each poster's request covers its own bytes on `device` (a GPU:
-    VRAM; else host memory); every destination is checked against its source at the end. `progress`: a callable told
-    once per configuration run."""
+            device=None, modes=MODES, progress_threads=(False, True), progress=None) -> pd.DataFrame:
+    """Rows (mode, progress_thread, threads, descriptors, round, thread, post_us, wall_post_us, done_us, nbytes,
+    device, cpus, nixl_env), phase by phase (mode, progress thread, T posters — "threads" counts processes in mode
+    `processes`): the phase's posters are made, every descriptor count runs once a round in rotated order after
+    `warmup` rounds, and the posters are closed, each checking that its destination holds its source. Each poster's
+    request covers its own bytes on `device` (a GPU: VRAM; else host memory). `progress`: a callable told once per
+    configuration run."""
     threads, descriptors = sorted({int(t) for t in threads}), sorted({int(k) for k in descriptors})
-    modes = list(dict.fromkeys(modes))
+    modes, progress_threads = list(dict.fromkeys(modes)), list(dict.fromkeys(bool(p) for p in progress_threads))
     if not threads or min(threads) < 1 or not descriptors or min(descriptors) < 1 or nbytes < 1 or rounds < 1:
         raise ValueError(f"threads={threads}, descriptors={descriptors}, nbytes={nbytes}, rounds={rounds}: give "
                          "threads and descriptors ≥ 1, nbytes ≥ 1 and rounds ≥ 1")
     if not modes or set(modes) - set(MODES):
         raise ValueError(f"modes={modes}: give one or more of {', '.join(MODES)}")
+    if not progress_threads:
+        raise ValueError("progress_threads=(): give False, True or both")
     dev = torch.device(device or "cpu")
-    tmax, kmax = max(threads), max(descriptors)
-    runners, closers, env = {}, [], " ".join(f"{k}={v}" for k, v in same_process_env().items())
-    try:
-        if "shared-agents" in modes:  # one pair of agents, the posters' bytes side by side in one pair of tensors
-            src = torch.ones(tmax * kmax * nbytes, dtype=torch.uint8, device=dev)
-            dst = torch.zeros_like(src)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            link = NixlLink([src], [dst])
-            closers.append(lambda: (link.close(), torch.equal(src, dst))[1])
-            shared = [_Poster(descriptors, nbytes, dev, link, i, src, dst) for i in range(tmax)]
-            runners["shared-agents"] = lambda t, k: _threads_post(shared[:t], k)
-        if "agents-per-thread" in modes:
-            own = []
-            closers.append(lambda: all([p.close() for p in own]))
-            own += [_Poster(descriptors, nbytes, dev, index=i) for i in range(tmax)]
-            runners["agents-per-thread"] = lambda t, k: _threads_post(own[:t], k)
-        if "processes" in modes:
-            procs = _Processes(tmax, threads, descriptors, nbytes, dev)
-            closers.append(procs.close)
-            runners["processes"] = procs.post
-        configs = [(m, t, k) for m in modes for k in descriptors for t in threads]
-        rows = []
-        for r in range(warmup + rounds):
-            j = r % len(configs)
-            for m, t, k in configs[j:] + configs[:j]:
-                times, t_rel = runners[m](t, k)
-                if progress is not None:
-                    progress()
-                if r < warmup:
-                    continue
-                start = min(t_rel, *(t0 for t0, _, _ in times))  # a process may post before the parent reads its clock
-                wall = max(t1 for _, t1, _ in times) - start
-                done = max(t2 for _, _, t2 in times) - start
-                rows += [{"mode": m, "threads": t, "descriptors": k, "round": r - warmup, "thread": i,
-                          "post_us": 1e6 * (t1 - t0), "wall_post_us": 1e6 * wall, "done_us": 1e6 * done,
-                          "nbytes": nbytes, "device": str(dev), "nixl_env": env}
-                         for i, (t0, t1, _) in enumerate(times)]
-    finally:
-        ok = [c() for c in closers]
-    if not all(ok):
-        raise RuntimeError("nixl posting: a destination does not hold what its requests wrote")
+    env, cpus, rows = " ".join(f"{k}={v}" for k, v in same_process_env().items()), _cpus(), []
+    for m in modes:
+        for prog in progress_threads:
+            for t in threads:
+                posters = (_Processes(t, descriptors, nbytes, dev, prog) if m == "processes"
+                           else _Threads(t, descriptors, nbytes, dev, prog, shared=m == "shared-agents"))
+                ok = False
+                try:
+                    for r in range(warmup + rounds):
+                        j = r % len(descriptors)
+                        for k in descriptors[j:] + descriptors[:j]:
+                            times, t_rel = posters.post(k)
+                            if progress is not None:
+                                progress()
+                            if r < warmup:
+                                continue
+                            start = min(t_rel, *(t0 for t0, _, _ in times))  # a process may post before the release
+                            wall = max(t1 for _, t1, _ in times) - start
+                            done = max(t2 for _, _, t2 in times) - start
+                            rows += [{"mode": m, "progress_thread": prog, "threads": t, "descriptors": k,
+                                      "round": r - warmup, "thread": i, "post_us": 1e6 * (t1 - t0),
+                                      "wall_post_us": 1e6 * wall, "done_us": 1e6 * done, "nbytes": nbytes,
+                                      "device": str(dev), "cpus": cpus, "nixl_env": env}
+                                     for i, (t0, t1, _) in enumerate(times)]
+                finally:
+                    ok = posters.close()
+                if not ok:
+                    raise RuntimeError(f"nixl posting ({m}, {t} posters): a destination does not hold what its "
+                                       "requests wrote")
     return pd.DataFrame(rows)
 
 
+_KEYS = ["mode", "progress_thread", "threads", "descriptors"]
+
+
 def summarise(rows: pd.DataFrame) -> pd.DataFrame:
-    """Per (mode, threads, descriptors): rounds, the median wall time from the release until the last post returned
-    with its interval, the median until all were DONE, the aggregate posting rate (threads × descriptors ÷ that wall
-    time, per second), its ratio to one poster's rate in the same mode for the same descriptors with the ratio's
-    interval (rate_x_one, rate_x_lo, rate_x_hi: both rounds' sets resampled), and a poster's own post time per
-    descriptor (median, µs). Rows from before the modes count as shared-agents."""
-    rows = rows if "mode" in rows else rows.assign(mode="shared-agents")
-    per_round = rows.groupby(["mode", "threads", "descriptors", "round"], sort=False).agg(
+    """Per (mode, progress thread, threads, descriptors): rounds, the median wall time from the release until the
+    last post returned with its interval, the median until all were DONE, the aggregate posting rate (threads ×
+    descriptors ÷ that wall time, per second), its ratio to one poster's rate of the same mode and progress thread for
+    the same descriptors with the ratio's interval (rate_x_one, rate_x_lo, rate_x_hi: both rounds' sets resampled),
+    and a poster's own post time per descriptor (median, µs). Rows from before the modes count as shared-agents with
+    NIXL's progress thread (its default, which they ran with)."""
+    rows = rows.assign(mode=rows["mode"] if "mode" in rows else "shared-agents",
+                       progress_thread=rows["progress_thread"] if "progress_thread" in rows else True)
+    per_round = rows.groupby(_KEYS + ["round"], sort=False).agg(
         wall=("wall_post_us", "first"), done=("done_us", "first"), post=("post_us", "median")).reset_index()
-    per_round = per_round.sort_values(["mode", "descriptors", "threads", "round"], key=lambda c: c.map(
-        {m: i for i, m in enumerate(MODES)}) if c.name == "mode" else c)
+    order = {m: i for i, m in enumerate(MODES)}
+    per_round = per_round.sort_values(["mode", "progress_thread", "descriptors", "threads", "round"],
+                                      key=lambda c: c.map(order) if c.name == "mode" else c)
     out = []
-    for (m, k, t), g in per_round.groupby(["mode", "descriptors", "threads"], sort=False):
+    for (m, prog, t, k), g in per_round.groupby(_KEYS, sort=False):
         wall = g["wall"].tolist()
-        one = per_round[(per_round["mode"] == m) & (per_round["threads"] == 1)
-                        & (per_round["descriptors"] == k)]["wall"].tolist()
+        one = per_round[(per_round["mode"] == m) & (per_round["progress_thread"] == prog)
+                        & (per_round["threads"] == 1) & (per_round["descriptors"] == k)]["wall"].tolist()
         lo, hi = median_ci(wall)
         # rate ratio = (t·k / wall) / (k / wall_1) = t · wall_1 / wall
         rlo, rhi = ratio_ci(one, wall) if one else (float("nan"), float("nan"))
         med = statistics.median(wall)
-        out.append({"mode": m, "threads": int(t), "descriptors": int(k), "n": len(wall), "wall_post_us": med,
-                    "wall_lo": lo, "wall_hi": hi, "done_us": statistics.median(g["done"]),
-                    "descriptors_per_s": 1e6 * t * k / med,
+        out.append({"mode": m, "progress_thread": bool(prog), "threads": int(t), "descriptors": int(k),
+                    "n": len(wall), "wall_post_us": med, "wall_lo": lo, "wall_hi": hi,
+                    "done_us": statistics.median(g["done"]), "descriptors_per_s": 1e6 * t * k / med,
                     "rate_x_one": t * statistics.median(one) / med if one else float("nan"),
                     "rate_x_lo": t * rlo, "rate_x_hi": t * rhi,
                     "post_us_per_descriptor": statistics.median(g["post"]) / k})
-    return pd.DataFrame(out)
+    return pd.DataFrame(out).sort_values(["mode", "progress_thread", "descriptors", "threads"],
+                                         key=lambda c: c.map(order) if c.name == "mode" else c, ignore_index=True)
 
 
-_WHO = {"shared-agents": "threads through one pair of agents", "agents-per-thread": "threads with an agent pair each",
-        "processes": "processes with an agent pair each"}
+WHO = {"shared-agents": "threads through one pair of agents", "agents-per-thread": "threads with an agent pair each",
+       "processes": "processes with an agent pair each"}
 
 
 def findings(s: pd.DataFrame, values: dict) -> list[str]:
-    """One line per (mode, descriptor count): the aggregate rate at one poster and at the most, and the ratio.
-    Fills `values` (posting.{mode}.{K}.rate_x_max, posting.{mode}.{K}.one_us_per_descriptor)."""
+    """One line per (mode, progress thread, descriptor count): the aggregate rate at one poster and at the most, and
+    the ratio. Fills `values` (posting.{mode}.{prog|noprog}.{K}.rate_x_max and .one_us_per_descriptor)."""
     out = []
-    for (m, k), g in s.groupby(["mode", "descriptors"], sort=False):
+    for (m, prog, k), g in s.groupby(["mode", "progress_thread", "descriptors"], sort=False):
         one, top = g[g["threads"] == g["threads"].min()].iloc[0], g[g["threads"] == g["threads"].max()].iloc[0]
-        values[f"posting.{m}.{k}.rate_x_max"] = f"{top.rate_x_one:.2f}"
-        values[f"posting.{m}.{k}.one_us_per_descriptor"] = f"{1e6 / one.descriptors_per_s:.1f}"
-        out.append(f"- NIXL posting, {_WHO.get(m, m)}, {int(k)} descriptors a request: one posts "
-                   f"{one.descriptors_per_s:,.0f} descriptors a second ({1e6 / one.descriptors_per_s:.1f} µs each); "
-                   f"{int(top.threads)} together {top.descriptors_per_s:,.0f} a second, {top.rate_x_one:.2f}× "
-                   f"[{top.rate_x_lo:.2f}, {top.rate_x_hi:.2f}] one's rate.")
+        key = f"posting.{m}.{'prog' if prog else 'noprog'}.{k}"
+        values[f"{key}.rate_x_max"] = f"{top.rate_x_one:.2f}"
+        values[f"{key}.one_us_per_descriptor"] = f"{1e6 / one.descriptors_per_s:.1f}"
+        out.append(f"- NIXL posting, {WHO.get(m, m)} ({'with' if prog else 'without'} NIXL's progress thread), "
+                   f"{int(k)} descriptors a request: one posts {one.descriptors_per_s:,.0f} descriptors a second "
+                   f"({1e6 / one.descriptors_per_s:.1f} µs each); {int(top.threads)} together "
+                   f"{top.descriptors_per_s:,.0f} a second, {top.rate_x_one:.2f}× [{top.rate_x_lo:.2f}, "
+                   f"{top.rate_x_hi:.2f}] one's rate.")
     return out

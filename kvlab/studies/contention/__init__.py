@@ -107,7 +107,8 @@ PARAMS = (
           "rotated rounds (both: what the gate changes, in one run)", _gate),
     Param("nixl_posting", "str", "auto", "on: also time NIXL posting under concurrency (1, 2, 4, 8 posters at once, "
           "each a request of 56 or 448 descriptors: threads through one pair of agents, threads with a pair each, "
-          "processes with a pair each; nixl_posting.csv; on a CPU 1 and 2 posters, the logic only); \"auto\": on where "
+          "processes with a pair each; with and without NIXL's progress threads; nixl_posting.csv; on a CPU 1 and 2 "
+          "posters without progress threads, the logic only); \"auto\": on where "
           "NIXL loads and the device is a GPU; off: not", _auto_on_off),
 )
 
@@ -355,11 +356,12 @@ def measure(cfg: Config, run: Run) -> None:
         bar.close()
         run.save_table(pd.DataFrame(side), "beside")
     if cfg.nixl_posting:
-        posters = nixl_posting.THREADS if gpu else (1, 2)  # on a CPU the logic only: 1 and 2 posters of 4 KiB
-        n = len(nixl_posting.MODES) * len(posters) * len(nixl_posting.DESCRIPTORS) * (cfg.repeats + 1)
+        # on a CPU the logic only: 1 and 2 posters of 4 KiB, without the progress threads (each keeps a core busy)
+        posters, progs = (nixl_posting.THREADS, (False, True)) if gpu else ((1, 2), (False,))
+        n = len(nixl_posting.MODES) * len(progs) * len(posters) * len(nixl_posting.DESCRIPTORS) * (cfg.repeats + 1)
         with tqdm(total=n, desc="nixl posting", unit="config") as bar:
             rows = nixl_posting.measure(posters, rounds=cfg.repeats, device=dev, nbytes=(64 if gpu else 4) << 10,
-                                        progress=bar.update)
+                                        progress_threads=progs, progress=bar.update)
         run.save_table(rows, "nixl_posting")
 
 
@@ -581,7 +583,8 @@ def _posting(analyses: list[Analysis], link, **_) -> str:
     """Per run, posting mode, descriptors a request and posters: the wall time from the release until the last post
     returned with its interval, the aggregate posting rate, its ratio to one poster's with the ratio's interval, and
     a poster's own post time per descriptor."""
-    rows = [{"run": link(a.where), "posters": r.mode, "descriptors": r.descriptors, "n": r.threads,
+    rows = [{"run": link(a.where), "posters": r.mode, "progress thread": "on" if r.progress_thread else "off",
+             "descriptors": r.descriptors, "n": r.threads,
              "wall µs [95 %]": f"{sig(r.wall_post_us)} [{sig(r.wall_lo)}, {sig(r.wall_hi)}]",
              "descriptors / s": f"{r.descriptors_per_s:,.0f}",
              "× one thread [95 %]": f"{r.rate_x_one:.2f} [{r.rate_x_lo:.2f}, {r.rate_x_hi:.2f}]",
