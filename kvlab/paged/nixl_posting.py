@@ -36,7 +36,7 @@ import torch
 from ..intervals import median_ci, ratio_ci
 from .nixl import NixlLink, same_process_env
 
-__all__ = ["THREADS", "DESCRIPTORS", "MODES", "measure", "summarise", "findings"]
+__all__ = ["THREADS", "DESCRIPTORS", "MODES", "WHO", "measure", "summarise", "findings", "figure"]
 
 THREADS = (1, 2, 4, 8)
 DESCRIPTORS = (56, 448)  # one piece's layer sides on Qwen2.5-7B (28 layers × K, V), and eight of them
@@ -311,3 +311,36 @@ def findings(s: pd.DataFrame, values: dict) -> list[str]:
                    f"{top.descriptors_per_s:,.0f} a second, {top.rate_x_one:.2f}× [{top.rate_x_lo:.2f}, "
                    f"{top.rate_x_hi:.2f}] one's rate.")
     return out
+
+
+def figure(s: pd.DataFrame, cpus: int | None = None):
+    """One panel per mode: the aggregate posting rate against one poster's (median, 95 % interval) by posters, a line
+    per (progress thread, descriptors a request), beside the line of perfect scaling."""
+    import matplotlib.pyplot as plt  # matplotlib only when a figure is drawn
+
+    from .. import plots
+
+    modes = [m for m in MODES if m in set(s["mode"])] + sorted(set(s["mode"]) - set(MODES))
+    fig, axes = plt.subplots(1, len(modes), figsize=(3.4 * len(modes), 4.2), squeeze=False, sharey=True,
+                             layout="constrained")
+    series = [(p, k) for p in (False, True) for k in sorted(set(s["descriptors"]))]
+    colors = plots.palette([f"{'with' if p else 'no'} progress thread, {k} descriptors" for p, k in series])
+    ts = sorted(set(s["threads"]))
+    for ax, m in zip(axes[0], modes):
+        ax.plot(ts, ts, color="0.6", ls=":", lw=1, label="perfect scaling" if ax is axes[0][0] else None)
+        for p, k in series:
+            g = s[(s["mode"] == m) & (s["progress_thread"] == p) & (s["descriptors"] == k)].sort_values("threads")
+            if not len(g):
+                continue
+            name = f"{'with' if p else 'no'} progress thread, {k} descriptors"
+            err = [(g["rate_x_one"] - g["rate_x_lo"]).clip(lower=0), (g["rate_x_hi"] - g["rate_x_one"]).clip(lower=0)]
+            ax.errorbar(g["threads"], g["rate_x_one"], yerr=err, marker="o", ms=4, capsize=3, color=colors[name],
+                        ls="-" if not p else "--", label=name if ax is axes[0][0] else None)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ts, [str(t) for t in ts])
+        ax.set_title(WHO.get(m, m), fontsize=10.5)
+        ax.set_xlabel("posters at once")
+    axes[0][0].set_ylabel("aggregate posting rate ÷ one poster's")
+    axes[0][0].legend(fontsize=8, frameon=False, loc="upper left")
+    fig.suptitle("NIXL posting under concurrency" + (f" ({cpus} CPUs)" if cpus else ""), fontsize=12)
+    return fig

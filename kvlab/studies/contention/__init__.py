@@ -46,7 +46,7 @@ NOTEBOOK = None
 TITLE = "Contention on one path"
 QUESTION = ("What do N transfers sharing one path get, together and each, against the path's ceiling, and does the "
             "fabric simulator, fitted on one and two flows, predict the rest?")
-FIGURES = ("contention_gbps",)
+FIGURES = ("contention_gbps", "nixl_posting")  # nixl_posting: only for a run that timed NIXL posting
 
 GPU_PATHS, CPU_PATHS = ("d2h", "h2d", "d2h+h2d"), ("h2h",)
 GPU_SIZE, CPU_SIZE = "256M", "4M"
@@ -543,7 +543,11 @@ def figures(a: Analysis) -> dict:
     axes[0][0].set_ylabel("aggregate GB/s (dotted: the path's ceiling)")
     axes[0][0].legend(fontsize=8.5, frameon=False, loc="upper left")
     fig.suptitle(f"N copies of {s['bytes_per_flow'].iloc[0] / 2**20:.0f} MiB sharing one path at once", fontsize=12)
-    return {"contention_gbps": fig}
+    out = {"contention_gbps": fig}
+    if "posting" in a.tables:
+        out["nixl_posting"] = nixl_posting.figure(a.tables["posting"], a.raw["nixl_posting"]["cpus"].max()
+                                                  if "cpus" in a.raw["nixl_posting"] else None)
+    return out
 
 
 def _table(analyses: list[Analysis], link, **_) -> str:
