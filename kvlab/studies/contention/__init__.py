@@ -500,6 +500,10 @@ def analyse(record: dict, tables: dict) -> Analysis:
     if "nixl_posting" in tables:
         out["posting"] = nixl_posting.summarise(tables["nixl_posting"])  # posting.csv beside the raw rows
         findings += nixl_posting.findings(out["posting"], values)
+        raw = tables["nixl_posting"]
+        values["posting.descriptor_kib"] = f"{raw['nbytes'].max() / 1024:g}"
+        if "cpus" in raw:
+            values["posting.cpus"] = str(int(raw["cpus"].max()))
     return Analysis(NAME, record, raw=dict(tables), tables=out, goals=g, findings=findings, values=values)
 
 
