@@ -34,7 +34,7 @@ from . import results, runfolder
 from .parse import suggest
 
 __all__ = ["Param", "Analysis", "parameters_cell", "check_params", "cell_params", "RUN_DIR_LINE", "md_table",
-           "host_label", "at_least", "run_command", "add_options", "run_from_args",
+           "host_label", "at_least", "one_of", "run_command", "add_options", "run_from_args",
            "ctx_label", "sig", "fmt_or_dash", "run_link"]
 
 RUN_DIR_LINE = 'run_dir: str = ""  # kvlab run sets it; empty: a new data/<study>/<run_id>/'
@@ -213,6 +213,14 @@ def at_least(n: int) -> Callable[[Any, str], None]:
     def check(value, name):
         if value < n:
             raise ValueError(f"{name} = {value!r}: give an int ≥ {n}")
+    return check
+
+
+def one_of(*choices: str) -> Callable[[Any, str], None]:
+    """A Param check: one of `choices` (ValueError naming the parameter and the choices otherwise)."""
+    def check(value, name):
+        if value not in choices:
+            raise ValueError(f"{name} = {value!r}: give {', '.join(choices[:-1])} or {choices[-1]}")
     return check
 
 

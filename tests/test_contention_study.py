@@ -115,7 +115,7 @@ def test_gate_both_judges_each_gate_against_the_compute_alone_with_the_same_gate
 
 @pytest.mark.parametrize("value", ["maybe", "ON"])
 def test_a_gate_that_is_not_on_off_or_both_is_one_line(value):
-    with pytest.raises(ValueError, match=f"gate = '{value}': give on, off, both"):
+    with pytest.raises(ValueError, match=f"gate = '{value}': give on, off or both"):
         study.check({"gate": value, "device": "cpu"})
 
 

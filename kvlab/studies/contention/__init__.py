@@ -33,7 +33,7 @@ from ... import devices, goals, plots
 from ...fabric import calibrate
 from ...intervals import median_ci, ratio_ci
 from ...results import Run
-from ...study import Analysis, Param, at_least, check_params, md_table, sig
+from ...study import Analysis, Param, at_least, check_params, md_table, one_of, sig
 from ...ceilings import parse_size
 from ...paged import nixl_posting
 from ...paged.nixl import nixl_missing
@@ -55,22 +55,7 @@ _PATH_NAMES = {"d2h": "GPU → pinned host", "h2d": "pinned host → GPU", "d2h+
                "h2h": "host → host (CPU)"}
 
 
-def _on_off(value, name):
-    if value not in ("on", "off"):
-        raise ValueError(f"{name} = {value!r}: give on or off")
-
-
-def _gate(value, name):
-    if value not in GATES:
-        raise ValueError(f"{name} = {value!r}: give {', '.join(GATES)}")
-
-
 GATES = ("on", "off", "both")
-
-
-def _auto_on_off(value, name):
-    if value not in ("auto", "on", "off"):
-        raise ValueError(f"{name} = {value!r}: give auto, on or off")
 
 
 def _flows(value, name):
@@ -101,15 +86,15 @@ PARAMS = (
     Param("repeats", "int", 0, f"timed rounds per configuration, in rotated order; 0: {GPU_REPEATS} on a GPU, "
           f"{CPU_REPEATS} on a CPU", at_least(0)),
     Param("beside", "str", "on", "on: also time a prefill-like compute load alone and beside each configuration's "
-          "copies (beside.csv); off: the copies only", _on_off),
+          "copies (beside.csv); off: the copies only", one_of("on", "off")),
     Param("gate", "str", "on", "the compute-beside rounds on a GPU start behind a GPU sleep, so the host has queued "
           "every copy before any runs (on), without it (off), or both, each configuration both ways in the same "
-          "rotated rounds (both: what the gate changes, in one run)", _gate),
+          "rotated rounds (both: what the gate changes, in one run)", one_of(*GATES)),
     Param("nixl_posting", "str", "auto", "on: also time NIXL posting under concurrency (1, 2, 4, 8 posters at once, "
           "each a request of 56 or 448 descriptors: threads through one pair of agents, threads with a pair each, "
           "processes with a pair each; with and without NIXL's progress threads; nixl_posting.csv; on a CPU 1 and 2 "
           "posters without progress threads, the logic only); \"auto\": on where "
-          "NIXL loads and the device is a GPU; off: not", _auto_on_off),
+          "NIXL loads and the device is a GPU; off: not", one_of("auto", "on", "off")),
 )
 
 
