@@ -574,13 +574,14 @@ def _beside(analyses: list[Analysis], link, **_) -> str:
 
 def _posting(analyses: list[Analysis], link, **_) -> str:
     """Per run, posting mode, descriptors a request and posters: the wall time from the release until the last post
-    returned with its interval, the aggregate posting rate, its ratio to one poster's with the ratio's interval, and
-    a poster's own post time per descriptor."""
+    returned with its interval, the aggregate posting rate, its ratio to one poster's with the ratio's interval, the
+    time until every request was DONE, and a poster's own post time per descriptor."""
     rows = [{"run": link(a.where), "posters": r.mode, "progress thread": "on" if r.progress_thread else "off",
              "descriptors": r.descriptors, "n": r.threads,
              "wall µs [95 %]": f"{sig(r.wall_post_us)} [{sig(r.wall_lo)}, {sig(r.wall_hi)}]",
              "descriptors / s": f"{r.descriptors_per_s:,.0f}",
-             "× one thread [95 %]": f"{r.rate_x_one:.2f} [{r.rate_x_lo:.2f}, {r.rate_x_hi:.2f}]",
+             "× one poster [95 %]": f"{r.rate_x_one:.2f} [{r.rate_x_lo:.2f}, {r.rate_x_hi:.2f}]",
+             "until DONE µs": sig(r.done_us),
              "post µs / descriptor": f"{r.post_us_per_descriptor:.1f}"}
             for a in analyses if "posting" in a.tables for r in a.tables["posting"].itertuples()]
     return md_table(pd.DataFrame(rows))
