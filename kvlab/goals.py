@@ -414,6 +414,17 @@ _LINKBOUND = [
          declared="2026-12-03, after run 20261203-144435-a638c5f found bulk ~10 ms under the model at every rate "
                   "(the shaper's bucket); before any run judged by it",
          note="the bucket is the shaper's own setting (netns.shape: 10 ms at the rate), nothing fitted"),
+    Goal("linkbound.model_bucket_ttft", "linkbound", "exposure over a rate-limited link within 5 % of the request's "
+         "prefill time of the pipelined model with the hook and the token bucket at every rate (bulk and layer-wise)",
+         "err_ttft_pct", "<=", 5.0, lo="err_ttft_lo", hi="err_ttft_hi", unit=" %", digits=1,
+         applies=lambda r, t: getattr(r, "mode", None) in ("bulk", "layerwise")
+         and not math.isnan(getattr(r, "err_ttft_pct", float("nan"))),
+         interval="|median − predicted| ÷ the median prefill over the 95 % bootstrap interval of the median exposure "
+                  "(the prediction and the prefill held fixed)", beside="linkbound.model_bucket",
+         declared="2026-12-04, before any run judged by it",
+         note="the error in units of the time to first token it adds to: near a per-layer ratio of one the exposure "
+              "is the small difference of two large terms, so an error relative to it is large or unresolved "
+              "whatever the model; linkbound.model_bucket keeps its verdicts"),
 ]
 
 GOALS: dict[str, Goal] = {g.id: g for g in (*_HANDOFF, *_PAGED, *_OVERLAP, *_DISAGG, *_FAULTS, *_PROVENANCE,

@@ -62,7 +62,7 @@ _CANDIDATES += [dict(send="bulk", gpus=1000, requests=100_000, cores=2, load=0.8
 # tools/linkbound.py's rows
 _CANDIDATES += [dict(mode="bulk", rate_gbps=0.1, predicted_ms=50.0),
                 dict(mode="layerwise", rate_gbps=0.1, predicted_ms=50.0, predicted_hooked_ms=40.0,
-                     predicted_bucket_ms=30.0)]
+                     predicted_bucket_ms=30.0, err_ttft_pct=2.0)]
 
 
 def _row(goal: G.Goal, case: str) -> pd.DataFrame:

@@ -138,3 +138,12 @@ def test_a_stopped_run_removes_its_namespaces(sig):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_error_in_units_of_the_prefill_is_the_difference_over_the_prefill_with_its_interval():
+    # 110 ms measured [105, 115] against 100 predicted: 10 % of the prediction, 1 % of a 1 s prefill
+    assert linkbound._abs_err(110.0, 105.0, 115.0, 100.0) == pytest.approx((10.0, 5.0, 15.0))
+    assert linkbound._abs_err(110.0, 105.0, 115.0, 100.0, 1000.0) == pytest.approx((1.0, 0.5, 1.5))
+    # an interval across the prediction reaches zero; a negative prediction leaves the prefill's sign alone
+    assert linkbound._abs_err(102.0, 95.0, 110.0, 100.0, 1000.0) == pytest.approx((0.2, 0.0, 1.0))
+    assert linkbound._abs_err(5.0, 2.0, 8.0, -5.0, 100.0) == pytest.approx((10.0, 7.0, 13.0))

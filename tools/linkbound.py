@@ -174,9 +174,11 @@ def _predict(spec, tokens: int, prefill_ms: float, rate_bps: float, mode: str,
             bucket_exposure(compute, nbytes, at, rate, bucket) * 1e3, ratio)
 
 
-def _abs_err(med: float, lo: float, hi: float, pred: float) -> tuple[float, float, float]:
-    """|measured ÷ predicted − 1| in %, and its interval from the median's (the prediction held fixed)."""
-    e, a, b = (med / pred - 1) * 100, (lo / pred - 1) * 100, (hi / pred - 1) * 100
+def _abs_err(med: float, lo: float, hi: float, pred: float, scale: float | None = None) -> tuple[float, float, float]:
+    """|measured − predicted| ÷ scale in % (scale: the prediction unless given, i.e. |measured ÷ predicted − 1|), and
+    its interval from the median's (the prediction and the scale held fixed)."""
+    scale = pred if scale is None else scale
+    e, a, b = (med - pred) / scale * 100, (lo - pred) / scale * 100, (hi - pred) / scale * 100
     if np.isnan(a) or np.isnan(b):
         return abs(e), float("nan"), float("nan")
     a, b = min(a, b), max(a, b)  # a negative prediction turns the interval round
@@ -193,6 +195,10 @@ def rejudge(out: Path, why: str) -> None:
             continue
         errs = [_abs_err(r.exposed_ms, r.exposed_lo, r.exposed_hi, getattr(r, pred)) for r in t.itertuples()]
         t[f"abs_err{col}_pct"], t[f"abs_err{col}_lo"], t[f"abs_err{col}_hi"] = zip(*errs)
+    if "err_ttft_pct" in t:  # only in folders made since linkbound.model_bucket_ttft was declared
+        errs = [_abs_err(r.exposed_ms, r.exposed_lo, r.exposed_hi, r.predicted_bucket_ms, r.prefill_ms)
+                for r in t.itertuples()]
+        t["err_ttft_pct"], t["err_ttft_lo"], t["err_ttft_hi"] = zip(*errs)
     t.to_csv(out / "linkbound.csv", index=False)
     before = pd.read_csv(out / "goals.csv")
     judged = goals.evaluate(goals.for_study("linkbound"), t, keys=("rate_gbps", "mode"))
@@ -366,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                     err, err_lo, err_hi = _abs_err(med, lo, hi, pred)
                     herr, herr_lo, herr_hi = _abs_err(med, lo, hi, hooked)
                     berr, berr_lo, berr_hi = _abs_err(med, lo, hi, bucketed)
+                    terr, terr_lo, terr_hi = _abs_err(med, lo, hi, bucketed, pre)  # in units of the prefill
                     rows.append({"rate_gbps": rate / 1e9, "mode": mode, "context": args.context,
                                  "exposed_ms": med, "exposed_lo": lo, "exposed_hi": hi, "predicted_ms": pred,
                                  "per_layer_ratio": per_layer, "target_ratio": ratio, "prefill_ms": pre, "n": len(m),
@@ -375,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "abs_err_hooked_hi": herr_hi, "burst_bytes": shaped["burst_bytes"],
                                  "predicted_bucket_ms": bucketed, "abs_err_bucket_pct": berr,
                                  "abs_err_bucket_lo": berr_lo, "abs_err_bucket_hi": berr_hi,
+                                 "err_ttft_pct": terr, "err_ttft_lo": terr_lo, "err_ttft_hi": terr_hi,
                                  "kv_bytes": calculator.kv_cache_bytes(spec, args.context, "fp32"),
                                  "run": f"runs/{tag}", "tc": shaped["tc"]})
                 print(f" {time.perf_counter() - t0:.0f} s", flush=True)
