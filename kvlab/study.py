@@ -220,7 +220,8 @@ def one_of(*choices: str) -> Callable[[Any, str], None]:
     """A Param check: one of `choices` (ValueError naming the parameter and the choices otherwise)."""
     def check(value, name):
         if value not in choices:
-            raise ValueError(f"{name} = {value!r}: give {', '.join(choices[:-1])} or {choices[-1]}")
+            said = f"{', '.join(choices[:-1])} or {choices[-1]}" if len(choices) > 1 else choices[0]
+            raise ValueError(f"{name} = {value!r}: give {said}")
     return check
 
 

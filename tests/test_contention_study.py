@@ -5,6 +5,7 @@ validation.csv, judges its goals and is analysed again the same way; Jain's inde
 from __future__ import annotations
 
 import json
+import os
 
 import pandas as pd
 import pytest
@@ -141,11 +142,14 @@ def test_the_posting_summary_is_the_threads_rate_over_one_threads_from_the_round
     assert s.rate_x_one.to_dict() == pytest.approx({1: 1.0, 2: 2 * 101 / 151, 4: 4 * 101 / 401})
     assert (s.rate_x_lo <= s.rate_x_one).all() and (s.rate_x_one <= s.rate_x_hi).all()
     assert s.descriptors_per_s[2] == pytest.approx(1e6 * 2 * 56 / 151)
+    # until DONE: each round's DONE is 10 µs after its last post returned
+    assert s.done_x_one.to_dict() == pytest.approx({1: 1.0, 2: 2 * 111 / 161, 4: 4 * 111 / 411})
     # a thread's own post time: the median over the round's threads, then over the rounds
     assert s.post_us_per_descriptor[1] == pytest.approx(100 / 56) and s.post_us_per_descriptor[4] == pytest.approx(200 / 56)
     values = {}
     (line,) = nixl_posting.findings(s.reset_index(), values)
     assert values == {"posting.shared-agents.prog.56.rate_x_max": f"{4 * 101 / 401:.2f}",
+                      "posting.shared-agents.prog.56.done_x_max": f"{4 * 111 / 411:.2f}",
                       "posting.shared-agents.prog.56.one_us_per_descriptor": "1.8"}
     # rows from before the modes: one shared pair of agents with NIXL's default progress thread
     assert "4 together" in line and "threads through one pair of agents (with NIXL's progress thread)" in line
@@ -171,20 +175,32 @@ def test_a_cpu_run_with_nixl_posting_writes_every_threads_request_and_checks_the
     assert pd.read_csv(out / "posting.csv").equals(pd.read_csv(analyse.analyse(out, tmp_path / "again") / "posting.csv"))
     t = pd.read_csv(out / "posting.csv")
     assert len(t) == len(nixl_posting.MODES) * 2 * len(nixl_posting.DESCRIPTORS)
-    assert (t[t.threads == 1].rate_x_one == 1).all()
+    assert t.done_x_one.notna().all()  # two rounds: too few for its interval
     assert json.loads((out / "run.json").read_text())["resolved"]["nixl_posting"] is True
 
 
-@pytest.mark.skipif(nixl_missing() is not None, reason="NIXL does not load here")
-def test_posting_with_the_progress_thread_lands_every_request_and_each_phase_closes_its_agents():
-    import threading
-    before = threading.active_count()
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(nixl_missing() is not None or not os.path.isdir("/proc/self/task"), reason="NIXL does not load "
+                    "here, or no /proc")
+def test_posting_with_the_progress_thread_lands_every_request_and_a_closed_link_stops_its_agents():
+    from kvlab.paged.nixl import NixlLink
+    import torch
+    a, b = torch.ones(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
+    NixlLink([a], [b]).close()  # the process-wide threads UCX starts once, before counting
+    before = _os_threads()
+    link = NixlLink([a], [b])  # two agents, each with its progress thread
+    assert _os_threads() > before
+    link.close()  # still referenced here: closing, not collecting, must stop them (a phase's posters before the next)
+    assert _os_threads() <= before
     rows = nixl_posting.measure((1, 2), (3,), nbytes=4096, rounds=2, modes=("shared-agents", "agents-per-thread"),
                                 progress_threads=(True,))
     assert rows.groupby(["mode", "threads"]).size().to_dict() == {(m, t): 2 * t for m in ("shared-agents",
                                                                                       "agents-per-thread") for t in (1, 2)}
     assert rows.progress_thread.all() and (rows.done_us >= rows.wall_post_us).all() and (rows.cpus >= 1).all()
-    assert threading.active_count() == before  # the posting threads are joined
+    assert _os_threads() <= before  # every phase's agents and posting threads are gone at the end
 
 
 @pytest.mark.parametrize("kw,match", [({"threads": (0,)}, "give threads and descriptors ≥ 1"),
@@ -193,3 +209,30 @@ def test_nixl_posting_refuses_bad_arguments_in_one_line(kw, match):
     with pytest.raises(ValueError, match=match) as e:
         nixl_posting.measure(**kw)
     assert "\n" not in str(e.value)
+
+
+def test_a_posting_process_that_dies_is_named_with_its_exit_code_not_waited_for():
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=os._exit, args=(3,))
+    proc.start()
+    theirs.close()
+    procs = object.__new__(nixl_posting._Processes)
+    procs.conns, procs.procs = [mine], [proc]
+    with pytest.raises(RuntimeError, match="nixl posting process 0 exited with code 3"):
+        procs._reply(0)
+    assert procs.close() is False  # a dead process cannot say its bytes arrived
+
+
+def test_a_nixl_request_that_never_finishes_is_an_error_after_the_timeout():
+    from kvlab.paged.nixl import NixlLink
+
+    class Stuck:
+        def check_xfer_state(self, handle):
+            return "PROC"
+
+    link = object.__new__(NixlLink)
+    link.progress_thread, link.initiator = True, Stuck()
+    with pytest.raises(RuntimeError, match="still in progress after 0.05 s"):
+        link.wait(object(), timeout_s=0.05)

@@ -174,13 +174,17 @@ class NixlLink:
         self.post_s.append(t1 - t0)
         self.wait_s.append(time.perf_counter() - t1)
 
-    def wait(self, handle, state: str = "PROC") -> None:
-        """Poll a posted request until NIXL says DONE (any other end is an error). Without progress threads the
-        target agent is progressed here too (a peer's own thread would do it), through its notification check."""
+    def wait(self, handle, state: str = "PROC", timeout_s: float = 120.0) -> None:
+        """Poll a posted request until NIXL says DONE (any other end, or still PROC after `timeout_s`, is an error).
+        Without progress threads the target agent is progressed here too (a peer's own thread would do it), through
+        its notification check."""
+        deadline = time.monotonic() + timeout_s
         while state == "PROC":
             if not self.progress_thread:
                 self.target.get_new_notifs()
             state = self.initiator.check_xfer_state(handle)
+            if state == "PROC" and time.monotonic() > deadline:
+                raise RuntimeError(f"nixl transfer still in progress after {timeout_s:g} s")
         if state != "DONE":
             raise RuntimeError(f"nixl transfer ended in state {state!r}")
 
@@ -212,6 +216,8 @@ class NixlLink:
             self.initiator.remove_remote_agent(self.target_name)
         except Exception:
             pass
+        # the agents go now, not when this link is collected: each one's progress thread keeps a core busy
+        self.initiator = self.target = None
 
 
 class NixlTransport(PagedTransport):

@@ -24,6 +24,7 @@ and progress thread, with that ratio's interval.
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.connection as mpc
 import os
 import statistics
 import threading
@@ -43,6 +44,9 @@ DESCRIPTORS = (56, 448)  # one piece's layer sides on Qwen2.5-7B (28 layers × K
 MODES = ("shared-agents", "agents-per-thread", "processes")
 
 
+TIMEOUT_S = 120.0  # a barrier, a reply or a request that takes longer has failed (a poster died, or NIXL hung)
+
+
 class _Poster:
     """One poster's own bytes (kmax descriptors of `nbytes` in a source and a destination tensor), the link it posts
     through (its own, or `link` shared, its bytes at slot `index` of the shared tensors) and a prepared request per
@@ -60,64 +64,64 @@ class _Poster:
             link, index = NixlLink([src], [dst], progress_thread=progress_thread), 0
         self.link, self.src, self.dst = link, src, dst
         self.handles = {}
-        for k in descriptors:
-            offs = (index * kmax + np.arange(k, dtype=np.int64)) * nbytes
-            self.handles[k] = link.prepare(src, offs, dst, offs, nbytes)
+        try:
+            for k in descriptors:
+                offs = (index * kmax + np.arange(k, dtype=np.int64)) * nbytes
+                self.handles[k] = link.prepare(src, offs, dst, offs, nbytes)
+        except BaseException:
+            if self.own:
+                link.close()
+            raise
 
-    def post(self, k: int) -> tuple[float, float, float]:
-        """(posted at, post returned at, DONE at) for the request of k descriptors."""
+    def post(self, k: int, posted) -> tuple[float, float, float]:
+        """(posted at, post returned at, DONE at) for the request of k descriptors. Between posting and polling the
+        poster waits at `posted` (a barrier of the phase's posters), so that no poster polls while another posts."""
         h = self.handles[k]
         t0 = time.perf_counter()
         state = self.link.initiator.transfer(h)
         t1 = time.perf_counter()
-        self.link.wait(h, state)
+        posted.wait(TIMEOUT_S)
+        self.link.wait(h, state, TIMEOUT_S)
         return t0, t1, time.perf_counter()
 
     def close(self) -> bool:
         """Close an own link; True when its destination holds its source."""
         if not self.own:
             return True
-        ok = torch.equal(self.src, self.dst)
-        self.link.close()
-        return ok
+        try:
+            return torch.equal(self.src, self.dst)
+        finally:
+            self.link.close()
 
 
-def _process_poster(index, descriptors, nbytes, device, progress_thread, conn, gate) -> None:
+def _process_poster(index, descriptors, nbytes, device, progress_thread, conn, gate, posted) -> None:
     """A posting process: sets up its poster, says ready, then per command k (None: stop) waits at the phase's
-    barrier and posts; sends back its times, at the end whether its bytes arrived, or an error's text."""
+    barrier and posts; sends back its times; at the end ("close"), whether its bytes arrived; on an error, its text."""
     try:
         poster = _Poster(descriptors, nbytes, torch.device(device), progress_thread, index=index)
         conn.send("ready")
         while (k := conn.recv()) is not None:
-            gate.wait()
-            conn.send(poster.post(k))
-        conn.send(poster.close())
+            gate.wait(TIMEOUT_S)
+            conn.send(poster.post(k, posted))
+        conn.send(("closed", poster.close()))
     except BaseException as exc:  # the parent raises it
         conn.send(f"{type(exc).__name__}: {exc}")
 
 
-def _reply(conn):
-    got = conn.recv()
-    if isinstance(got, str) and got != "ready":
-        raise RuntimeError(f"a posting process failed: {got}")
-    return got
-
-
 class _Threads:
     """T posters in this process, each posting on a thread of its own when released: through one shared pair of
-    agents (shared) or a pair each."""
+    agents (shared; each poster's slot of the shared tensors holds its own byte value) or a pair each."""
 
     def __init__(self, t, descriptors, nbytes, dev, progress_thread, shared: bool):
-        self.link = None
-        if shared:  # one pair of agents, the posters' bytes side by side in one pair of tensors
-            kmax = max(descriptors)
-            self.src = torch.ones(t * kmax * nbytes, dtype=torch.uint8, device=dev)
-            self.dst = torch.zeros_like(self.src)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            self.link = NixlLink([self.src], [self.dst], progress_thread=progress_thread, thread_safe=True)
-        self.posters = []
+        self.link, self.posters = None, []
         try:
+            if shared:
+                kmax = max(descriptors)
+                slot = torch.arange(1, t + 1, dtype=torch.uint8, device=dev).repeat_interleave(kmax * nbytes)
+                self.src, self.dst = slot, torch.zeros_like(slot)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                self.link = NixlLink([self.src], [self.dst], progress_thread=progress_thread, thread_safe=True)
             for i in range(t):
                 self.posters.append(_Poster(descriptors, nbytes, dev, progress_thread, self.link, i,
                                             *((self.src, self.dst) if shared else (None, None))))
@@ -128,28 +132,35 @@ class _Threads:
     def post(self, k):
         """Every poster's request of k descriptors, released by one barrier: per poster (posted at, returned at, DONE
         at) and the release time."""
-        gate, out, errors = threading.Barrier(len(self.posters) + 1), [None] * len(self.posters), []
+        n = len(self.posters)
+        gate, posted, out, errors = threading.Barrier(n + 1), threading.Barrier(n), [None] * n, []
 
         def work(i, p):
-            gate.wait()
             try:
-                out[i] = p.post(k)
+                gate.wait(TIMEOUT_S)
+                out[i] = p.post(k, posted)
             except Exception as exc:
                 errors.append(exc)
+                posted.abort()  # the others must not wait for this one
 
         threads = [threading.Thread(target=work, args=(i, p)) for i, p in enumerate(self.posters)]
         for th in threads:
             th.start()
-        gate.wait()
+        gate.wait(TIMEOUT_S)
         t_rel = time.perf_counter()
         for th in threads:
             th.join()
         if errors:
-            raise errors[0]
+            raise RuntimeError(f"nixl posting: a posting thread failed: {errors[0]!r}")
         return out, t_rel
 
     def close(self) -> bool:
-        ok = all([p.close() for p in self.posters])
+        ok = True
+        for p in self.posters:  # every one closed, whatever another's close raised
+            try:
+                ok = p.close() and ok
+            except Exception:
+                ok = False
         if self.link is not None:
             ok = torch.equal(self.src, self.dst) and ok
             self.link.close()
@@ -161,41 +172,69 @@ class _Processes:
 
     def __init__(self, t, descriptors, nbytes, dev, progress_thread):
         ctx = mp.get_context("spawn")
-        self.gate = ctx.Barrier(t + 1)
+        self.gate, self.posted = ctx.Barrier(t + 1), ctx.Barrier(t)
         self.conns, self.procs = [], []
         try:
             for i in range(t):
                 mine, theirs = ctx.Pipe()
-                proc = ctx.Process(target=_process_poster, daemon=True,
-                                   args=(i, descriptors, nbytes, str(dev), progress_thread, theirs, self.gate))
+                proc = ctx.Process(target=_process_poster, daemon=True, name=f"kvlab-nixl-poster-{i}",
+                                   args=(i, descriptors, nbytes, str(dev), progress_thread, theirs, self.gate,
+                                         self.posted))
                 proc.start()
+                theirs.close()  # the child's end: with it closed here, a child that dies reads as EOF, not silence
                 self.conns.append(mine)
                 self.procs.append(proc)
-            for c in self.conns:
-                _reply(c)
+            for i in range(t):
+                self._reply(i)
         except BaseException:
             self.close()
             raise
 
+    def _reply(self, i):
+        """Process i's next message; RuntimeError naming it when it died, failed or said nothing in TIMEOUT_S."""
+        conn, proc = self.conns[i], self.procs[i]
+        def gone():
+            proc.join(timeout=5)  # its pipe can close before it is reaped
+            return f"nixl posting process {i} exited with code {proc.exitcode}"
+
+        if not mpc.wait([conn, proc.sentinel], TIMEOUT_S) or not conn.poll():
+            raise RuntimeError(gone() if not proc.is_alive() else f"nixl posting process {i} said nothing in "
+                               f"{TIMEOUT_S:g} s")
+        try:
+            got = conn.recv()
+        except EOFError:
+            raise RuntimeError(gone()) from None
+        if isinstance(got, str) and got != "ready":
+            raise RuntimeError(f"nixl posting process {i} failed: {got}")
+        return got
+
     def post(self, k):
         for c in self.conns:
             c.send(k)
-        self.gate.wait()
+        try:
+            self.gate.wait(TIMEOUT_S)
+        except threading.BrokenBarrierError:
+            raise RuntimeError(f"nixl posting: not every process reached the release in {TIMEOUT_S:g} s") from None
         t_rel = time.perf_counter()
-        return [tuple(_reply(c)) for c in self.conns], t_rel
+        return [tuple(self._reply(i)) for i in range(len(self.conns))], t_rel
 
     def close(self) -> bool:
+        """Stop every process (each closes its link first and says whether its bytes arrived); True when all did."""
         ok = True
-        for c in self.conns:
+        for i, c in enumerate(self.conns):
             try:
                 c.send(None)
-                ok = _reply(c) is True and ok
-            except (OSError, EOFError, RuntimeError):
+                got = self._reply(i)
+                ok = ok and got == ("closed", True)
+            except (OSError, RuntimeError):
                 ok = False
         for proc in self.procs:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
+                proc.join(timeout=10)
+        for c in self.conns:
+            c.close()
         return ok
 
 
@@ -250,9 +289,10 @@ def measure(threads=THREADS, descriptors=DESCRIPTORS, nbytes: int = 64 << 10, ro
                                      for i, (t0, t1, _) in enumerate(times)]
                 finally:
                     ok = posters.close()
+                    posters = None  # this phase's agents are gone before the next phase's are made
                 if not ok:
                     raise RuntimeError(f"nixl posting ({m}, {t} posters): a destination does not hold what its "
-                                       "requests wrote")
+                                       "requests wrote, or a poster could not close")
     return pd.DataFrame(rows)
 
 
@@ -264,7 +304,8 @@ def summarise(rows: pd.DataFrame) -> pd.DataFrame:
     last post returned with its interval, the median until all were DONE, the aggregate posting rate (threads ×
     descriptors ÷ that wall time, per second), its ratio to one poster's rate of the same mode and progress thread for
     the same descriptors with the ratio's interval (rate_x_one, rate_x_lo, rate_x_hi: both rounds' sets resampled),
-    and a poster's own post time per descriptor (median, µs). Rows from before the modes count as shared-agents with
+    the same ratio counted until every request was DONE (done_x_one, done_x_lo, done_x_hi: descriptors landed a
+    second, not posted), and a poster's own post time per descriptor (median, µs). Rows from before the modes count as shared-agents with
     NIXL's progress thread (its default, which they ran with)."""
     rows = rows.assign(mode=rows["mode"] if "mode" in rows else "shared-agents",
                        progress_thread=rows["progress_thread"] if "progress_thread" in rows else True)
@@ -281,12 +322,17 @@ def summarise(rows: pd.DataFrame) -> pd.DataFrame:
         lo, hi = median_ci(wall)
         # rate ratio = (t·k / wall) / (k / wall_1) = t · wall_1 / wall
         rlo, rhi = ratio_ci(one, wall) if one else (float("nan"), float("nan"))
+        one_done = per_round[(per_round["mode"] == m) & (per_round["progress_thread"] == prog)
+                             & (per_round["threads"] == 1) & (per_round["descriptors"] == k)]["done"].tolist()
+        dlo, dhi = ratio_ci(one_done, g["done"].tolist()) if one_done else (float("nan"), float("nan"))
         med = statistics.median(wall)
         out.append({"mode": m, "progress_thread": bool(prog), "threads": int(t), "descriptors": int(k),
                     "n": len(wall), "wall_post_us": med, "wall_lo": lo, "wall_hi": hi,
                     "done_us": statistics.median(g["done"]), "descriptors_per_s": 1e6 * t * k / med,
                     "rate_x_one": t * statistics.median(one) / med if one else float("nan"),
                     "rate_x_lo": t * rlo, "rate_x_hi": t * rhi,
+                    "done_x_one": t * statistics.median(one_done) / statistics.median(g["done"]) if one_done
+                    else float("nan"), "done_x_lo": t * dlo, "done_x_hi": t * dhi,
                     "post_us_per_descriptor": statistics.median(g["post"]) / k})
     return pd.DataFrame(out).sort_values(["mode", "progress_thread", "descriptors", "threads"],
                                          key=lambda c: c.map(order) if c.name == "mode" else c, ignore_index=True)
@@ -298,18 +344,21 @@ WHO = {"shared-agents": "threads through one pair of agents", "agents-per-thread
 
 def findings(s: pd.DataFrame, values: dict) -> list[str]:
     """One line per (mode, progress thread, descriptor count): the aggregate rate at one poster and at the most, and
-    the ratio. Fills `values` (posting.{mode}.{prog|noprog}.{K}.rate_x_max and .one_us_per_descriptor)."""
+    the ratio, posted and until DONE. Fills `values` (posting.{mode}.{prog|noprog}.{K}.rate_x_max, .done_x_max and
+    .one_us_per_descriptor)."""
     out = []
     for (m, prog, k), g in s.groupby(["mode", "progress_thread", "descriptors"], sort=False):
         one, top = g[g["threads"] == g["threads"].min()].iloc[0], g[g["threads"] == g["threads"].max()].iloc[0]
         key = f"posting.{m}.{'prog' if prog else 'noprog'}.{k}"
         values[f"{key}.rate_x_max"] = f"{top.rate_x_one:.2f}"
+        values[f"{key}.done_x_max"] = f"{top.done_x_one:.2f}"
         values[f"{key}.one_us_per_descriptor"] = f"{1e6 / one.descriptors_per_s:.1f}"
         out.append(f"- NIXL posting, {WHO.get(m, m)} ({'with' if prog else 'without'} NIXL's progress thread), "
                    f"{int(k)} descriptors a request: one posts {one.descriptors_per_s:,.0f} descriptors a second "
                    f"({1e6 / one.descriptors_per_s:.1f} µs each); {int(top.threads)} together "
                    f"{top.descriptors_per_s:,.0f} a second, {top.rate_x_one:.2f}× [{top.rate_x_lo:.2f}, "
-                   f"{top.rate_x_hi:.2f}] one's rate.")
+                   f"{top.rate_x_hi:.2f}] one's rate; counted until DONE, {top.done_x_one:.2f}× "
+                   f"[{top.done_x_lo:.2f}, {top.done_x_hi:.2f}].")
     return out
 
 

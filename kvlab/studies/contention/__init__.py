@@ -576,12 +576,13 @@ def _posting(analyses: list[Analysis], link, **_) -> str:
     """Per run, posting mode, descriptors a request and posters: the wall time from the release until the last post
     returned with its interval, the aggregate posting rate, its ratio to one poster's with the ratio's interval, the
     time until every request was DONE, and a poster's own post time per descriptor."""
-    rows = [{"run": link(a.where), "posters": r.mode, "progress thread": "on" if r.progress_thread else "off",
-             "descriptors": r.descriptors, "n": r.threads,
+    rows = [{"run": link(a.where), "way": r.mode, "progress thread": "on" if r.progress_thread else "off",
+             "descriptors": r.descriptors, "posters": r.threads, "rounds": r.n,
              "wall µs [95 %]": f"{sig(r.wall_post_us)} [{sig(r.wall_lo)}, {sig(r.wall_hi)}]",
              "descriptors / s": f"{r.descriptors_per_s:,.0f}",
              "× one poster [95 %]": f"{r.rate_x_one:.2f} [{r.rate_x_lo:.2f}, {r.rate_x_hi:.2f}]",
-             "until DONE µs": sig(r.done_us),
+             "until DONE µs": sig(r.done_us), "× one, until DONE [95 %]":
+             f"{r.done_x_one:.2f} [{r.done_x_lo:.2f}, {r.done_x_hi:.2f}]" if hasattr(r, "done_x_one") else "—",
              "post µs / descriptor": f"{r.post_us_per_descriptor:.1f}"}
             for a in analyses if "posting" in a.tables for r in a.tables["posting"].itertuples()]
     return md_table(pd.DataFrame(rows))
