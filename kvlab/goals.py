@@ -421,7 +421,8 @@ _LINKBOUND = [
          and not math.isnan(getattr(r, "err_ttft_pct", float("nan"))),
          interval="|median − predicted| ÷ the median prefill over the 95 % bootstrap interval of the median exposure "
                   "(the prediction and the prefill held fixed)", beside="linkbound.model_bucket",
-         declared="2026-12-04, before any run judged by it",
+         declared="2026-12-04, before any run judged by it, with the earlier runs in view (their error near a ratio "
+                  "of one), its error not yet worked out on them",
          note="the error in units of the time to first token it adds to: near a per-layer ratio of one the exposure "
               "is the small difference of two large terms, so an error relative to it is large or unresolved "
               "whatever the model; linkbound.model_bucket keeps its verdicts"),
