@@ -15,7 +15,9 @@ __all__ = ["add_arguments", "run", "run_args", "main"]
 # what `kvlab contention --help` says above its options
 DESCRIPTION = """N copies start together on N streams (GPU → pinned host, host → GPU, both at once); the aggregate and each
     flow's rate against the path's ceiling, Jain's index, and the fabric simulator fitted on 1 and 2 flows predicting
-    the rest. Writes ceiling.csv, flows.csv, contention.csv, validation.csv and run.json.
+    the rest; beside them a prefill-like compute load, and (on a GPU where NIXL loads) NIXL posting from 1-8 threads or
+    processes. Writes ceiling.csv, flows.csv, contention.csv, validation.csv, beside.csv, nixl_posting.csv, posting.csv
+    and run.json.
 
 Example: kvlab contention --device cpu --flows 1,2,4 --size 4M --repeats 3 --out /tmp/kvlab-contention"""
 
