@@ -34,6 +34,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from .. import plots
 from ..intervals import median_ci, ratio_ci
 from .nixl import NixlLink, same_process_env
 
@@ -366,8 +367,6 @@ def figure(s: pd.DataFrame, cpus: int | None = None):
     """One panel per mode: the aggregate posting rate against one poster's (median, 95 % interval) by posters, a line
     per (progress thread, descriptors a request), beside the line of perfect scaling."""
     import matplotlib.pyplot as plt  # matplotlib only when a figure is drawn
-
-    from .. import plots
 
     modes = [m for m in MODES if m in set(s["mode"])] + sorted(set(s["mode"]) - set(MODES))
     fig, axes = plt.subplots(1, len(modes), figsize=(3.4 * len(modes), 4.2), squeeze=False, sharey=True,
