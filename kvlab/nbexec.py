@@ -16,7 +16,10 @@ caller's own timeout is still honoured. Everything else is jupyter_client's.
 The kernel's own stderr (the process's, not a cell's: cells' output reaches the notebook) goes to a temporary file,
 which `execute_notebook` copies to this process's stderr once the notebook is done — less one message ipykernel
 sometimes leaves as the kernel exits, asyncio's "Task was destroyed but it is pending!" for its control-channel
-task (Kernel.dispatch_control), which says nothing about the notebook (seen in a fresh-clone CI run on 2026-12-04).
+task (Kernel.dispatch_control), which says nothing about the notebook (seen in a fresh-clone CI run on 2026-12-04);
+and, as the last thing the kernel says, "KeyboardInterrupt caught in kernel.": jupyter_client's shutdown sends the
+kernel SIGINT before its shutdown request, and a kernel inside a message handler at that moment logs it (seen in a
+fresh-clone CI run on 2026-12-04). The same line anywhere else in the log is kept.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ _KERNEL_LOGS: list = []  # the temporary files the kernels started here write th
 # ipykernel's control-channel task, destroyed pending as the kernel process exits: asyncio's two lines about it
 _EXIT_NOISE = re.compile(r"Task was destroyed but it is pending!\ntask: <Task pending name='Task-\d+' "
                          r"coro=<Kernel\.dispatch_control\(\)[^\n]*(?:\n|$)")
+# the SIGINT jupyter_client sends a kernel as it shuts it down, caught in a message handler: only as the log's end
+_SHUTDOWN_SIGINT = re.compile(r"(?:^|(?<=\n))\[IPKernelApp\] ERROR \| KeyboardInterrupt caught in kernel\.?\s*\Z")
 
 
 class SlicedKernelManager(AsyncKernelManager):
@@ -80,8 +85,8 @@ class SlicedKernelManager(AsyncKernelManager):
 
 
 def kernel_stderr(text: str) -> str:
-    """What of a kernel process's stderr is worth showing: all of it but ipykernel's exit message (module doc)."""
-    return _EXIT_NOISE.sub("", text)
+    """What of a kernel process's stderr is worth showing: all of it but ipykernel's exit messages (module doc)."""
+    return _SHUTDOWN_SIGINT.sub("", _EXIT_NOISE.sub("", text))
 
 
 def _copy_kernel_logs() -> None:
