@@ -318,13 +318,12 @@ def summarise(rows: pd.DataFrame) -> pd.DataFrame:
     out = []
     for (m, prog, t, k), g in per_round.groupby(_KEYS, sort=False):
         wall = g["wall"].tolist()
-        one = per_round[(per_round["mode"] == m) & (per_round["progress_thread"] == prog)
-                        & (per_round["threads"] == 1) & (per_round["descriptors"] == k)]["wall"].tolist()
+        single = per_round[(per_round["mode"] == m) & (per_round["progress_thread"] == prog)
+                           & (per_round["threads"] == 1) & (per_round["descriptors"] == k)]
+        one, one_done = single["wall"].tolist(), single["done"].tolist()
         lo, hi = median_ci(wall)
         # rate ratio = (t·k / wall) / (k / wall_1) = t · wall_1 / wall
         rlo, rhi = ratio_ci(one, wall) if one else (float("nan"), float("nan"))
-        one_done = per_round[(per_round["mode"] == m) & (per_round["progress_thread"] == prog)
-                             & (per_round["threads"] == 1) & (per_round["descriptors"] == k)]["done"].tolist()
         dlo, dhi = ratio_ci(one_done, g["done"].tolist()) if one_done else (float("nan"), float("nan"))
         med = statistics.median(wall)
         out.append({"mode": m, "progress_thread": bool(prog), "threads": int(t), "descriptors": int(k),
